@@ -1,0 +1,3 @@
+"""warmroute: an OpenAI-compatible LLM proxy that measures what users see and routes to warm caches."""
+
+__version__ = "0.1.0"

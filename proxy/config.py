@@ -1,0 +1,253 @@
+"""One typed configuration tree: YAML file < environment (WARMROUTE_*) < command-line flags.
+
+Errors name the key, what was wrong and how to fix it (ConfigError), never a bare traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "WARMROUTE_"
+# Settings of the other subcommands (sim, bench, demo) share the prefix but not this tree.
+OTHER_COMMANDS_ENV = tuple(ENV_PREFIX + p for p in ("SIM_", "BENCH_", "DEMO_", "TEST_"))
+Engine = Literal["vllm", "sglang", "llamacpp", "openai"]
+Role = Literal["mixed", "prefill", "decode"]
+
+
+class ConfigError(Exception):
+    """A configuration problem a user can fix; the message says which key and how."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BackendConfig(_Model):
+    url: str
+    name: str | None = None
+    models: list[str] | None = None  # None: discovered from GET {url}/v1/models
+    engine: Engine = "openai"
+    role: Role = "mixed"
+    api_key_env: str | None = None  # name of the env var holding the upstream key
+    weight: float = Field(1.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http(s) URL such as http://127.0.0.1:8000")
+        return v.rstrip("/").removesuffix("/v1")
+
+    @property
+    def key(self) -> str:
+        if self.name:
+            return self.name
+        parts = urlsplit(self.url)
+        return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+class ServerConfig(_Model):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    workers: int = Field(1, ge=1, le=64)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    debug_headers: bool = False  # x-warmroute-route: the routing decision, per response
+
+
+class TimeoutsConfig(_Model):
+    connect_s: float = Field(5.0, gt=0)
+    first_byte_s: float = Field(300.0, gt=0)  # request sent -> first body byte (queue + prefill)
+    idle_s: float = Field(60.0, gt=0)  # between two body reads once streaming
+    health_s: float = Field(2.0, gt=0)
+
+
+class RetryConfig(_Model):
+    max_attempts: int = Field(3, ge=1, le=10)
+    unhealthy_cooldown_s: float = Field(5.0, ge=0)
+
+
+class HealthConfig(_Model):
+    interval_s: float = Field(5.0, gt=0)
+    models_refresh_s: float = Field(30.0, gt=0)
+    metrics_scrape_s: float = Field(2.0, gt=0)
+
+
+class RoutingConfig(_Model):
+    policy: str = "least_inflight"
+    # Per-plugin config blocks (weights, thresholds), keyed by plugin name.
+    plugins: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class RedisConfig(_Model):
+    url: str | None = None  # redis://, rediss://, redis+sentinel://, or with cluster: true
+    cluster: bool = False
+    timeout_s: float = Field(0.05, gt=0)
+    key_prefix: str = "warmroute"
+
+
+class TelemetryConfig(_Model):
+    service_name: str = "warmroute"
+    # "otlp" honours the standard OTEL_EXPORTER_OTLP_* variables; "console" prints spans.
+    traces_exporter: Literal["none", "otlp", "console"] = "none"
+    otlp_protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    otlp_endpoint: str | None = None
+    chunk_events: Literal["off", "first", "sampled", "all"] = "first"
+    chunk_events_cap: int = Field(64, ge=0, le=120)
+    capture_content: bool = False
+    prometheus: bool = True
+
+
+class Config(_Model):
+    server: ServerConfig = ServerConfig()
+    backends: list[BackendConfig] = Field(default_factory=list)
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    retries: RetryConfig = RetryConfig()
+    health: HealthConfig = HealthConfig()
+    routing: RoutingConfig = RoutingConfig()
+    redis: RedisConfig = RedisConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+
+    @field_validator("backends")
+    @classmethod
+    def _unique_names(cls, v: list[BackendConfig]) -> list[BackendConfig]:
+        seen: set[str] = set()
+        for b in v:
+            if b.key in seen:
+                raise ValueError(f"two backends are named {b.key!r}; give each a unique name")
+            seen.add(b.key)
+        return v
+
+
+# Flat option name -> dotted key. The same names work as flags and as WARMROUTE_<NAME> env vars.
+FLAT_KEYS: dict[str, str] = {
+    "host": "server.host",
+    "port": "server.port",
+    "workers": "server.workers",
+    "log_level": "server.log_level",
+    "max_body_bytes": "server.max_body_bytes",
+    "debug_headers": "server.debug_headers",
+    "policy": "routing.policy",
+    "redis": "redis.url",
+    "redis_url": "redis.url",
+    "connect_timeout": "timeouts.connect_s",
+    "first_byte_timeout": "timeouts.first_byte_s",
+    "idle_timeout": "timeouts.idle_s",
+    "max_attempts": "retries.max_attempts",
+    "traces_exporter": "telemetry.traces_exporter",
+    "chunk_events": "telemetry.chunk_events",
+}
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for p in parents:
+        child = node.get(p)
+        if not isinstance(child, dict):
+            child = {}
+            node[p] = child
+        node = child
+    node[leaf] = value
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """WARMROUTE_PORT=9000, WARMROUTE_BACKENDS=url1,url2, WARMROUTE_TIMEOUTS__IDLE_S=30."""
+    tree: dict[str, Any] = {}
+    for raw_key, value in env.items():
+        if not raw_key.startswith(ENV_PREFIX) or raw_key == ENV_PREFIX + "CONFIG":
+            continue
+        if raw_key.startswith(OTHER_COMMANDS_ENV):
+            continue
+        name = raw_key[len(ENV_PREFIX) :].lower()
+        if name in ("backend", "backends"):
+            urls = [u.strip() for u in value.split(",") if u.strip()]
+            tree["backends"] = [{"url": u} for u in urls]
+        elif name in FLAT_KEYS:
+            _set(tree, FLAT_KEYS[name], value)
+        elif "__" in name:
+            _set(tree, name.replace("__", "."), value)
+        else:
+            raise ConfigError(
+                f"environment variable {raw_key} is not a warmroute setting; known: "
+                + ", ".join(ENV_PREFIX + k.upper() for k in sorted(FLAT_KEYS))
+                + f", {ENV_PREFIX}BACKENDS, or nested keys like {ENV_PREFIX}TIMEOUTS__IDLE_S"
+            )
+    return tree
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping (key: value) at the top")
+    return data
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key; check its spelling against `warmroute serve --help`"
+        elif "input" in e and not isinstance(e["input"], dict | list):
+            msg += f" (got {e['input']!r})"
+        lines.append(f"  {key}: {msg}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def load_config(
+    file: str | os.PathLike[str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Build the config from a YAML file, then WARMROUTE_* env vars, then flags (last wins)."""
+    env = os.environ if env is None else env
+    file = file or env.get(ENV_PREFIX + "CONFIG")
+    tree: dict[str, Any] = _read_yaml(Path(file)) if file else {}
+    tree = _merge(tree, _env_overrides(env))
+    for name, value in (flags or {}).items():
+        if value is None:
+            continue
+        if name == "backends":
+            if value:
+                tree["backends"] = [{"url": u} for u in value]
+        elif name in FLAT_KEYS:
+            _set(tree, FLAT_KEYS[name], value)
+        else:
+            raise ConfigError(f"unknown option {name!r}")
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_describe(e)) from None

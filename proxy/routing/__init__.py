@@ -1,0 +1,1 @@
+"""Routing: prompt prefix hashing, the prefix index, and the filter -> scorer -> picker pipeline."""

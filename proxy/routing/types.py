@@ -1,0 +1,134 @@
+"""The small vocabulary every routing plugin shares (the plugin contract).
+
+A policy is a pipeline: filters narrow the candidates, scorers give each survivor a score in
+[0, 1], and a picker orders the survivors (first = winner, the rest = retry order). Scorers and
+pickers are pure: every input they need (load, prefix matches, time) is in the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """Load signals scraped from an engine's own /metrics (None = unknown)."""
+
+    waiting: float | None = None  # queued requests (vllm:num_requests_waiting ...)
+    running: float | None = None  # running requests
+    kv_usage: float | None = None  # 0..1 KV-cache usage
+    scraped_at: float = 0.0  # monotonic time of the scrape
+
+
+@dataclass(slots=True)
+class BackendView:
+    """What routing may know about one backend at decision time (a read-only snapshot)."""
+
+    name: str
+    url: str
+    engine: str
+    role: str
+    weight: float
+    healthy: bool
+    inflight: int  # requests this proxy (and, with Redis, its peers) has open on it
+    load: EngineLoad
+    models: frozenset[str] | None  # None = not discovered yet
+    prefill_tokens_per_s: float | None = None  # learned online from measured TTFT
+
+    def serves(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+@dataclass(slots=True)
+class RouteContext:
+    """The per-request facts a routing decision is made from."""
+
+    request_id: str
+    model: str
+    api: str  # "chat" | "completions" | "embeddings" | "responses"
+    body: Mapping[str, Any]
+    headers: Mapping[str, str]
+    now: float
+    session_key: str | None = None
+    prompt_chars: int = 0
+    # Filled by the router before scoring when a policy uses prefix matching:
+    prefix_blocks: Sequence[int] = ()
+    block_chars: int = 64
+    matched_blocks: dict[str, int] = field(default_factory=dict)  # backend name -> blocks
+
+
+@dataclass(slots=True)
+class Decision:
+    """The outcome of one routing decision, kept for spans, headers and /admin explain."""
+
+    policy: str
+    ranking: list[str]  # backend names, best first
+    reason: str
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)  # backend -> scorer -> score
+    totals: dict[str, float] = field(default_factory=dict)
+    matched_blocks: dict[str, int] = field(default_factory=dict)
+    prefix_blocks: int = 0
+    filtered_out: dict[str, str] = field(default_factory=dict)  # backend -> why
+    decision_s: float = 0.0
+
+    @property
+    def winner(self) -> str | None:
+        return self.ranking[0] if self.ranking else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "winner": self.winner,
+            "ranking": self.ranking,
+            "reason": self.reason,
+            "scores": self.scores,
+            "totals": self.totals,
+            "matched_blocks": self.matched_blocks,
+            "prefix_blocks": self.prefix_blocks,
+            "filtered_out": self.filtered_out,
+            "decision_ms": round(self.decision_s * 1000, 4),
+        }
+
+
+@runtime_checkable
+class Filter(Protocol):
+    name: str
+
+    def filter(
+        self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]
+    ) -> list[BackendView]:
+        """Return the candidates that may serve ctx; note each dropped one and why."""
+        ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    name: str
+
+    def score(self, ctx: RouteContext, candidates: list[BackendView]) -> dict[str, float]:
+        """Score each candidate in [0, 1] (higher is better), keyed by backend name."""
+        ...
+
+
+@runtime_checkable
+class Picker(Protocol):
+    name: str
+
+    def pick(
+        self, ctx: RouteContext, candidates: list[BackendView], totals: dict[str, float]
+    ) -> tuple[list[str], str]:
+        """Order candidates best first and say why the winner won."""
+        ...
+
+
+@dataclass
+class Policy:
+    """A named composition: filters, weighted scorers and a picker."""
+
+    name: str
+    filters: list[Filter]
+    scorers: list[tuple[Scorer, float]]
+    picker: Picker
+    uses_prefix: bool = False
