@@ -1,0 +1,103 @@
+"""create_app(config): the Starlette app whose lifespan owns every resource."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.routing import Mount, Route
+
+import plugins
+from proxy import handlers
+from proxy.backends import Backend, BackendRegistry
+from proxy.config import Config, ConfigError
+from proxy.forward import API_PATHS, Exchange, ProxyEndpoint
+from proxy.routing.router import Router
+from proxy.upstream import Upstream
+
+log = logging.getLogger("warmroute")
+
+
+@dataclass
+class AppState:
+    """The app's resources; one per process, created in create_app, opened in lifespan."""
+
+    config: Config
+    registry: BackendRegistry
+    upstream: Upstream
+    router: Router
+    http: httpx.AsyncClient
+    telemetry: Any = None
+    metering: bool = False
+    open_requests: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # Hooks the forwarder calls; telemetry and metering plug in here.
+    def start_record(self, ex: Exchange) -> Any:
+        return None
+
+    def new_meter(self, api: str, ex: Exchange) -> Any:
+        return None
+
+    def meter_json(self, api: str, payload: bytes, t0: float) -> Any:
+        return None
+
+    def inflight_changed(self, backend: Backend, delta: int) -> None:
+        pass
+
+
+def build_policy(config: Config) -> Router:
+    name = config.routing.policy
+    try:
+        policy = plugins.build(name, config.routing.plugins.get(name, {}))
+    except KeyError:
+        raise ConfigError(
+            f"routing.policy: unknown policy {name!r}; choose one of: "
+            + ", ".join(plugins.policy_names())
+        ) from None
+    return Router(policy)
+
+
+def create_app(config: Config) -> Starlette:
+    if not config.backends:
+        raise ConfigError(
+            "backends: none configured; pass --backend URL (repeatable), set "
+            "WARMROUTE_BACKENDS=url1,url2, or list them under `backends:` in the config file"
+        )
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
+    state = AppState(
+        config=config,
+        registry=BackendRegistry(config, http),
+        upstream=Upstream(config.timeouts),
+        router=build_policy(config),
+        http=http,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await state.upstream.start()
+        await state.registry.start()
+        log.info(
+            "warmroute ready: %d backend(s), policy %s",
+            len(state.registry.backends), config.routing.policy,
+        )
+        try:
+            yield
+        finally:
+            await state.registry.close()
+            await state.upstream.close()
+            await http.aclose()
+
+    routes: list[Route | Mount] = [
+        Route(path, ProxyEndpoint(state, api), methods=["POST"])
+        for api, path in API_PATHS.items()
+    ]
+    routes += handlers.routes(state)
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.warmroute = state
+    return app

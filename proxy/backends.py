@@ -1,0 +1,230 @@
+"""The backend registry: configured backends, their models, health and load signals.
+
+Health, model discovery and engine-metric scraping run in background tasks owned by the app's
+lifespan; the request path only reads the in-memory state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+from proxy.config import BackendConfig, Config
+from proxy.routing.types import BackendView, EngineLoad
+
+log = logging.getLogger("warmroute.backends")
+
+# Engine-specific load gauges (DESIGN: scrape the engines' own signals).
+LOAD_METRICS: dict[str, dict[str, str]] = {
+    "vllm": {
+        "vllm:num_requests_waiting": "waiting",
+        "vllm:num_requests_running": "running",
+        "vllm:kv_cache_usage_perc": "kv_usage",
+        "vllm:gpu_cache_usage_perc": "kv_usage",  # older vLLM name
+    },
+    "sglang": {
+        "sglang:num_queue_reqs": "waiting",
+        "sglang:num_running_reqs": "running",
+        "sglang:token_usage": "kv_usage",
+    },
+    "llamacpp": {
+        "llamacpp:requests_deferred": "waiting",
+        "llamacpp:requests_processing": "running",
+        "llamacpp:kv_cache_usage_ratio": "kv_usage",
+    },
+}
+HEALTH_PATH = {"vllm": "/health", "sglang": "/health", "llamacpp": "/health", "openai": "/v1/models"}
+
+
+def parse_load(engine: str, text: str, now: float) -> EngineLoad | None:
+    """Sum the engine's load gauges over all label sets in a Prometheus text exposition."""
+    wanted = LOAD_METRICS.get(engine)
+    if not wanted:
+        return None
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end < 0:
+            continue
+        attr = wanted.get(line[:name_end])
+        if attr is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[-1] if "}" not in line else line.rsplit("}", 1)[1].split()[0])
+        except (ValueError, IndexError):
+            continue
+        sums[attr] = sums.get(attr, 0.0) + value
+    if not sums:
+        return None
+    return EngineLoad(
+        waiting=sums.get("waiting"), running=sums.get("running"), kv_usage=sums.get("kv_usage"),
+        scraped_at=now,
+    )
+
+
+@dataclass
+class Backend:
+    cfg: BackendConfig
+    models: frozenset[str] | None = None
+    healthy: bool = True  # optimistic until the first check says otherwise
+    inflight: int = 0
+    load: EngineLoad = field(default_factory=EngineLoad)
+    failures: int = 0
+    down_until: float = 0.0  # passive health: skip after a connect failure until then
+    last_error: str | None = None
+    prefill_tokens_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self.name = self.cfg.key
+        self.url = self.cfg.url
+        parts = urlsplit(self.url)
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.api_key = self.cfg.api_key()
+        if self.cfg.models:
+            self.models = frozenset(self.cfg.models)
+
+    def is_up(self, now: float) -> bool:
+        return self.healthy and now >= self.down_until
+
+    def view(self, now: float) -> BackendView:
+        return BackendView(
+            name=self.name, url=self.url, engine=self.cfg.engine, role=self.cfg.role,
+            weight=self.cfg.weight, healthy=self.is_up(now), inflight=self.inflight,
+            load=self.load, models=self.models, prefill_tokens_per_s=self.prefill_tokens_per_s,
+        )
+
+
+class BackendRegistry:
+    def __init__(self, config: Config, http: httpx.AsyncClient) -> None:
+        self.config = config
+        self.http = http
+        self.backends: dict[str, Backend] = {b.key: Backend(b) for b in config.backends}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def __iter__(self) -> Iterable[Backend]:  # type: ignore[override]
+        return iter(self.backends.values())
+
+    def __getitem__(self, name: str) -> Backend:
+        return self.backends[name]
+
+    def views(self) -> list[BackendView]:
+        now = time.monotonic()
+        return [b.view(now) for b in self.backends.values()]
+
+    # -- what the request path asks -------------------------------------------------------
+    def may_serve(self, model: str) -> bool:
+        return any(b.models is None or model in b.models for b in self.backends.values())
+
+    def model_list(self) -> list[dict[str, object]]:
+        seen: dict[str, dict[str, object]] = {}
+        for b in self.backends.values():
+            for m in sorted(b.models or ()):
+                seen.setdefault(m, {"id": m, "object": "model", "created": 0, "owned_by": "warmroute"})
+        return list(seen.values())
+
+    def any_ready(self) -> bool:
+        now = time.monotonic()
+        return any(b.is_up(now) for b in self.backends.values())
+
+    def mark_failure(self, backend: Backend, reason: str, *, connect: bool) -> None:
+        backend.failures += 1
+        backend.last_error = reason
+        if connect:
+            # Refused/unreachable: stop sending there until the health loop (or cooldown) says so.
+            backend.down_until = time.monotonic() + self.config.retries.unhealthy_cooldown_s
+            log.warning("backend %s unreachable (%s); skipping it for %.1fs", backend.name, reason,
+                        self.config.retries.unhealthy_cooldown_s)
+
+    def mark_success(self, backend: Backend) -> None:
+        if backend.failures:
+            backend.failures = 0
+            backend.down_until = 0.0
+
+    # -- background work ------------------------------------------------------------------
+    async def start(self) -> None:
+        """Discover models and health once (bounded), then keep polling in the background."""
+        timeout = self.config.timeouts.health_s + 0.5
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(self._check(b, discover=True) for b in self.backends.values())),
+                timeout,
+            )
+        for b in self.backends.values():
+            self._tasks.append(asyncio.create_task(self._poll(b), name=f"poll {b.name}"))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+
+    def _headers(self, b: Backend) -> dict[str, str]:
+        return {"authorization": f"Bearer {b.api_key}"} if b.api_key else {}
+
+    async def _check(self, b: Backend, *, discover: bool) -> None:
+        timeout = self.config.timeouts.health_s
+        was = b.healthy
+        try:
+            if discover and b.cfg.models is None:
+                r = await self.http.get(f"{b.url}/v1/models", headers=self._headers(b), timeout=timeout)
+                r.raise_for_status()
+                ids = frozenset(m["id"] for m in r.json().get("data", []) if "id" in m)
+                if ids != b.models:
+                    log.info("backend %s serves %s", b.name, ", ".join(sorted(ids)) or "no models")
+                b.models = ids
+            fetched_models = discover and b.cfg.models is None
+            if not (fetched_models and HEALTH_PATH[b.cfg.engine] == "/v1/models"):
+                r = await self.http.get(b.url + HEALTH_PATH[b.cfg.engine], headers=self._headers(b),
+                                        timeout=timeout)
+                r.raise_for_status()
+            b.healthy = True
+            b.down_until = 0.0
+            b.last_error = None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            b.healthy = False
+            b.last_error = f"health check failed: {type(e).__name__}: {e}"
+        if was != b.healthy:
+            if b.healthy:
+                log.info("backend %s is healthy", b.name)
+            else:
+                log.warning("backend %s is unhealthy: %s", b.name, b.last_error)
+
+    async def _scrape(self, b: Backend) -> None:
+        if b.cfg.engine not in LOAD_METRICS:
+            return
+        try:
+            r = await self.http.get(f"{b.url}/metrics", timeout=self.config.timeouts.health_s)
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            log.debug("metrics scrape of %s failed: %s", b.name, e)
+            return
+        load = parse_load(b.cfg.engine, r.text, time.monotonic())
+        if load is not None:
+            b.load = load
+
+    async def _poll(self, b: Backend) -> None:
+        h = self.config.health
+        next_health = time.monotonic() + h.interval_s
+        next_models = time.monotonic() + h.models_refresh_s
+        while True:
+            await asyncio.sleep(min(h.metrics_scrape_s, h.interval_s))
+            now = time.monotonic()
+            if now >= next_models:
+                next_models = now + h.models_refresh_s
+                await self._check(b, discover=True)
+            elif now >= next_health or not b.healthy:
+                next_health = now + h.interval_s
+                await self._check(b, discover=False)
+            await self._scrape(b)

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from proxy.app import create_app
+from proxy.config import load_config
+from tests.backend_app import FakeBackend
+from tests.support import ServerThread, free_port
+
+
+@pytest.fixture
+def fake_backends() -> Iterator[Callable[..., list[tuple[FakeBackend, ServerThread]]]]:
+    """Start fake backends as real loopback servers: fake_backends(2) -> [(app, server), ...]."""
+    started: list[ServerThread] = []
+
+    def start(n: int = 1, **kwargs: Any) -> list[tuple[FakeBackend, ServerThread]]:
+        out = []
+        for i in range(n):
+            app = FakeBackend(name=f"b{len(started)}", **kwargs)
+            server = ServerThread(app).start()
+            started.append(server)
+            out.append((app, server))
+        return out
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture
+def proxy_server() -> Iterator[Callable[..., ServerThread]]:
+    """Start the real proxy app under uvicorn: proxy_server([url, ...], policy=..., ...)."""
+    started: list[ServerThread] = []
+
+    def start(backends: list[str], config: dict[str, Any] | None = None, **flags: Any) -> ServerThread:
+        cfg = load_config(flags={"backends": backends, **flags}, env={})
+        if config:
+            cfg = cfg.model_validate(_deep_merge(cfg.model_dump(), config))
+        server = ServerThread(create_app(cfg)).start()
+        started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        with contextlib.suppress(Exception):
+            s.stop()
+
+
+def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@pytest.fixture
+def closed_port_url() -> str:
+    """A loopback URL where nothing listens (connection refused)."""
+    return f"http://127.0.0.1:{free_port()}"
