@@ -1,0 +1,522 @@
+"""Sans-I/O stream meter: upstream SSE bytes and timestamps in, per-request timing facts out.
+
+The meter never touches a socket or a clock; the forwarding path passes `now` (perf_counter) in.
+It runs once per upstream read on the hot path, so events are classified with byte searches
+wherever the JSON grammar makes that safe, and only the few events that carry facts (the first
+event, usage, finish reasons, errors) are parsed with orjson.
+
+Why byte searches are safe: inside a JSON string every `"` is escaped as `\\"`, so the bytes
+`"content":` (quote, name, quote, colon) can only be a real object key, never text inside a value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+API = Literal["chat", "completions", "responses"]
+
+_WS = b" \t\r\n"
+_QUOTE = 0x22
+_DONE = b"[DONE]"
+
+# Chat delta keys whose non-empty string value is model output.
+
+
+@dataclass(slots=True)
+class StreamFacts:
+    """What one request looked like to its client (times in seconds; None = not observed)."""
+
+    ttft_s: float | None  # first output-bearing event written to the client - t0
+    upstream_ttft_s: float | None  # first output-bearing event received - request sent upstream
+    itl_s: list[float]  # one gap per output-bearing event after the first (client send times)
+    tpot_s: float | None  # (t_last - t_first) / (output_tokens - 1)
+    e2e_s: float | None  # last output-bearing event written (or the JSON response) - t0
+    chunks: int  # output-bearing events
+    events: int  # events with a data field (incl. [DONE])
+    output_tokens: int | None
+    input_tokens: int | None
+    cached_tokens: int | None
+    finish_reasons: list[str]
+    response_id: str | None
+    response_model: str | None
+    error: str | None  # error.type-style; set when the stream carried an error or broke
+    cancelled: bool
+    first_output_at: float | None  # absolute perf_counter times, for span events
+    last_output_at: float | None
+    # Time from receiving output bytes to writing them to the client, one per write that
+    # carried output (the proxy's own per-chunk forwarding cost).
+    forward_s: list[float] = field(default_factory=list)
+
+
+def _nonempty_string_at(p: bytes, key: bytes) -> bool:
+    """True if some `key` (e.g. b'"content":') in p has a non-empty string value."""
+    i = p.find(key)
+    n = len(p)
+    while i >= 0:
+        j = i + len(key)
+        while j < n and p[j] in _WS:
+            j += 1
+        if j + 1 < n and p[j] == _QUOTE and p[j + 1] != _QUOTE:
+            return True
+        i = p.find(key, j)
+    return False
+
+
+def _nonempty_list_at(p: bytes, key: bytes) -> bool:
+    i = p.find(key)
+    n = len(p)
+    while i >= 0:
+        j = i + len(key)
+        while j < n and p[j] in _WS:
+            j += 1
+        if j < n and p[j] == 0x5B:  # [
+            j += 1
+            while j < n and p[j] in _WS:
+                j += 1
+            if j < n and p[j] != 0x5D:  # ]
+                return True
+        i = p.find(key, j)
+    return False
+
+
+def _value_starts(p: bytes, key: bytes, first: int) -> bool:
+    """True if some `key` in p is followed (after whitespace) by the byte `first`."""
+    i = p.find(key)
+    n = len(p)
+    while i >= 0:
+        j = i + len(key)
+        while j < n and p[j] in _WS:
+            j += 1
+        if j < n and p[j] == first:
+            return True
+        i = p.find(key, j)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Classification. Kinds: what the meter needs to know about one event.
+OTHER, OUTPUT, USAGE_ONLY, DONE = 0, 1, 2, 3
+
+
+def _error_type(err: Any) -> str:
+    """A low-cardinality error.type from an OpenAI-style error object."""
+    if isinstance(err, dict):
+        for k in ("type", "code"):
+            v = err.get(k)
+            if isinstance(v, str) and v:
+                return v
+            if isinstance(v, int) and not isinstance(v, bool):
+                return str(v)
+        inner = err.get("error")
+        if inner is not None and inner is not err:
+            return _error_type(inner)
+    if isinstance(err, str) and err:
+        return err
+    return "_OTHER"
+
+
+class _Facts:
+    """Mutable accumulator shared by the stream meter and meter_json."""
+
+    __slots__ = (
+        "cached_tokens",
+        "error",
+        "finish_reasons",
+        "input_tokens",
+        "output_tokens",
+        "response_id",
+        "response_model",
+    )
+
+    def __init__(self) -> None:
+        self.output_tokens: int | None = None
+        self.input_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.finish_reasons: list[str] = []
+        self.response_id: str | None = None
+        self.response_model: str | None = None
+        self.error: str | None = None
+
+    def usage(self, u: Any) -> None:
+        if not isinstance(u, dict):
+            return
+        out = u.get("completion_tokens", u.get("output_tokens"))
+        inp = u.get("prompt_tokens", u.get("input_tokens"))
+        if isinstance(out, int):
+            self.output_tokens = out
+        if isinstance(inp, int):
+            self.input_tokens = inp
+        details = u.get("prompt_tokens_details") or u.get("input_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            self.cached_tokens = details["cached_tokens"]
+
+    def ident(self, obj: dict[str, Any]) -> None:
+        rid, model = obj.get("id"), obj.get("model")
+        if self.response_id is None and isinstance(rid, str):
+            self.response_id = rid
+        if self.response_model is None and isinstance(model, str):
+            self.response_model = model
+
+    def choices(self, obj: dict[str, Any]) -> None:
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for c in choices:
+                if isinstance(c, dict):
+                    fr = c.get("finish_reason")
+                    if isinstance(fr, str) and fr:
+                        self.finish_reasons.append(fr)
+
+    def responses_event(self, obj: dict[str, Any]) -> None:
+        """Facts from a Responses API event (created, completed, incomplete, failed, error)."""
+        typ = obj.get("type")
+        resp = obj.get("response")
+        if isinstance(resp, dict):
+            rid, model = resp.get("id"), resp.get("model")
+            if isinstance(rid, str):
+                self.response_id = rid
+            if isinstance(model, str):
+                self.response_model = model
+            self.usage(resp.get("usage"))
+            if typ in ("response.completed", "response.incomplete", "response.failed"):
+                self.finish_reasons.append(_responses_finish(resp))
+            if typ == "response.failed":
+                self.error = _error_type(resp.get("error")) if resp.get("error") else "_OTHER"
+        elif typ == "error":
+            self.error = _error_type(obj)
+        elif "error" in obj:
+            self.error = _error_type(obj["error"])
+
+
+def _responses_finish(resp: dict[str, Any]) -> str:
+    status = resp.get("status")
+    if status == "completed":
+        return "stop"
+    if status == "incomplete":
+        details = resp.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        return "length" if reason == "max_output_tokens" else str(reason or "incomplete")
+    if status == "failed":
+        return "error"
+    return str(status or "unknown")
+
+
+class StreamMeter:
+    """Meters one streamed response. feed() per upstream read, mark_sent() per client write."""
+
+    def __init__(self, api: API, *, t0: float, strip_usage: bool) -> None:
+        self.api = api
+        self.t0 = t0
+        self.strip_usage = strip_usage
+        self._t_up: float | None = None
+        self._tail = b""  # bytes of the current incomplete event
+        self._sep = b""  # b"\n\n" or b"\r\n\r\n", fixed at the first newline seen
+        self._nl = b""
+        self._f = _Facts()
+        self._parsed_first = False
+        self._completed = False  # [DONE], a finish_reason, or response.completed seen
+        self._events = 0
+        self._chunks = 0
+        self._pending = 0  # output events in bytes returned by feed() but not yet mark_sent()
+        self._recv_at = 0.0
+        self._upstream_first: float | None = None
+        self._first_sent: float | None = None
+        self._last_sent: float | None = None
+        self._itl: list[float] = []
+        self._forward: list[float] = []
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def upstream_sent(self, now: float) -> None:
+        """The request was written to the upstream (called again for each retry attempt)."""
+        self._t_up = now
+
+    def feed(self, data: bytes, now: float) -> bytes:
+        """Meter one upstream read; return the bytes to write to the client now."""
+        if not data:
+            return data
+        self._pending = 0
+        self._recv_at = now
+        if not self._sep:
+            k = data.find(b"\n")
+            if k < 0:
+                self._tail += data
+                return data if not self.strip_usage else b""
+            crlf = data[k - 1] == 0x0D if k > 0 else self._tail.endswith(b"\r")
+            self._sep = b"\r\n\r\n" if crlf else b"\n\n"
+            self._nl = b"\r\n" if crlf else b"\n"
+        sep = self._sep
+        seplen = len(sep)
+        if self._tail:
+            # Resume the separator search where the last read left off (an event can span
+            # many reads; rescanning it from the start each time would be quadratic).
+            buf = self._tail + data
+            search = max(0, len(self._tail) - seplen + 1)
+        else:
+            buf = data
+            search = 0
+        start = 0
+        cut: list[tuple[int, int]] | None = None
+        while True:
+            end = buf.find(sep, search)
+            if end < 0:
+                break
+            if self._event(buf[start:end], now) == USAGE_ONLY and self.strip_usage:
+                cut = [*(cut or ()), (start, end + seplen)]
+            start = search = end + seplen
+        self._tail = buf[start:] if start < len(buf) else b""
+        if not self.strip_usage:
+            return data
+        # Strip mode holds back the incomplete trailing event: it may be the usage chunk.
+        if cut is None:
+            return buf if start == len(buf) else buf[:start]
+        return _without(buf[:start], cut)
+
+    def mark_sent(self, now: float) -> None:
+        """The bytes returned by the last feed() were written to the client at `now`."""
+        k = self._pending
+        if not k:
+            return
+        self._pending = 0
+        self._forward.append(now - self._recv_at)
+        if self._first_sent is None:
+            self._first_sent = now
+            k -= 1
+        else:
+            self._itl.append(now - (self._last_sent or now))
+            k -= 1
+        if k:
+            self._itl.extend([0.0] * k)
+        self._last_sent = now
+
+    def finish(
+        self, now: float, *, error: str | None = None, cancelled: bool = False
+    ) -> tuple[bytes, StreamFacts]:
+        """End of stream: the held-back bytes to flush to the client and the final facts.
+
+        Output events fed but never mark_sent() count as sent at `now`, unless cancelled (then
+        the client never got them). An unterminated last event is flushed but not metered: an
+        SSE client discards it too.
+        """
+        if self._pending and not cancelled:
+            self.mark_sent(now)
+        self._pending = 0
+        rest = self._tail if self.strip_usage else b""
+        self._tail = b""
+        f = self._f
+        err = error or f.error
+        if err is None and not cancelled and not self._completed:
+            err = "incomplete_stream"
+        reasons = list(f.finish_reasons)
+        if err is not None and "error" not in reasons:
+            reasons.append("error")
+        if cancelled and "cancelled" not in reasons:
+            reasons.append("cancelled")
+        first, last = self._first_sent, self._last_sent
+        tpot = None
+        if first is not None and last is not None and f.output_tokens and f.output_tokens > 1:
+            tpot = (last - first) / (f.output_tokens - 1)
+        facts = StreamFacts(
+            ttft_s=None if first is None else first - self.t0,
+            upstream_ttft_s=(
+                None
+                if self._upstream_first is None or self._t_up is None
+                else self._upstream_first - self._t_up
+            ),
+            itl_s=self._itl,
+            tpot_s=tpot,
+            e2e_s=None if last is None else last - self.t0,
+            chunks=self._chunks,
+            events=self._events,
+            output_tokens=f.output_tokens,
+            input_tokens=f.input_tokens,
+            cached_tokens=f.cached_tokens,
+            finish_reasons=reasons,
+            response_id=f.response_id,
+            response_model=f.response_model,
+            error=err,
+            cancelled=cancelled,
+            first_output_at=first,
+            last_output_at=last,
+            forward_s=self._forward,
+        )
+        return rest, facts
+
+    # -- one event ------------------------------------------------------------------------------
+    def _event(self, ev: bytes, now: float) -> int:
+        """Classify one complete event (without its separator) and update the facts."""
+        if ev.startswith(b"data:"):
+            if self._nl in ev:
+                payload = self._data_of(ev)
+            else:
+                payload = ev[6:] if ev[5:6] == b" " else ev[5:]
+        else:
+            payload = self._data_of(ev)
+        if payload is None:
+            return OTHER  # comment / keep-alive only
+        self._events += 1
+        if payload == _DONE:
+            self._completed = True
+            return DONE
+        if self.api == "responses":
+            kind = self._responses(payload)
+        else:
+            kind = self._choices_event(payload)
+        if kind == OUTPUT:
+            self._chunks += 1
+            self._pending += 1
+            if self._upstream_first is None:
+                self._upstream_first = now
+        return kind
+
+    def _data_of(self, ev: bytes) -> bytes | None:
+        """The data field of a multi-line event (event:, id:, comments; data lines joined)."""
+        parts: list[bytes] = []
+        for line in ev.split(self._nl):
+            if line.startswith(b"data:"):
+                parts.append(line[6:] if line[5:6] == b" " else line[5:])
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else b"\n".join(parts)
+
+    def _choices_event(self, p: bytes) -> int:
+        """chat.completion.chunk / text_completion events."""
+        if self.api == "chat":
+            out = (
+                _nonempty_string_at(p, b'"content":')
+                or _nonempty_string_at(p, b'"reasoning_content":')
+                or _nonempty_string_at(p, b'"reasoning":')
+                or _nonempty_string_at(p, b'"refusal":')
+                or _nonempty_list_at(p, b'"tool_calls":')
+            )
+        else:
+            out = _nonempty_string_at(p, b'"text":')
+        has_usage = _value_starts(p, b'"usage":', 0x7B)  # usage object, not null
+        # Parse only what carries facts: the first event (id, model), usage, a finish reason,
+        # or anything that might be an error ("error" key or {"object": "error"}).
+        if (
+            has_usage
+            or not self._parsed_first
+            or _value_starts(p, b'"finish_reason":', _QUOTE)
+            or b'"error"' in p
+        ):
+            kind = self._parse_choices_event(p)
+            if kind is not None:
+                return kind
+        return OUTPUT if out else OTHER
+
+    def _parse_choices_event(self, p: bytes) -> int | None:
+        """Record the facts of a parsed event; returns a kind only when the parse decides it."""
+        try:
+            obj = orjson.loads(p)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        f = self._f
+        self._parsed_first = True
+        if "error" in obj or obj.get("object") == "error":
+            f.error = _error_type(obj.get("error", obj))
+            return OTHER
+        f.ident(obj)
+        before = len(f.finish_reasons)
+        f.choices(obj)
+        if len(f.finish_reasons) > before:
+            self._completed = True
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            f.usage(usage)
+            if obj.get("choices") == []:
+                return USAGE_ONLY
+        return None
+
+    def _responses(self, p: bytes) -> int:
+        """Responses API events: output deltas counted by byte search, lifecycle events parsed."""
+        typ = _response_type(p)
+        if typ is not None and typ.endswith(b".delta"):
+            return OUTPUT if _nonempty_string_at(p, b'"delta":') else OTHER
+        if typ in _RESPONSES_PARSED or (typ is None and b'"error"' in p):
+            try:
+                obj = orjson.loads(p)
+            except orjson.JSONDecodeError:
+                return OTHER
+            if isinstance(obj, dict):
+                self._f.responses_event(obj)
+                if obj.get("type") in _RESPONSES_FINAL:
+                    self._completed = True
+        return OTHER
+
+
+_RESPONSES_FINAL = ("response.completed", "response.incomplete", "response.failed")
+_RESPONSES_PARSED = (b"response.created", *(t.encode() for t in _RESPONSES_FINAL), b"error")
+
+
+def _response_type(p: bytes) -> bytes | None:
+    """The top-level type of a Responses API event.
+
+    Nested objects carry "type" keys too (output items, content parts), but never a value
+    starting with "response.", so the first such value is the event's own type.
+    """
+    for key in (b'"type":"response.', b'"type": "response.'):
+        i = p.find(key)
+        if i >= 0:
+            j = i + len(key)
+            k = p.find(b'"', j)
+            return b"response." + p[j:k]
+    if b'"type":"error"' in p or b'"type": "error"' in p:
+        return b"error"
+    return None
+
+
+def _without(data: bytes, cuts: list[tuple[int, int]]) -> bytes:
+    parts = []
+    prev = 0
+    for s, e in cuts:
+        parts.append(data[prev:s])
+        prev = e
+    parts.append(data[prev:])
+    return b"".join(parts)
+
+
+def meter_json(api: API, body: bytes, *, t0: float, now: float) -> StreamFacts:
+    """Facts of a non-streamed response: duration, usage, finish reasons, id/model, error."""
+    f = _Facts()
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict):
+        f.error = "invalid_response"
+    elif "error" in obj or obj.get("object") == "error":
+        f.error = _error_type(obj.get("error", obj))
+    elif api == "responses":
+        f.responses_event({"type": f"response.{obj.get('status')}", "response": obj})
+        if obj.get("status") == "failed":
+            f.error = _error_type(obj.get("error"))
+    else:
+        f.ident(obj)
+        f.choices(obj)
+        f.usage(obj.get("usage"))
+    reasons = f.finish_reasons
+    if f.error is not None and "error" not in reasons:
+        reasons.append("error")
+    return StreamFacts(
+        ttft_s=None,
+        upstream_ttft_s=None,
+        itl_s=[],
+        tpot_s=None,
+        e2e_s=now - t0,
+        chunks=0,
+        events=0,
+        output_tokens=f.output_tokens,
+        input_tokens=f.input_tokens,
+        cached_tokens=f.cached_tokens,
+        finish_reasons=reasons,
+        response_id=f.response_id,
+        response_model=f.response_model,
+        error=f.error,
+        cancelled=False,
+        first_output_at=None,
+        last_output_at=None,
+    )
