@@ -63,18 +63,24 @@ def build_policy(config: Config) -> Router:
     return Router(policy)
 
 
-def create_app(config: Config) -> Starlette:
+def check_config(config: Config) -> Router:
+    """The checks that need more than the schema; returns the router they built."""
     if not config.backends:
         raise ConfigError(
             "backends: none configured; pass --backend URL (repeatable), set "
             "WARMROUTE_BACKENDS=url1,url2, or list them under `backends:` in the config file"
         )
+    return build_policy(config)
+
+
+def create_app(config: Config) -> Starlette:
+    router = check_config(config)
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
     state = AppState(
         config=config,
         registry=BackendRegistry(config, http),
         upstream=Upstream(config.timeouts),
-        router=build_policy(config),
+        router=router,
         http=http,
     )
 

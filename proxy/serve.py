@@ -129,12 +129,13 @@ def _has(module: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        from proxy.app import check_config, create_app
+
+        check_config(config)
         if args.check:
             print(config.model_dump_json(indent=2))
             return 0
         setup_logging(config.server.log_level)
-        from proxy.app import create_app
-
         if config.server.workers > 1:
             os.environ[CONFIG_ENV] = config.model_dump_json()
             server_config = uvicorn_config(config, "proxy.serve:app_factory", factory=True,
