@@ -1,0 +1,464 @@
+"""The async load runner: closed loop (concurrency) or open loop (Poisson rate) over aiohttp.
+
+Every response chunk is timestamped with `time.perf_counter()` the moment its read returns,
+before any parsing, so JSON work never inflates TTFT or ITL. One `ClientSession` with a pool
+sized to the concurrency serves the whole run (keep-alive, like an application's client), and
+the event loop thread's CPU time is recorded so a saturated client is visible in the results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import numpy as np
+import orjson
+from tqdm import tqdm
+
+from proxy.bench.results import RequestResult, RunResult
+from proxy.bench.workloads import Message, RequestSpec, Workload
+
+MAX_REQUESTS = 100_000
+MAX_DURATION_S = 24 * 3600.0
+_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=5)
+_ERROR_BODY_LIMIT = 2000
+
+
+class BenchError(Exception):
+    """A problem the user can fix (bad target, unreachable server); the message says how."""
+
+
+def normalize_base_url(url: str) -> str:
+    """`http://h:p/v1/` -> `http://h:p`; the runner appends `/v1/...` itself."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BenchError(f"{url!r} is not an http(s) URL; use e.g. http://127.0.0.1:8080")
+    return url.rstrip("/").removesuffix("/v1")
+
+
+def is_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_targets(urls: Sequence[str], allow_remote: bool) -> list[str]:
+    """Normalized URLs; refuses non-loopback targets unless explicitly allowed (a load
+    generator pointed at the wrong host is a denial of service)."""
+    out = [normalize_base_url(u) for u in urls]
+    if not allow_remote:
+        remote = [u for u in out if not is_loopback(u)]
+        if remote:
+            raise BenchError(
+                f"refusing to load non-loopback target(s) {', '.join(remote)}; "
+                "pass --allow-remote (allow_remote=True) if you own them"
+            )
+    return out
+
+
+async def discover_model(session: aiohttp.ClientSession, base_url: str) -> str | None:
+    """First model id of `GET /v1/models`; raises BenchError if the server cannot be reached."""
+    try:
+        async with session.get(f"{base_url}/v1/models", timeout=_PROBE_TIMEOUT) as resp:
+            if resp.status != 200:
+                return None
+            body = orjson.loads(await resp.read())
+    except aiohttp.ClientConnectorError as e:
+        raise BenchError(
+            f"cannot reach {base_url}: {e.os_error or e}. Is the server running on that "
+            "address? (check --base-url / --direct / --compare)"
+        ) from None
+    except (TimeoutError, aiohttp.ClientError) as e:
+        raise BenchError(f"{base_url}/v1/models did not answer: {type(e).__name__} {e}") from None
+    except orjson.JSONDecodeError:
+        return None
+    data = body.get("data") if isinstance(body, dict) else None
+    if data and isinstance(data[0], dict) and data[0].get("id"):
+        return str(data[0]["id"])
+    return None
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Send offsets (s) of a Poisson process, rescaled so the last is n/rate like vllm's, which
+    keeps throughput comparable across seeds."""
+    if n == 0:
+        return []
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    times = np.cumsum(gaps)
+    times *= (n / rate) / times[-1]
+    times -= times[0]  # the first request goes out at once
+    return [float(t) for t in times]
+
+
+class _Run:
+    """State of one run: plan, conversation histories, results, progress."""
+
+    def __init__(
+        self,
+        targets: list[str],
+        workload: Workload,
+        plan: list[RequestSpec],
+        *,
+        model: str,
+        endpoint: str,
+        session: aiohttp.ClientSession,
+        extra_body: dict[str, Any] | None,
+        headers: dict[str, str],
+        pbar: tqdm[Any] | None,
+    ) -> None:
+        self.targets = targets
+        self.workload = workload
+        self.plan = plan
+        self.model = model
+        self.endpoint = endpoint
+        self.session = session
+        self.extra_body = extra_body or {}
+        self.headers = headers
+        self.pbar = pbar
+        self.results: dict[int, RequestResult] = {}
+        self.t0 = 0.0
+        self.history: dict[int, list[Message]] = {}
+        self.turn_done: dict[tuple[int, int], asyncio.Event] = {
+            (s.conversation, s.turn): asyncio.Event() for s in plan if s.conversation is not None
+        }
+        self.failed_conversations: set[int] = set()
+
+    def target_for(self, spec: RequestSpec) -> str:
+        # Round-robin by conversation keeps a conversation on one backend, as a cache-aware
+        # proxy would; single requests are spread by index.
+        key = spec.conversation if spec.conversation is not None else spec.index
+        return self.targets[key % len(self.targets)]
+
+    async def issue(self, spec: RequestSpec) -> None:
+        r = RequestResult(
+            index=spec.index,
+            target=self.target_for(spec),
+            kind=spec.kind,
+            conversation=spec.conversation,
+            turn=spec.turn,
+            system_id=spec.system_id,
+        )
+        conv = spec.conversation
+        try:
+            if conv is not None and spec.turn > 0:
+                # A later turn carries the earlier reply, so it cannot start before it exists.
+                await self.turn_done[(conv, spec.turn - 1)].wait()
+            self.results[spec.index] = r
+            if conv is not None and conv in self.failed_conversations:
+                r.error_kind, r.error = "dependency", "an earlier turn of this conversation failed"
+                return
+            history = self.history.get(conv, []) if conv is not None else []
+            reply = await self._send(spec, r, history)
+            if conv is not None:
+                if r.ok:
+                    self.history[conv] = [
+                        *history,
+                        {"role": "user", "content": self.workload.user_text(spec)},
+                        {"role": "assistant", "content": reply},
+                    ]
+                else:
+                    self.failed_conversations.add(conv)
+        finally:
+            if conv is not None:
+                self.turn_done[(conv, spec.turn)].set()
+            if self.pbar is not None:
+                self.pbar.update(1)
+
+    def _payload(self, spec: RequestSpec, history: list[Message]) -> tuple[str, bytes]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": spec.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.endpoint == "completions":
+            body["prompt"] = self.workload.prompt(spec, history)
+            path = "/v1/completions"
+        else:
+            body["messages"] = self.workload.messages(spec, history)
+            path = "/v1/chat/completions"
+        body.update(self.extra_body)
+        return path, orjson.dumps(body)
+
+    async def _send(self, spec: RequestSpec, r: RequestResult, history: list[Message]) -> str:
+        path, data = self._payload(spec, history)
+        chat = self.endpoint != "completions"
+        reply: list[str] = []
+        perf = time.perf_counter
+        start = perf()
+        r.start = start - self.t0
+        last = start
+        done = False
+        try:
+            async with self.session.post(r.target + path, data=data, headers=self.headers) as resp:
+                r.http_status = resp.status
+                if resp.status != 200:
+                    body = await resp.content.read(_ERROR_BODY_LIMIT)
+                    r.error_kind, r.error = f"http_{resp.status}", _error_message(body, resp)
+                    return ""
+                buf = b""
+                async for raw in resp.content.iter_any():
+                    now = perf()
+                    buf += raw.replace(b"\r\n", b"\n") if b"\r" in raw else raw
+                    while (cut := buf.find(b"\n\n")) >= 0:
+                        event, buf = buf[:cut], buf[cut + 2 :]
+                        payload = _sse_data(event)
+                        if payload is None:
+                            continue
+                        if payload == b"[DONE]":
+                            done = True
+                            continue
+                        obj = orjson.loads(payload)
+                        if not isinstance(obj, dict):
+                            continue
+                        if obj.get("error") and not obj.get("choices"):
+                            r.error_kind, r.error = "stream_error", _short(obj["error"])
+                            return "".join(reply)
+                        text = _absorb(obj, r, chat)
+                        if text is None:
+                            continue
+                        # An output-bearing chunk: the only kind TTFT and ITL are made of.
+                        if r.output_chunks == 0:
+                            r.ttft = now - start
+                        else:
+                            r.itl.append(now - last)
+                        last = now
+                        r.output_chunks += 1
+                        r.output_chars += len(text)
+                        reply.append(text)
+        except aiohttp.ClientConnectorError as e:
+            r.error_kind, r.error = "connect", str(e.os_error or e)
+            return ""
+        except TimeoutError:
+            r.error_kind, r.error = "timeout", "request timed out (--request-timeout)"
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
+            r.error_kind, r.error = "disconnected", f"{type(e).__name__}: {e}"
+        except aiohttp.ClientError as e:
+            r.error_kind, r.error = "client_error", f"{type(e).__name__}: {e}"
+        except orjson.JSONDecodeError as e:
+            r.error_kind, r.error = "bad_json", str(e)
+        if r.error_kind is None:
+            if r.output_chunks == 0:
+                r.error_kind, r.error = "no_output", "the stream carried no output chunk"
+            elif not done and r.finish_reason is None:
+                r.error_kind, r.error = "truncated", "stream ended without finish_reason/[DONE]"
+            else:
+                r.ok = True
+        if r.output_chunks:
+            r.e2e = last - start
+        return "".join(reply)
+
+
+def _sse_data(event: bytes) -> bytes | None:
+    """The data of one SSE event (comments, pings and other fields ignored)."""
+    lines = [ln[5:].lstrip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
+    if not lines:
+        return None
+    return lines[0] if len(lines) == 1 else b"\n".join(lines)
+
+
+def _absorb(obj: dict[str, Any], r: RequestResult, chat: bool) -> str | None:
+    """Record usage and finish reason; return the chunk's output text, None if it carries none
+    (role-only and usage-only chunks do not count, DESIGN.md)."""
+    usage = obj.get("usage")
+    if usage:
+        r.prompt_tokens = usage.get("prompt_tokens", r.prompt_tokens)
+        r.completion_tokens = usage.get("completion_tokens", r.completion_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            r.cached_tokens = details["cached_tokens"]
+    choices = obj.get("choices")
+    if not choices:
+        return None
+    choice = choices[0]
+    if choice.get("finish_reason"):
+        r.finish_reason = choice["finish_reason"]
+    if not chat:
+        return choice.get("text") or None
+    delta = choice.get("delta") or {}
+    text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+    if text:
+        return str(text)
+    if delta.get("tool_calls"):
+        return ""  # output, but no text to add to the history
+    return None
+
+
+def _short(err: Any) -> str:
+    if isinstance(err, dict):
+        err = err.get("message") or err
+    return str(err)[:300]
+
+
+def _error_message(body: bytes, resp: aiohttp.ClientResponse) -> str:
+    with contextlib.suppress(orjson.JSONDecodeError):
+        obj = orjson.loads(body)
+        if isinstance(obj, dict) and obj.get("error"):
+            return _short(obj["error"])
+    return (body.decode("utf-8", "replace").strip() or resp.reason or "")[:300]
+
+
+async def run_bench(
+    base_url: str | Sequence[str],
+    workload: Workload,
+    *,
+    requests: int,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    model: str | None = None,
+    progress: bool = False,
+    endpoint: str = "chat",
+    label: str | None = None,
+    role: str = "target",
+    max_duration: float | None = None,
+    request_timeout: float = 600.0,
+    extra_body: dict[str, Any] | None = None,
+    api_key: str | None = None,
+    allow_remote: bool = False,
+) -> RunResult:
+    """Run `requests` requests of `workload` against `base_url` (several: round-robin).
+
+    Closed loop with `concurrency` workers, or open loop at `rate` req/s (Poisson, seeded by
+    the workload's seed) capped at `concurrency` in flight when both are given. Raises
+    BenchError when the target is unreachable or the arguments are out of bounds.
+    """
+    if not 1 <= requests <= MAX_REQUESTS:
+        raise BenchError(f"requests must be between 1 and {MAX_REQUESTS}, got {requests}")
+    if concurrency is None and rate is None:
+        raise BenchError("give a concurrency (closed loop) or a rate (open loop, req/s)")
+    if concurrency is not None and concurrency < 1:
+        raise BenchError("concurrency must be >= 1")
+    if rate is not None and rate <= 0:
+        raise BenchError("rate must be > 0 requests per second")
+    if endpoint not in ("chat", "completions"):
+        raise BenchError("endpoint must be 'chat' or 'completions'")
+    deadline_s = min(max_duration or MAX_DURATION_S, MAX_DURATION_S)
+    targets = check_targets([base_url] if isinstance(base_url, str) else base_url, allow_remote)
+    if not targets:
+        raise BenchError("no target URL given")
+
+    plan = workload.plan(requests)
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    pool = concurrency or 0  # 0: unbounded, an open loop must not queue inside the client
+    connector = aiohttp.TCPConnector(limit=pool, limit_per_host=pool)
+    timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=10)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        discovered = [await discover_model(session, t) for t in targets]
+        model = model or discovered[0]
+        if not model:
+            raise BenchError(
+                f"{targets[0]}/v1/models lists no model; pass --model (model=...) explicitly"
+            )
+        run = RunResult(
+            label=label or _default_label(targets),
+            targets=targets,
+            workload=workload.params(),
+            model=model,
+            endpoint=endpoint,
+            concurrency=concurrency,
+            rate=rate,
+            requests_planned=requests,
+            started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            role=role,
+        )
+        pbar = tqdm(
+            total=requests, desc=run.label, unit="req", file=sys.stderr, disable=not progress
+        )
+        state = _Run(
+            targets,
+            workload,
+            plan,
+            model=model,
+            endpoint=endpoint,
+            session=session,
+            extra_body=extra_body,
+            headers=headers,
+            pbar=pbar,
+        )
+        tasks: list[asyncio.Task[None]] = []
+        cpu0 = time.thread_time()
+        state.t0 = t0 = time.perf_counter()
+        if rate is None:
+            assert concurrency is not None
+            queue = iter(plan)
+
+            async def worker() -> None:
+                for spec in queue:
+                    await state.issue(spec)
+
+            tasks = [asyncio.create_task(worker()) for _ in range(min(concurrency, requests))]
+            main: asyncio.Future[Any] = asyncio.gather(*tasks)
+        else:
+            main = asyncio.ensure_future(
+                _open_loop(state, plan, rate, concurrency, workload.seed, tasks)
+            )
+        try:
+            await asyncio.wait_for(asyncio.shield(main), timeout=deadline_s)
+        except TimeoutError:
+            run.notes.append(f"max duration {deadline_s:g}s reached: in-flight requests cancelled")
+            main.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(main, *tasks, return_exceptions=True)
+        finally:
+            pbar.close()
+        run.duration = time.perf_counter() - t0
+        run.client_cpu_s = time.thread_time() - cpu0
+
+    for r in state.results.values():
+        if not r.ok and r.error_kind is None:
+            r.error_kind, r.error = "deadline", "cancelled at --max-duration"
+    run.requests = [state.results[i] for i in sorted(state.results)]
+    run.not_sent = requests - len(run.requests)
+    if run.duration > 0 and run.client_cpu_s / run.duration > 0.7:
+        run.notes.append(
+            f"the bench client used {run.client_cpu_s / run.duration:.0%} of a core: "
+            "it may be the bottleneck; lower the load or run the client on another machine"
+        )
+    return run
+
+
+async def _open_loop(
+    state: _Run,
+    plan: list[RequestSpec],
+    rate: float,
+    cap: int | None,
+    seed: int,
+    tasks: list[asyncio.Task[None]],
+) -> None:
+    sem = asyncio.Semaphore(cap) if cap else None
+
+    async def one(spec: RequestSpec) -> None:
+        if sem is None:
+            await state.issue(spec)
+            return
+        async with sem:
+            await state.issue(spec)
+
+    t0 = time.perf_counter()
+    for spec, at in zip(plan, poisson_arrivals(len(plan), rate, seed), strict=True):
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(spec)))
+    await asyncio.gather(*tasks)
+
+
+def _default_label(targets: list[str]) -> str:
+    names = [urlsplit(t).netloc for t in targets]
+    return names[0] if len(names) == 1 else f"{names[0]}+{len(names) - 1}"
