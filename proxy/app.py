@@ -33,18 +33,11 @@ class AppState:
     router: Router
     http: httpx.AsyncClient
     telemetry: Any = None
-    metering: bool = False
     open_requests: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     # Hooks the forwarder calls; telemetry and metering plug in here.
     def start_record(self, ex: Exchange) -> Any:
-        return None
-
-    def new_meter(self, api: str, ex: Exchange) -> Any:
-        return None
-
-    def meter_json(self, api: str, payload: bytes, t0: float) -> Any:
         return None
 
     def inflight_changed(self, backend: Backend, delta: int) -> None:

@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 
 from proxy.errors import RequestError, error_body, sse_error_event
+from proxy.meter import StreamMeter, meter_json
 from proxy.routing.types import Decision, RouteContext
 from proxy.upstream import CONNECT_ERRORS, NOT_FORWARDED_DOWNSTREAM, NOT_FORWARDED_UPSTREAM
 from proxy.validate import validate
@@ -144,7 +145,7 @@ class ProxyEndpoint:
                                param="model", code="model_not_found")
         stream = bool(body.get("stream", False)) and self.api in STREAMABLE
         ex = Exchange(self.api, request_id, t0, headers, body, raw, stream)
-        if stream and self.api != "responses" and self.state.metering:
+        if stream and self.api != "responses":
             opts = body.get("stream_options") or {}
             if not opts.get("include_usage"):
                 # We need usage for TPOT and token metrics; the client gets exactly what it
@@ -233,6 +234,7 @@ class ProxyEndpoint:
         backend.inflight += 1
         state.inflight_changed(backend, +1)
         try:
+            t_sent = time.perf_counter()
             try:
                 upstream = await state.upstream.post(backend.url + self.path, ex.raw, headers)
             except CONNECT_ERRORS as e:
@@ -247,7 +249,7 @@ class ProxyEndpoint:
                                  upstream.status)
                 state.registry.mark_success(backend)
                 if ex.stream and upstream.status == 200:
-                    await self._stream(ex, backend, upstream, record, receive, send)
+                    await self._stream(ex, backend, upstream, t_sent, record, receive, send)
                 else:
                     await self._whole(ex, backend, upstream, record, send)
             finally:
@@ -273,17 +275,18 @@ class ProxyEndpoint:
         ex.started_response = True
         await send({"type": "http.response.body", "body": payload})
         if record is not None:
-            facts = self.state.meter_json(self.api, payload, ex.t0) if upstream.status == 200 else None
+            facts = None
+            if upstream.status == 200 and self.api != "embeddings":
+                facts = meter_json(self.api, payload, t0=ex.t0, now=time.perf_counter())  # type: ignore[arg-type]
             record.finish(facts, status=upstream.status,
                           error_type=None if upstream.status < 400 else f"http_{upstream.status}",
                           backend=backend.name)
 
     async def _stream(self, ex: Exchange, backend: Backend, upstream: aiohttp.ClientResponse,
-                      record: Any, receive: Receive, send: Send) -> None:
+                      t_sent: float, record: Any, receive: Receive, send: Send) -> None:
         state = self.state
-        meter = state.new_meter(self.api, ex)
-        if meter is not None:
-            meter.upstream_sent(time.perf_counter())
+        meter = StreamMeter(self.api, t0=ex.t0, strip_usage=ex.strip_usage)  # type: ignore[arg-type]
+        meter.upstream_sent(t_sent)
         content = upstream.content
         # The first read decides between "retry elsewhere" and "committed to this backend".
         try:
@@ -304,12 +307,10 @@ class ProxyEndpoint:
             ex.started_response = True
             perf = time.perf_counter
             while data:
-                if meter is not None:
-                    data = meter.feed(data, perf())
+                data = meter.feed(data, perf())
                 if data:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
-                    if meter is not None:
-                        meter.mark_sent(perf())
+                    meter.mark_sent(perf())
                 try:
                     data = await content.readany()
                 except (aiohttp.ClientError, TimeoutError) as e:
@@ -322,13 +323,9 @@ class ProxyEndpoint:
                     log.warning("request %s: %s after the first byte; ending the stream with an "
                                 "error event", ex.request_id, reason)
                     break
-            tail = b""
-            if meter is not None:
-                tail, facts = meter.finish(perf(), error=error, cancelled=ex.client_gone)
-                if facts.error and not error:
-                    error = facts.error
-            else:
-                facts = None
+            tail, facts = meter.finish(perf(), error=error, cancelled=ex.client_gone)
+            if facts.error and not error:
+                error = facts.error
             if not ex.client_gone:
                 if error in ("idle_timeout", "upstream_stream_error"):
                     tail += sse_error_event(reason, "server_error", error)

@@ -78,3 +78,19 @@ def test_unknown_model_is_404_with_openai_error(fake_backends, proxy_server):
     assert err.value.body["code"] == "model_not_found"
     assert err.value.body["param"] == "model"
     assert "gpt-nope" in err.value.body["message"]
+
+
+def test_usage_chunk_is_injected_upstream_and_stripped_when_client_did_not_ask(
+    fake_backends, proxy_server
+):
+    import httpx
+
+    [(backend_app, backend)] = fake_backends(1)
+    proxy = proxy_server([backend.url])
+    body = {"model": "test-model", "messages": MSG, "stream": True}
+    direct = httpx.post(backend.url + "/v1/chat/completions", json=body).content
+    via = httpx.post(proxy.url + "/v1/chat/completions", json=body).content
+    assert via == direct  # byte-identical: the injected usage chunk was removed again
+    sent = backend_app.rec.requests[-1]["body"]
+    assert sent["stream_options"] == {"include_usage": True}
+    assert b'"usage"' not in via
