@@ -432,11 +432,12 @@ def test_direct_run_reports_the_proxy_added_ttft_and_report_merges_files(
     rc = warmroute([
         "bench", "--base-url", proxy.url, "--direct", b1.url, "--direct", b2.url,
         "--workload", "hot-prompt", "--requests", "12", "--concurrency", "3",
-        "--out", str(out), "--no-progress",
+        "--out", str(out), "--no-progress", "--vary-seed",
     ])  # fmt: skip
     assert rc == 0
     doc = orjson.loads(out.read_bytes())
     direct = doc["runs"][1]
+    assert [r["workload"]["seed"] for r in doc["runs"]] == [0, 1]  # no inherited warm cache
     assert direct["role"] == "direct" and direct["targets"] == [b1.url, b2.url]
     assert {r["target"] for r in direct["requests"]} == {b1.url, b2.url}  # round-robin
     (cmp,) = doc["comparisons"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -67,7 +68,8 @@ examples:
   warmroute bench report a.json b.json --out-md results.md --plots plots/
 
 Runs go one after another (target, --compare targets, then --direct), never at once, so they
-do not compete; engines with a prefix cache will be warmer for the later runs.
+do not compete; engines with a prefix cache will be warmer for the later runs (the same
+prompts again) unless --vary-seed gives every run its own prompts.
 Guard rails: at most {MAX_REQUESTS} requests, --max-duration seconds (default 1800), loopback
 targets only unless --allow-remote. Exit status: 0 ok, 1 error rate above --max-error-rate,
 2 usage error or unreachable target.
@@ -190,6 +192,13 @@ def register(sub: Any) -> None:
         help="open loop: Poisson arrivals at R requests/s",
     )
     g.add_argument("--seed", type=int, default=_env("seed", "0"), help="workload seed (default 0)")
+    g.add_argument(
+        "--vary-seed",
+        action="store_true",
+        default=_env_flag("vary-seed"),
+        help="give each --compare/--direct run seed+k: same shape, disjoint prompts, so no "
+        "run finds a prefix cache warmed by the previous one",
+    )
     g.add_argument(
         "--max-duration",
         type=flt,
@@ -367,11 +376,17 @@ def run_command(args: argparse.Namespace) -> int:
 
     async def go() -> list[RunResult]:
         runs = []
-        for url, label, role in plan:
+        for k, (url, label, role) in enumerate(plan):
+            # --vary-seed: same shape, disjoint prompts, so no run inherits a warm cache.
+            w = (
+                dataclasses.replace(workload, seed=workload.seed + k)
+                if args.vary_seed
+                else workload
+            )
             runs.append(
                 await run_bench(
                     url,
-                    workload,
+                    w,
                     requests=args.requests,
                     concurrency=args.concurrency,
                     rate=args.rate,
@@ -390,7 +405,8 @@ def run_command(args: argparse.Namespace) -> int:
         return runs
 
     try:
-        runs = asyncio.run(go())
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runs = runner.run(go())
     except BenchError as e:
         return _fail(str(e))
     _unique_labels(runs)
@@ -437,6 +453,16 @@ def _emit(
             )
             status = 1
     return status
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when installed: less client CPU per chunk, so the client stays off the
+    critical path at high chunk rates."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _unique_labels(runs: Sequence[RunResult]) -> None:
