@@ -180,7 +180,7 @@ def _signed_ms(v: float | None) -> str:
 
 
 def plot_cdfs(runs: Sequence[RunResult], out_dir: str | Path) -> list[Path]:
-    """`ttft_cdf.png` and `itl_cdf.png` in `out_dir`, one curve per run (ms, log x axis)."""
+    """`ttft_cdf.png` and `itl_cdf.png` in `out_dir`, one curve per run (ms)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers and in CI
@@ -192,6 +192,7 @@ def plot_cdfs(runs: Sequence[RunResult], out_dir: str | Path) -> list[Path]:
     written: list[Path] = []
     for key, title in (("ttft", "Time to first token"), ("itl", "Inter-token latency")):
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+        lo, hi = float("inf"), 0.0
         for run in runs:
             ok = [r for r in run.requests if r.ok]
             vals = (
@@ -203,8 +204,11 @@ def plot_cdfs(runs: Sequence[RunResult], out_dir: str | Path) -> list[Path]:
                 continue
             xs = np.sort(np.asarray(vals) * 1000)
             ys = np.arange(1, len(xs) + 1) / len(xs)
+            lo, hi = min(lo, float(xs[0])), max(hi, float(xs[-1]))
             ax.step(xs, ys, where="post", label=f"{run.label} (n={len(xs)})")
-        ax.set_xscale("symlog", linthresh=1.0)
+        # Log x only when the samples span decades (tails); otherwise it loses its ticks.
+        if lo > 0 and hi / lo > 30:
+            ax.set_xscale("log")
         ax.set_xlabel(f"{key.upper()} (ms)")
         ax.set_ylabel("fraction of samples ≤ x")
         ax.set_title(f"{title}: CDF per run")
