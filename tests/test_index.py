@@ -1,0 +1,298 @@
+"""The prefix index: memory and Redis stores agree, one round trip, bounded, survives outages."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis.asyncio.connection import Connection
+from redis.crc import key_slot
+
+from proxy.routing.index import (
+    MemoryPrefixIndex,
+    RedisPrefixIndex,
+    _sentinel_parts,
+    capacity_blocks_from_tokens,
+    open_redis,
+)
+from tests.routing_support import (
+    HAVE_REDIS_SERVER,
+    SHARED_URL,
+    RedisProcess,
+    delete_prefix,
+    unique_prefix,
+    until,
+)
+
+BACKENDS = [f"b{i}" for i in range(8)]
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    kp = unique_prefix("idx")
+    yield kp
+    delete_prefix(kp)
+
+
+@pytest.fixture
+async def shared(prefix: str) -> AsyncIterator[RedisPrefixIndex]:
+    index = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=prefix, owns_client=True)
+    await index.start()
+    yield index
+    await index.close()
+
+
+@pytest.fixture
+def private(tmp_path: Path) -> Iterator[RedisProcess]:
+    if not HAVE_REDIS_SERVER:
+        pytest.skip("redis-server binary not installed")
+    server = RedisProcess(tmp_path).start()
+    yield server
+    server.stop()
+
+
+def prompts(seed: int, n: int = 30) -> list[list[int]]:
+    """Prompts as block chains: a few shared system prompts, each with its own tails."""
+    rng = random.Random(seed)
+    systems = [[rng.getrandbits(64) for _ in range(rng.randint(1, 40))] for _ in range(4)]
+    return [
+        rng.choice(systems) + [rng.getrandbits(64) for _ in range(rng.randint(0, 30))]
+        for _ in range(n)
+    ]
+
+
+async def test_memory_and_redis_lookups_agree(shared: RedisPrefixIndex) -> None:
+    memory = MemoryPrefixIndex()
+    rng = random.Random(7)
+    chains = prompts(1)
+    for chain in chains:
+        backend = rng.choice(BACKENDS)
+        memory.record(backend, chain)
+        shared.record(backend, chain)
+    await shared.flush()
+    for chain in [*chains, *prompts(2)]:
+        for length in (1, len(chain) // 2, len(chain)):
+            probe = chain[: max(length, 1)]
+            assert await shared.lookup(probe, BACKENDS) == await memory.lookup(probe, BACKENDS)
+
+
+async def test_longest_match_is_the_shared_prefix_length(shared: RedisPrefixIndex) -> None:
+    stored = list(range(1, 101))
+    shared.record("b0", stored)
+    await shared.flush()
+    probe = stored[:37] + [10_000 + i for i in range(50)]
+    assert await shared.lookup(probe, ["b0", "b1"]) == {"b0": 37, "b1": 0}
+
+
+async def test_lookup_of_all_backends_is_one_round_trip(
+    shared: RedisPrefixIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared.record("b3", list(range(1, 300)))
+    await shared.flush()
+    await shared.lookup([1, 2], BACKENDS)  # the connection is open and the script cached
+    sent: list[object] = []
+    original = Connection.send_packed_command
+
+    async def counting(self: Connection, command: object, check_health: bool = True) -> None:
+        sent.append(command)
+        await original(self, command, check_health)
+
+    monkeypatch.setattr(Connection, "send_packed_command", counting)
+    found = await shared.lookup(list(range(1, 300)), BACKENDS)
+    assert found["b3"] == 299
+    assert len(sent) == 1
+
+
+def test_all_keys_of_an_index_hash_to_one_cluster_slot() -> None:
+    index = RedisPrefixIndex(redis.asyncio.Redis(), key_prefix="wr")
+    keys = [index.key(b) for b in ["a", "b", "gpu-7:8000", "{odd}"]]
+    assert all(k.startswith("wr:") for k in keys)
+    assert len({key_slot(k.encode()) for k in keys}) == 1
+
+
+async def test_capacity_bound_holds_and_evicts_oldest_prompts_tails_first(
+    shared: RedisPrefixIndex,
+) -> None:
+    shared.set_capacity("b0", 50)
+    chains = [[1000 * p + i for i in range(1, 21)] for p in range(10)]  # 10 prompts x 20 blocks
+    for chain in chains:
+        shared.record("b0", chain)
+    await shared.flush()
+    client = redis.Redis.from_url(SHARED_URL)
+    assert client.zcard(shared.key("b0")) == 50
+    assert 0 < client.pttl(shared.key("b0")) <= shared.ttl_s * 1000
+    client.close()
+    assert shared.local.size("b0") == 50
+    for idx in (shared, shared.local):
+        found = [(await idx.lookup(c, ["b0"]))["b0"] for c in chains]
+        assert found[-2:] == [20, 20]  # the newest prompts are whole
+        assert found[0] == 0  # the oldest is gone
+        partial = [f for f in found if 0 < f < 20]
+        # Where a prompt was cut, its head survived (tails go first), so the match is a prefix.
+        assert all(f >= 1 for f in partial)
+
+
+def test_memory_index_ages_entries_out_after_ttl() -> None:
+    now = [0.0]
+    index = MemoryPrefixIndex(ttl_s=10, clock=lambda: now[0])
+    index.record("a", [1, 2, 3])
+    now[0] = 5
+    index.record("a", [1, 2])
+    now[0] = 12
+    assert index.lookup_now([1, 2, 3], ["a"]) == {"a": 2}
+    now[0] = 16
+    assert index.lookup_now([1, 2, 3], ["a"]) == {"a": 0}
+
+
+def test_capacity_from_engine_kv_pool() -> None:
+    # 8192 GPU blocks of 16 tokens ≈ 131k tokens ≈ 524k chars ≈ 8192 blocks of 64 chars.
+    assert capacity_blocks_from_tokens(8192 * 16, 64) == 8192
+
+
+async def test_redis_killed_mid_run_falls_back_within_the_timeout_and_recovers(
+    private: RedisProcess,
+) -> None:
+    index = RedisPrefixIndex(
+        open_redis(private.url),
+        key_prefix="wr",
+        timeout_s=0.05,
+        owns_client=True,
+        reconnect_min_s=0.02,
+        reconnect_max_s=0.1,
+    )
+    await index.start()
+    try:
+        index.record("b0", [1, 2, 3, 4])
+        await index.flush()
+        assert await index.lookup([1, 2, 3, 4], ["b0", "b1"]) == {"b0": 4, "b1": 0}
+
+        private.stop()
+        start = time.perf_counter()
+        found = await index.lookup([1, 2, 3, 4], ["b0", "b1"])
+        assert time.perf_counter() - start < 0.2
+        assert found == {"b0": 4, "b1": 0}  # answered by the warm local copy
+        assert index.mode == "memory-fallback"
+        index.record("b1", [1, 2, 9])  # recorded during the outage
+
+        private.start()  # same port, empty: a restarted Redis without persistence
+        await asyncio.wait_for(index.wait_shared(), 5)
+        await index.flush()
+        assert index.mode == "redis"
+        info = index.info()
+        assert info["outages"] == 1 and info["reconnects"] == 1
+        assert info["reseeded_backends"] == 2
+        # Another replica, with its own client, sees what this one knew before the restart and
+        # what it recorded during the outage.
+        peer = RedisPrefixIndex(open_redis(private.url), key_prefix="wr", owns_client=True)
+        assert await peer.lookup([1, 2, 3, 4], ["b0", "b1"]) == {"b0": 4, "b1": 2}
+        assert await peer.lookup([1, 2, 9], ["b0", "b1"]) == {"b0": 2, "b1": 3}
+        await peer.close()
+    finally:
+        await index.close()
+
+
+async def test_a_stalled_redis_costs_a_request_at_most_the_timeout(private: RedisProcess) -> None:
+    index = RedisPrefixIndex(
+        open_redis(private.url),
+        key_prefix="wr",
+        timeout_s=0.05,
+        owns_client=True,
+        reconnect_min_s=0.02,
+        reconnect_max_s=0.05,
+    )
+    await index.start()
+    admin = private.client()
+    try:
+        index.record("b0", [5, 6])
+        await index.flush()
+        admin.execute_command("CLIENT", "PAUSE", "400", "ALL")
+        start = time.perf_counter()
+        found = await index.lookup([5, 6], ["b0"])
+        elapsed = time.perf_counter() - start
+        assert found == {"b0": 2}
+        assert elapsed < 0.15
+        # Later requests do not wait at all while Redis is down.
+        start = time.perf_counter()
+        await index.lookup([5, 6], ["b0"])
+        assert time.perf_counter() - start < 0.01
+        await asyncio.wait_for(index.wait_shared(), 5)  # the pause ends; sharing resumes
+        assert await index.lookup([5, 6], ["b0"]) == {"b0": 2}
+        assert index.info()["lookup_errors"] == 1
+    finally:
+        admin.close()
+        await index.close()
+
+
+async def test_unreachable_redis_at_startup_does_not_stop_routing() -> None:
+    index = RedisPrefixIndex(
+        open_redis("redis://127.0.0.1:1/0"), key_prefix="wr", timeout_s=0.05, owns_client=True
+    )
+    await index.start()
+    index.record("b0", [1, 2])
+    assert index.mode == "memory-fallback"
+    assert await index.lookup([1, 2], ["b0"]) == {"b0": 2}
+    await index.close()
+
+
+async def test_works_against_a_redis_cluster(tmp_path: Path) -> None:
+    if not HAVE_REDIS_SERVER:
+        pytest.skip("redis-server binary not installed")
+    server = RedisProcess(
+        tmp_path, "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf")
+    ).start()
+    try:
+        admin = server.client()
+        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+        await until(lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"))
+        admin.close()
+        index = RedisPrefixIndex(
+            open_redis(server.url, cluster=True), key_prefix="wr", owns_client=True
+        )
+        await index.start()
+        index.record("b0", [1, 2, 3])
+        index.record("b1", [1, 2])
+        await index.flush()
+        assert await index.lookup([1, 2, 3], ["b0", "b1", "b2"]) == {"b0": 3, "b1": 2, "b2": 0}
+        assert index.mode == "redis"
+        await index.close()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path, private: RedisProcess) -> Iterator[RedisProcess]:
+    workdir = tmp_path / "sentinel"
+    workdir.mkdir()
+    server = RedisProcess.sentinel(workdir, private.port, "wrmaster").start()
+    yield server
+    server.stop()
+
+
+async def test_works_through_redis_sentinel(sentinel: RedisProcess) -> None:
+    probe = sentinel.client()
+    await until(lambda: bool(probe.execute_command("SENTINEL", "MASTERS")))
+    probe.close()
+    url = f"redis+sentinel://127.0.0.1:{sentinel.port}/wrmaster/0"
+    index = RedisPrefixIndex(open_redis(url), key_prefix="wr", owns_client=True)
+    await index.start()
+    index.record("b0", [7, 8])
+    await index.flush()
+    assert await index.lookup([7, 8], ["b0"]) == {"b0": 2}
+    assert index.mode == "redis"
+    await index.close()
+
+
+def test_sentinel_url_names_hosts_service_db_and_credentials() -> None:
+    hosts, service, db, auth = _sentinel_parts(
+        "redis+sentinel://:s3cret@h1:26379,h2:26380/mymaster/2?sentinel_password=x"
+    )
+    assert hosts == [("h1", 26379), ("h2", 26380)]
+    assert (service, db) == ("mymaster", 2)
+    assert auth == {"password": "s3cret", "sentinel_password": "x"}
+    with pytest.raises(ValueError, match="service name"):
+        _sentinel_parts("redis+sentinel://h1:26379")
