@@ -487,3 +487,38 @@ def test_format_table_accepts_runs_and_summaries() -> None:
     run = RunResult("a", ["http://x"], {"name": "hot-prompt"}, "m", "chat", 1, None, 0, "now")
     assert format_table([run]) == format_table([summarize(run)])
     assert "| metric | a |" in format_table([run])
+
+
+# --- against the simulated engine ----------------------------------------------------------
+
+
+def _sim() -> Any:
+    sim = pytest.importorskip("proxy.sim")
+    engine = pytest.importorskip("proxy.sim.engine")
+    if not all(hasattr(sim, n) for n in ("SimConfig", "create_sim_app")):
+        pytest.skip("proxy.sim has no SimConfig/create_sim_app yet")
+    return sim, engine
+
+
+async def test_measured_ttft_and_itl_agree_with_the_sim_physics() -> None:
+    sim, engine = _sim()
+    # A10G, 8B bf16: decode ~27 ms/token at the bandwidth ceiling, prefill ~0.2 ms/token.
+    cfg = sim.SimConfig.from_preset("a10g", "8b", "bf16", time_scale=1.0)
+    app = sim.create_sim_app(cfg)
+    w = Workload("hot-prompt", seed=0, system_chars=2400, user_chars=200, max_tokens=6)
+    with ServerThread(app, **app.uvicorn_kwargs()) as srv:
+        # One at a time, so every request is alone in its batch and the physics is exact.
+        run = await run_bench(srv.url, w, requests=5, concurrency=1, rate=None, progress=False)
+    s = summarize(run)
+    assert s["completed"] == 5, s["errors"]
+    ratios_ttft, ratios_itl = [], []
+    for r in run.requests:
+        assert r.prompt_tokens and r.cached_tokens is not None and r.ttft is not None
+        ratios_ttft.append(r.ttft / engine.prefill_seconds(cfg, r.prompt_tokens, r.cached_tokens))
+        step = engine.step_duration(cfg, [(1, r.prompt_tokens)])[0]
+        ratios_itl += [g / step for g in r.itl]
+    assert 0.8 < float(np.median(ratios_ttft)) < 2.0
+    assert 0.8 < float(np.median(ratios_itl)) < 1.6
+    # The hot system prompt is cached after the first request, and the bench sees it.
+    assert run.requests[0].cached_tokens == 0 and run.requests[-1].cached_tokens > 500
+    assert s["prefix_cache_hit_ratio"] > 0.5

@@ -352,12 +352,12 @@ async def run_bench(
 
     plan = workload.plan(requests)
     headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    # The token goes on the session so that /v1/models discovery is authorized too.
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
     pool = concurrency or 0  # 0: unbounded, an open loop must not queue inside the client
     connector = aiohttp.TCPConnector(limit=pool, limit_per_host=pool)
     timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=10)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=auth) as session:
         discovered = [await discover_model(session, t) for t in targets]
         model = model or discovered[0]
         if not model:
