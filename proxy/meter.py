@@ -83,8 +83,12 @@ def _nonempty_list_at(p: bytes, key: bytes) -> bool:
 
 
 def _value_starts(p: bytes, key: bytes, first: int) -> bool:
-    """True if some `key` in p is followed (after whitespace) by the byte `first`."""
-    i = p.find(key)
+    """True if some `key` in p is followed (after whitespace) by the byte `first`.
+
+    Searches from the end: the keys it is used for (finish_reason, usage) sit near the end of
+    the chunk in vLLM, SGLang and OpenAI output.
+    """
+    i = p.rfind(key)
     n = len(p)
     while i >= 0:
         j = i + len(key)
@@ -92,8 +96,19 @@ def _value_starts(p: bytes, key: bytes, first: int) -> bool:
             j += 1
         if j < n and p[j] == first:
             return True
-        i = p.find(key, j)
+        i = p.rfind(key, 0, i)
     return False
+
+
+def _chat_output(p: bytes) -> bool:
+    """Does a chat chunk carry output in any choice (spaced JSON, reasoning, tool calls)?"""
+    return (
+        _nonempty_string_at(p, b'"content":')
+        or _nonempty_string_at(p, b'"reasoning_content":')
+        or _nonempty_string_at(p, b'"reasoning":')
+        or _nonempty_string_at(p, b'"refusal":')
+        or _nonempty_list_at(p, b'"tool_calls":')
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,6 +221,28 @@ def _responses_finish(resp: dict[str, Any]) -> str:
 class StreamMeter:
     """Meters one streamed response. feed() per upstream read, mark_sent() per client write."""
 
+    __slots__ = (
+        "_chunks",
+        "_completed",
+        "_events",
+        "_f",
+        "_first_sent",
+        "_forward",
+        "_itl",
+        "_last_sent",
+        "_nl",
+        "_parsed_first",
+        "_pending",
+        "_recv_at",
+        "_sep",
+        "_t_up",
+        "_tail",
+        "_upstream_first",
+        "api",
+        "strip_usage",
+        "t0",
+    )
+
     def __init__(self, api: API, *, t0: float, strip_usage: bool) -> None:
         self.api = api
         self.t0 = t0
@@ -262,7 +299,7 @@ class StreamMeter:
             end = buf.find(sep, search)
             if end < 0:
                 break
-            if self._event(buf[start:end], now) == USAGE_ONLY and self.strip_usage:
+            if self._event(buf, start, end, now) == USAGE_ONLY and self.strip_usage:
                 cut = [*(cut or ()), (start, end + seplen)]
             start = search = end + seplen
         self._tail = buf[start:] if start < len(buf) else b""
@@ -344,25 +381,33 @@ class StreamMeter:
         return rest, facts
 
     # -- one event ------------------------------------------------------------------------------
-    def _event(self, ev: bytes, now: float) -> int:
-        """Classify one complete event (without its separator) and update the facts."""
-        if ev.startswith(b"data:"):
-            if self._nl in ev:
-                payload = self._data_of(ev)
-            else:
-                payload = ev[6:] if ev[5:6] == b" " else ev[5:]
+    def _event(self, buf: bytes, start: int, end: int, now: float) -> int:
+        """Classify the event buf[start:end] (without its separator) and update the facts."""
+        # Byte searches run on the raw payload; a multi-line data field is only joined when
+        # the event has to be parsed (see _load).
+        if buf.startswith(b"data: ", start, end):
+            p = buf[start + 6 : end]
+        elif buf.startswith(b"data:", start, end):
+            p = buf[start + 5 : end]
         else:
-            payload = self._data_of(ev)
-        if payload is None:
-            return OTHER  # comment / keep-alive only
+            data = self._data_of(buf[start:end])  # event:/id:/comment lines: rare, slow path
+            if data is None:
+                return OTHER  # comment / keep-alive only
+            p = data
         self._events += 1
-        if payload == _DONE:
-            self._completed = True
-            return DONE
-        if self.api == "responses":
-            kind = self._responses(payload)
+        if self.api == "chat":
+            i = p.find(b'"content":"')  # compact JSON with a non-empty string: the common case
+            if (i >= 0 and p[i + 11 : i + 12] != b'"') or _chat_output(p):
+                kind = self._output_event(p)
+            else:
+                kind = self._other_event(p)
+        elif self.api == "completions":
+            if _nonempty_string_at(p, b'"text":'):
+                kind = self._output_event(p)
+            else:
+                kind = self._other_event(p)
         else:
-            kind = self._choices_event(payload)
+            kind = self._responses(p)
         if kind == OUTPUT:
             self._chunks += 1
             self._pending += 1
@@ -371,7 +416,7 @@ class StreamMeter:
         return kind
 
     def _data_of(self, ev: bytes) -> bytes | None:
-        """The data field of a multi-line event (event:, id:, comments; data lines joined)."""
+        """The data field of an event (event:, id:, comment lines skipped; data lines joined)."""
         parts: list[bytes] = []
         for line in ev.split(self._nl):
             if line.startswith(b"data:"):
@@ -380,40 +425,44 @@ class StreamMeter:
             return None
         return parts[0] if len(parts) == 1 else b"\n".join(parts)
 
-    def _choices_event(self, p: bytes) -> int:
-        """chat.completion.chunk / text_completion events."""
-        if self.api == "chat":
-            out = (
-                _nonempty_string_at(p, b'"content":')
-                or _nonempty_string_at(p, b'"reasoning_content":')
-                or _nonempty_string_at(p, b'"reasoning":')
-                or _nonempty_string_at(p, b'"refusal":')
-                or _nonempty_list_at(p, b'"tool_calls":')
-            )
-        else:
-            out = _nonempty_string_at(p, b'"text":')
-        has_usage = _value_starts(p, b'"usage":', 0x7B)  # usage object, not null
-        # Parse only what carries facts: the first event (id, model), usage, a finish reason,
-        # or anything that might be an error ("error" key or {"object": "error"}).
-        if (
-            has_usage
-            or not self._parsed_first
-            or _value_starts(p, b'"finish_reason":', _QUOTE)
-            or b'"error"' in p
-        ):
-            kind = self._parse_choices_event(p)
-            if kind is not None:
-                return kind
-        return OUTPUT if out else OTHER
-
-    def _parse_choices_event(self, p: bytes) -> int | None:
-        """Record the facts of a parsed event; returns a kind only when the parse decides it."""
+    def _load(self, p: bytes) -> Any:
+        if self._nl in p:  # a multi-line data field: join its lines first
+            p = self._data_of(b"data:" + p) or b""
         try:
-            obj = orjson.loads(p)
+            return orjson.loads(p)
         except orjson.JSONDecodeError:
             return None
+
+    def _output_event(self, p: bytes) -> int:
+        """A chat/completions event that carries output (the common event on the hot path).
+
+        An output delta is never an error or a usage-only chunk, so only a finish reason (or
+        the first event's id/model) makes it worth parsing. Per-chunk usage (vLLM's
+        continuous_usage_stats) is superseded by the final usage-only chunk, so it is skipped.
+        """
+        if not self._parsed_first or _value_starts(p, b'"finish_reason":', _QUOTE):
+            self._parse_choices_event(p)
+        return OUTPUT
+
+    def _other_event(self, p: bytes) -> int:
+        """Role-only, finish, usage, error, [DONE] and unknown events: rare, checked fully."""
+        if p == _DONE:
+            self._completed = True
+            return DONE
+        if (
+            not self._parsed_first
+            or _value_starts(p, b'"usage":', 0x7B)  # a usage object, not null
+            or _value_starts(p, b'"finish_reason":', _QUOTE)
+            or b'"error"' in p  # an "error" key, or {"object": "error"}
+        ):
+            return self._parse_choices_event(p)
+        return OTHER
+
+    def _parse_choices_event(self, p: bytes) -> int:
+        """Record the facts of an event that carries them; USAGE_ONLY or OTHER."""
+        obj = self._load(p)
         if not isinstance(obj, dict):
-            return None
+            return OTHER
         f = self._f
         self._parsed_first = True
         if "error" in obj or obj.get("object") == "error":
@@ -429,18 +478,18 @@ class StreamMeter:
             f.usage(usage)
             if obj.get("choices") == []:
                 return USAGE_ONLY
-        return None
+        return OTHER
 
     def _responses(self, p: bytes) -> int:
         """Responses API events: output deltas counted by byte search, lifecycle events parsed."""
+        if p == _DONE:
+            self._completed = True
+            return DONE
         typ = _response_type(p)
         if typ is not None and typ.endswith(b".delta"):
             return OUTPUT if _nonempty_string_at(p, b'"delta":') else OTHER
         if typ in _RESPONSES_PARSED or (typ is None and b'"error"' in p):
-            try:
-                obj = orjson.loads(p)
-            except orjson.JSONDecodeError:
-                return OTHER
+            obj = self._load(p)
             if isinstance(obj, dict):
                 self._f.responses_event(obj)
                 if obj.get("type") in _RESPONSES_FINAL:

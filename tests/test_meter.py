@@ -1,0 +1,809 @@
+"""The stream meter against recorded engine streams and a slow full-parse reference."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.meter import API, StreamFacts, StreamMeter, meter_json
+
+
+def sse(*objs: Any, sep: str = "\n\n", spaced: bool = False, done: bool = True) -> bytes:
+    """Frame JSON objects as SSE data events (spaced = Python json.dumps, like SGLang)."""
+    out = []
+    for o in objs:
+        body = json.dumps(o) if spaced else orjson.dumps(o).decode()
+        out.append(f"data: {body}{sep}")
+    if done:
+        out.append(f"data: [DONE]{sep}")
+    return "".join(out).encode()
+
+
+def chunk(cid: str, model: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": 1732860000,
+        "model": model,
+        "choices": choices,
+        **extra,
+    }
+
+
+def delta(index: int = 0, finish: str | None = None, **d: Any) -> dict[str, Any]:
+    return {"index": index, "delta": d, "logprobs": None, "finish_reason": finish}
+
+
+QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
+
+# vLLM chat: role-only first chunk, content, finish chunk, usage-only chunk (choices: []).
+VLLM_CHAT = sse(
+    chunk("chatcmpl-7f3a", QWEN, [delta(role="assistant", content="")]),
+    *(chunk("chatcmpl-7f3a", QWEN, [delta(content=t)]) for t in ["The", " sky", " is", " blue"]),
+    chunk("chatcmpl-7f3a", QWEN, [delta(content=".", finish="stop")]),
+    chunk(
+        "chatcmpl-7f3a",
+        QWEN,
+        [],
+        usage={
+            "prompt_tokens": 24,
+            "total_tokens": 29,
+            "completion_tokens": 5,
+            "prompt_tokens_details": {"cached_tokens": 16},
+        },
+    ),
+)
+
+# llama.cpp (older server): the final chunk carries finish_reason, usage *and* timings, so it
+# is not usage-only and must never be stripped. nlohmann::json sorts keys.
+LLAMACPP_CHAT = (
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant",'
+    b'"content":null}}],"created":1732860001,"id":"chatcmpl-Xq2","model":"gpt-3.5-turbo",'
+    b'"system_fingerprint":"b4600-8bd5e5c2","object":"chat.completion.chunk"}\n\n'
+    + b"".join(
+        b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"'
+        + t
+        + b'"}}],"created":1732860001,"id":"chatcmpl-Xq2","model":"gpt-3.5-turbo",'
+        b'"system_fingerprint":"b4600-8bd5e5c2","object":"chat.completion.chunk"}\n\n'
+        for t in [b"Hello", b"!", b" How", b" can", b" I", b" help", b"?"]
+    )
+    + b'data: {"choices":[{"finish_reason":"stop","index":0,"delta":{}}],"created":1732860001,'
+    b'"id":"chatcmpl-Xq2","model":"gpt-3.5-turbo","system_fingerprint":"b4600-8bd5e5c2",'
+    b'"object":"chat.completion.chunk","usage":{"completion_tokens":7,"prompt_tokens":12,'
+    b'"total_tokens":19},"timings":{"prompt_n":12,"prompt_ms":18.2,"prompt_per_token_ms":1.51,'
+    b'"prompt_per_second":659.3,"predicted_n":7,"predicted_ms":61.0,'
+    b'"predicted_per_token_ms":8.71,"predicted_per_second":114.7}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+# llama.cpp (newer server): separate usage-only chunk that also has timings.
+LLAMACPP_CHAT_NEW = (
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hi"}}],'
+    b'"created":1,"id":"chatcmpl-9","model":"m","object":"chat.completion.chunk"}\n\n'
+    b'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],'
+    b'"created":1,"id":"chatcmpl-9","model":"m","object":"chat.completion.chunk"}\n\n'
+    b'data: {"choices":[],"created":1,"id":"chatcmpl-9","model":"m",'
+    b'"object":"chat.completion.chunk","usage":{"completion_tokens":1,"prompt_tokens":3,'
+    b'"total_tokens":4},"timings":{"prompt_n":3,"predicted_n":1}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+# SGLang-style spaced JSON (Python json.dumps separators), usage: null on every chunk.
+SGLANG_CHAT = sse(
+    chunk("a1b2", "default", [delta(role="assistant", content="")], usage=None),
+    chunk("a1b2", "default", [delta(content="Bonjour", reasoning_content=None)], usage=None),
+    chunk("a1b2", "default", [delta(content=' "le" ', tool_calls=None)], usage=None),
+    chunk("a1b2", "default", [delta(content="", finish="stop")], usage=None),
+    chunk(
+        "a1b2",
+        "default",
+        [],
+        usage={"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12},
+    ),
+    spaced=True,
+)
+
+
+def cmpl(text: str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {
+        "id": "cmpl-41",
+        "object": "text_completion",
+        "created": 1,
+        "model": "facebook/opt-125m",
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+            }
+        ],
+        **extra,
+    }
+
+
+COMPLETIONS = sse(
+    cmpl(" Paris"),
+    cmpl(","),
+    cmpl(""),
+    cmpl(" France", finish="length"),
+    {
+        "id": "cmpl-41",
+        "object": "text_completion",
+        "created": 1,
+        "model": "facebook/opt-125m",
+        "choices": [],
+        "usage": {"prompt_tokens": 6, "total_tokens": 9, "completion_tokens": 3},
+    },
+)
+
+# n=2: choices interleave; each index has its own finish reason.
+CHAT_N2 = sse(
+    chunk("c-n2", "m", [delta(0, role="assistant", content=""), delta(1, role="assistant")]),
+    chunk("c-n2", "m", [delta(0, content="A")]),
+    chunk("c-n2", "m", [delta(1, content="B")]),
+    chunk("c-n2", "m", [delta(1, content="b", finish="length")]),
+    chunk("c-n2", "m", [delta(0, content="a", finish="stop")]),
+    chunk("c-n2", "m", [], usage={"prompt_tokens": 4, "completion_tokens": 4}),
+)
+
+TOOL_CALLS = sse(
+    chunk("c-tool", "m", [delta(role="assistant", content=None)]),
+    chunk(
+        "c-tool",
+        "m",
+        [
+            delta(
+                tool_calls=[
+                    {
+                        "index": 0,
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": ""},
+                    }
+                ]
+            )
+        ],
+    ),
+    *(
+        chunk("c-tool", "m", [delta(tool_calls=[{"index": 0, "function": {"arguments": a}}])])
+        for a in ['{"city"', ': "Paris', '", "content": "x"}']
+    ),
+    chunk("c-tool", "m", [delta(finish="tool_calls")]),
+    chunk("c-tool", "m", [], usage={"prompt_tokens": 50, "completion_tokens": 12}),
+)
+
+REASONING = sse(
+    chunk("c-r1", "deepseek-r1", [delta(role="assistant", content="")]),
+    *(chunk("c-r1", "deepseek-r1", [delta(reasoning_content=t)]) for t in ["Let", " me", " think"]),
+    chunk("c-r1", "deepseek-r1", [delta(reasoning_content=None, content="42")]),
+    chunk("c-r1", "deepseek-r1", [delta(content="", finish="stop")]),
+    chunk("c-r1", "deepseek-r1", [], usage={"prompt_tokens": 8, "completion_tokens": 4}),
+)
+
+# vLLM error mid-stream: an {"error": ...} event, then [DONE].
+ERROR_MID = sse(
+    chunk("c-err", "m", [delta(role="assistant", content="")]),
+    chunk("c-err", "m", [delta(content="Once")]),
+    chunk("c-err", "m", [delta(content=" upon")]),
+    {
+        "error": {
+            "object": "error",
+            "message": "CUDA out of memory",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    },
+)
+
+# The upstream died mid-event: no [DONE], no finish reason, a torn last event.
+CUT = (
+    sse(
+        chunk("c-cut", "m", [delta(role="assistant", content="")]),
+        chunk("c-cut", "m", [delta(content="half")]),
+        chunk("c-cut", "m", [delta(content=" way")]),
+        done=False,
+    )
+    + b'data: {"id":"c-cut","object":"chat.completion.chunk","choices":[{"index":0,"del'
+)
+
+# sse-starlette framing: CRLF, keep-alive comments, "data:" without a space.
+CRLF_COMMENTS = (
+    b": ping - 2026-11-29 09:00:00\r\n\r\n"
+    + sse(
+        chunk("c-crlf", "m", [delta(role="assistant", content="")]),
+        chunk("c-crlf", "m", [delta(content="x")]),
+        done=False,
+        sep="\r\n\r\n",
+    )
+    + b": ping\r\n\r\n"
+    + b'data:{"id":"c-crlf","object":"chat.completion.chunk","model":"m","choices":[{"index":0,'
+    b'"delta":{"content":"y"},"finish_reason":"stop"}]}\r\n\r\n' + b"data:[DONE]\r\n\r\n"
+)
+
+
+def rev(event: str, obj: dict[str, Any], sort: bool = False) -> bytes:
+    body = json.dumps(obj, sort_keys=True, separators=(",", ":")) if sort else orjson.dumps(obj)
+    return (
+        f"event: {event}\n".encode()
+        + b"data: "
+        + (body.encode() if isinstance(body, str) else body)
+        + b"\n\n"
+    )
+
+
+RESP = {
+    "id": "resp_67ccd2",
+    "object": "response",
+    "created_at": 1741476542,
+    "status": "in_progress",
+    "model": "gpt-4.1-2025-04-14",
+    "output": [],
+    "usage": None,
+}
+R = {"response": RESP}
+RESP_DONE = {
+    **RESP,
+    "status": "completed",
+    "output": [
+        {
+            "type": "message",
+            "id": "msg_1",
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Hi there", "annotations": []}],
+        }
+    ],
+    "usage": {
+        "input_tokens": 37,
+        "input_tokens_details": {"cached_tokens": 32},
+        "output_tokens": 2,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 39,
+    },
+}
+
+
+def text_delta(seq: int, d: str) -> dict[str, Any]:
+    return {
+        "type": "response.output_text.delta",
+        "item_id": "msg_1",
+        "output_index": 0,
+        "content_index": 0,
+        "delta": d,
+        "sequence_number": seq,
+    }
+
+
+# Responses API with event: lines. response.completed is serialized with sorted keys, so its
+# nested "type" values ("message", "output_text") come before the event's own type.
+RESPONSES = b"".join(
+    [
+        rev(
+            "response.created", {"type": "response.created", "sequence_number": 0, "response": RESP}
+        ),
+        rev(
+            "response.in_progress",
+            {"type": "response.in_progress", "sequence_number": 1, "response": RESP},
+        ),
+        rev(
+            "response.output_item.added",
+            {
+                "type": "response.output_item.added",
+                "output_index": 0,
+                "sequence_number": 2,
+                "item": {"id": "msg_1", "type": "message", "role": "assistant", "content": []},
+            },
+            sort=True,
+        ),
+        rev("response.output_text.delta", text_delta(3, "Hi")),
+        rev("response.output_text.delta", text_delta(4, "")),
+        rev("response.output_text.delta", text_delta(5, " there")),
+        rev(
+            "response.output_text.done",
+            {"type": "response.output_text.done", "sequence_number": 6, "text": "Hi there"},
+        ),
+        rev(
+            "response.completed",
+            {"type": "response.completed", "sequence_number": 7, "response": RESP_DONE},
+            sort=True,
+        ),
+    ]
+)
+
+RESPONSES_FAILED = b"".join(
+    [
+        rev(
+            "response.created", {"type": "response.created", "sequence_number": 0, "response": RESP}
+        ),
+        rev("response.output_text.delta", text_delta(1, "Hi")),
+        rev(
+            "response.failed",
+            {
+                "type": "response.failed",
+                "sequence_number": 2,
+                "response": {
+                    **RESP,
+                    "status": "failed",
+                    "error": {"code": "server_error", "message": "boom"},
+                },
+            },
+        ),
+    ]
+)
+
+STREAMS: dict[str, tuple[API, bytes]] = {
+    "vllm_chat": ("chat", VLLM_CHAT),
+    "llamacpp_chat": ("chat", LLAMACPP_CHAT),
+    "llamacpp_chat_new": ("chat", LLAMACPP_CHAT_NEW),
+    "sglang_spaced": ("chat", SGLANG_CHAT),
+    "completions": ("completions", COMPLETIONS),
+    "chat_n2": ("chat", CHAT_N2),
+    "tool_calls": ("chat", TOOL_CALLS),
+    "reasoning": ("chat", REASONING),
+    "error_mid_stream": ("chat", ERROR_MID),
+    "cut_without_done": ("chat", CUT),
+    "crlf_comments": ("chat", CRLF_COMMENTS),
+    "responses": ("responses", RESPONSES),
+    "responses_failed": ("responses", RESPONSES_FAILED),
+}
+
+# ---------------------------------------------------------------------------------------------
+# The slow reference: split the whole stream into events, parse every one, decide from the
+# parsed objects. The fast meter must agree with it for every split of every stream.
+
+T0, T_UP = 0.0, 1.0
+
+
+def recv_time(i: int) -> float:
+    return 10.0 + i
+
+
+def sent_time(i: int) -> float:
+    return 10.25 + i
+
+
+@dataclass
+class RefEvent:
+    end: int  # offset just past its separator in the whole stream
+    data: bytes | None
+
+
+def ref_events(stream: bytes) -> tuple[list[RefEvent], int]:
+    """Complete events and the offset where the unterminated tail begins."""
+    events = []
+    pos = 0
+    for m in re.finditer(rb"\r\n\r\n|\n\n", stream):
+        raw = stream[pos : m.start()]
+        lines = re.split(rb"\r\n|\n", raw)
+        data = [ln[5:].removeprefix(b" ") for ln in lines if ln.startswith(b"data:")]
+        events.append(RefEvent(m.end(), b"\n".join(data) if data else None))
+        pos = m.end()
+    return events, pos
+
+
+def ref_is_output(api: str, obj: Any) -> bool:
+    if not isinstance(obj, dict):
+        return False
+    if api == "responses":
+        t = obj.get("type", "")
+        return isinstance(t, str) and t.endswith(".delta") and bool(obj.get("delta"))
+    for c in obj.get("choices") or []:
+        if api == "completions":
+            if isinstance(c.get("text"), str) and c["text"]:
+                return True
+            continue
+        d = c.get("delta") or {}
+        for k in ("content", "reasoning_content", "reasoning", "refusal"):
+            if isinstance(d.get(k), str) and d[k]:
+                return True
+        if isinstance(d.get("tool_calls"), list) and d["tool_calls"]:
+            return True
+    return False
+
+
+def ref_is_usage_only(api: str, obj: Any) -> bool:
+    return (
+        api != "responses"
+        and isinstance(obj, dict)
+        and obj.get("choices") == []
+        and isinstance(obj.get("usage"), dict)
+    )
+
+
+def reference(api: str, stream: bytes, cuts: list[int], strip: bool) -> tuple[bytes, StreamFacts]:
+    bounds = [0, *cuts, len(stream)]
+    events, tail_at = ref_events(stream)
+
+    def feed_index(end: int) -> int:
+        return next(i for i in range(len(bounds) - 1) if bounds[i] < end <= bounds[i + 1])
+
+    client = bytearray()
+    pos = 0
+    out_feeds: list[int] = []
+    n_events = 0
+    completed = False
+    error: str | None = None
+    reasons: list[str] = []
+    rid = model = None
+    out_tok = in_tok = cached = None
+    for ev in events:
+        start, pos = pos, ev.end
+        obj = None
+        if ev.data is not None:
+            n_events += 1
+            if ev.data == b"[DONE]":
+                completed = True
+            else:
+                try:
+                    obj = orjson.loads(ev.data)
+                except orjson.JSONDecodeError:
+                    obj = None
+        if strip and ref_is_usage_only(api, obj):
+            pass
+        else:
+            client += stream[start:pos]
+        if not isinstance(obj, dict):
+            continue
+        if ref_is_output(api, obj):
+            out_feeds.append(feed_index(ev.end))
+        if api == "responses":
+            t = obj.get("type")
+            resp = obj.get("response")
+            if isinstance(resp, dict):
+                rid, model = resp["id"], resp["model"]
+                if isinstance(resp.get("usage"), dict):
+                    u = resp["usage"]
+                    out_tok, in_tok = u["output_tokens"], u["input_tokens"]
+                    cached = u["input_tokens_details"]["cached_tokens"]
+                if t == "response.completed":
+                    reasons.append("stop")
+                    completed = True
+                if t == "response.failed":
+                    reasons.append("error")
+                    error = resp["error"]["code"]
+                    completed = True
+            continue
+        if "error" in obj:
+            error = obj["error"]["type"]
+            continue
+        rid = rid or obj.get("id")
+        model = model or obj.get("model")
+        for c in obj.get("choices") or []:
+            if c.get("finish_reason"):
+                reasons.append(c["finish_reason"])
+                completed = True
+        if isinstance(obj.get("usage"), dict):
+            u = obj["usage"]
+            out_tok, in_tok = u.get("completion_tokens"), u.get("prompt_tokens")
+            cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if strip:
+        client += stream[tail_at:]
+    if error is None and not completed:
+        error = "incomplete_stream"
+    if error is not None and "error" not in reasons:
+        reasons.append("error")
+    sent = [sent_time(i) for i in out_feeds]
+    first, last = (sent[0], sent[-1]) if sent else (None, None)
+    tpot = None
+    if first is not None and last is not None and out_tok and out_tok > 1:
+        tpot = (last - first) / (out_tok - 1)
+    facts = StreamFacts(
+        ttft_s=None if first is None else first - T0,
+        upstream_ttft_s=None if not out_feeds else recv_time(out_feeds[0]) - T_UP,
+        itl_s=[b - a for a, b in itertools.pairwise(sent)],
+        tpot_s=tpot,
+        e2e_s=None if last is None else last - T0,
+        chunks=len(out_feeds),
+        events=n_events,
+        output_tokens=out_tok,
+        input_tokens=in_tok,
+        cached_tokens=cached,
+        finish_reasons=reasons,
+        response_id=rid,
+        response_model=model,
+        error=error,
+        cancelled=False,
+        first_output_at=first,
+        last_output_at=last,
+        forward_s=[sent_time(i) - recv_time(i) for i in sorted(set(out_feeds))],
+    )
+    return (bytes(client) if strip else stream), facts
+
+
+def run_meter(api: API, stream: bytes, cuts: list[int], strip: bool) -> tuple[bytes, StreamFacts]:
+    m = StreamMeter(api, t0=T0, strip_usage=strip)
+    m.upstream_sent(T_UP)
+    bounds = [0, *cuts, len(stream)]
+    client = b""
+    for i in range(len(bounds) - 1):
+        out = m.feed(stream[bounds[i] : bounds[i + 1]], recv_time(i))
+        client += out
+        m.mark_sent(sent_time(i))
+    rest, facts = m.finish(1000.0)
+    return client + rest, facts
+
+
+@st.composite
+def recorded_split(draw: st.DrawFn) -> tuple[str, list[int], bool]:
+    name = draw(st.sampled_from(sorted(STREAMS)))
+    n = len(STREAMS[name][1])
+    cuts = draw(st.lists(st.integers(1, n - 1), max_size=40, unique=True).map(sorted))
+    return name, cuts, draw(st.booleans())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recorded_split())
+def test_any_split_of_a_recorded_stream_gives_the_reference_facts(
+    case: tuple[str, list[int], bool],
+) -> None:
+    name, cuts, strip = case
+    api, stream = STREAMS[name]
+    assert run_meter(api, stream, cuts, strip) == reference(api, stream, cuts, strip)
+
+
+@pytest.mark.parametrize("name", sorted(STREAMS))
+def test_byte_at_a_time_feeding_matches_the_reference(name: str) -> None:
+    api, stream = STREAMS[name]
+    cuts = list(range(1, len(stream)))
+    for strip in (False, True):
+        assert run_meter(api, stream, cuts, strip) == reference(api, stream, cuts, strip)
+
+
+# Generated chat streams: adversarial text (quotes, backslashes, fake keys, newlines) in every
+# field the byte search looks at, compact or spaced JSON, LF or CRLF framing.
+TRICKY = st.lists(
+    st.sampled_from(['"', "\\", ":", " ", "a", "\n", "é", "{", "}", "[", "]", ","])
+    | st.sampled_from(
+        ['"content":"', '\\"content\\": "x"', '"usage":{', '"choices":[]', '"error"']
+    ),
+    max_size=8,
+).map("".join)
+
+
+@st.composite
+def generated_chat(draw: st.DrawFn) -> tuple[bytes, list[int], bool]:
+    objs: list[dict[str, Any]] = []
+    for _ in range(draw(st.integers(1, 8))):
+        d: dict[str, Any] = {}
+        for key in ("content", "reasoning_content", "reasoning", "refusal"):
+            v = draw(st.none() | st.just("") | TRICKY | st.just(None))
+            if v is not None or draw(st.booleans()):
+                d[key] = v
+        if draw(st.booleans()):
+            d["tool_calls"] = draw(
+                st.lists(st.fixed_dictionaries({"index": st.just(0), "id": TRICKY}), max_size=2)
+            )
+        finish = draw(st.none() | st.sampled_from(["stop", "length"]))
+        objs.append(chunk("gen", "m", [delta(0, finish, **d)], usage=None))
+    if draw(st.booleans()):
+        objs.append(chunk("gen", "m", [], usage={"prompt_tokens": 1, "completion_tokens": 3}))
+    stream = sse(
+        *objs,
+        spaced=draw(st.booleans()),
+        sep=draw(st.sampled_from(["\n\n", "\r\n\r\n"])),
+        done=draw(st.booleans()),
+    )
+    cuts = draw(st.lists(st.integers(1, len(stream) - 1), max_size=10, unique=True).map(sorted))
+    return stream, cuts, draw(st.booleans())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(generated_chat())
+def test_byte_search_classification_agrees_with_full_parse(
+    case: tuple[bytes, list[int], bool],
+) -> None:
+    stream, cuts, strip = case
+    assert run_meter("chat", stream, cuts, strip) == reference("chat", stream, cuts, strip)
+
+
+# ---------------------------------------------------------------------------------------------
+# Behaviour, case by case.
+
+
+def test_usage_chunk_is_stripped_when_client_did_not_ask() -> None:
+    client, facts = run_meter("chat", VLLM_CHAT, [], strip=True)
+    usage_event = VLLM_CHAT.split(b"\n\n")[-3] + b"\n\n"
+    assert b'"choices":[]' in usage_event
+    assert client == VLLM_CHAT.replace(usage_event, b"")
+    assert facts.output_tokens == 5 and facts.input_tokens == 24 and facts.cached_tokens == 16
+
+
+def test_usage_chunk_is_forwarded_when_client_asked() -> None:
+    client, facts = run_meter("chat", VLLM_CHAT, [], strip=False)
+    assert client == VLLM_CHAT
+    assert facts.output_tokens == 5
+
+
+def test_without_strip_feed_forwards_each_read_immediately_and_unchanged() -> None:
+    m = StreamMeter("chat", t0=0.0, strip_usage=False)
+    for i in range(0, len(VLLM_CHAT), 7):
+        piece = VLLM_CHAT[i : i + 7]
+        assert m.feed(piece, 1.0) is piece
+
+
+def test_strip_mode_holds_back_only_the_incomplete_trailing_event() -> None:
+    m = StreamMeter("chat", t0=0.0, strip_usage=True)
+    first_end = VLLM_CHAT.index(b"\n\n") + 2
+    assert m.feed(VLLM_CHAT[: first_end + 10], 1.0) == VLLM_CHAT[:first_end]
+
+
+def test_llamacpp_final_chunk_with_usage_and_timings_is_kept_and_metered() -> None:
+    client, facts = run_meter("chat", LLAMACPP_CHAT, [], strip=True)
+    assert client == LLAMACPP_CHAT
+    assert facts.chunks == 7 and facts.output_tokens == 7 and facts.finish_reasons == ["stop"]
+    assert facts.response_id == "chatcmpl-Xq2" and facts.error is None
+
+
+def test_role_only_empty_and_usage_events_are_not_output() -> None:
+    _, facts = run_meter("chat", VLLM_CHAT, [], strip=False)
+    assert facts.chunks == 5  # "The", " sky", " is", " blue", "."
+    assert facts.events == 8  # role + 5 + usage + [DONE]
+    _, facts = run_meter("completions", COMPLETIONS, [], strip=False)
+    assert facts.chunks == 3 and facts.finish_reasons == ["length"]
+
+
+def test_timings_come_from_client_send_times() -> None:
+    m = StreamMeter("chat", t0=100.0, strip_usage=False)
+    m.upstream_sent(100.5)
+    events = VLLM_CHAT.split(b"\n\n")[:-1]
+    feeds = [events[0] + b"\n\n" + events[1] + b"\n\n", events[2] + b"\n\n"]
+    feeds.append(b"".join(e + b"\n\n" for e in events[3:]))  # " is", " blue", ".", usage, DONE
+    for i, data in enumerate(feeds):
+        m.feed(data, 101.0 + i)
+        m.mark_sent(101.1 + i)
+    _, f = m.finish(110.0)
+    assert f.ttft_s == pytest.approx(1.1)  # first output ("The") written at 101.1
+    assert f.upstream_ttft_s == pytest.approx(0.5)  # received 101.0, sent upstream 100.5
+    assert f.itl_s == pytest.approx([1.0, 1.0, 0.0, 0.0])  # one per output event after first
+    assert f.e2e_s == pytest.approx(3.1)
+    assert f.tpot_s == pytest.approx((103.1 - 101.1) / 4)
+    assert f.first_output_at == pytest.approx(101.1) and f.last_output_at == pytest.approx(103.1)
+    assert f.forward_s == pytest.approx([0.1, 0.1, 0.1])
+
+
+def test_upstream_ttft_is_measured_from_the_last_attempt() -> None:
+    m = StreamMeter("chat", t0=0.0, strip_usage=False)
+    m.upstream_sent(1.0)  # attempt 1 failed before the first byte
+    m.upstream_sent(3.0)
+    m.feed(VLLM_CHAT, 4.0)
+    m.mark_sent(4.5)
+    _, f = m.finish(5.0)
+    assert f.upstream_ttft_s == 1.0 and f.ttft_s == 4.5
+
+
+def test_error_event_mid_stream_is_recorded_as_error_not_success() -> None:
+    _, f = run_meter("chat", ERROR_MID, [], strip=False)
+    assert f.error == "InternalServerError"
+    assert f.finish_reasons == ["error"]
+    assert f.chunks == 2
+
+
+def test_stream_cut_without_done_is_incomplete() -> None:
+    client, f = run_meter("chat", CUT, [], strip=True)
+    assert client == CUT  # the torn tail is still flushed to the client
+    assert f.error == "incomplete_stream" and "error" in f.finish_reasons
+    assert f.chunks == 2
+
+
+def test_proxy_reported_error_wins_over_stream_state() -> None:
+    m = StreamMeter("chat", t0=0.0, strip_usage=False)
+    m.feed(CUT, 1.0)
+    m.mark_sent(1.0)
+    _, f = m.finish(2.0, error="upstream_idle_timeout")
+    assert f.error == "upstream_idle_timeout"
+
+
+def test_client_disconnect_is_recorded_as_cancelled() -> None:
+    m = StreamMeter("chat", t0=0.0, strip_usage=False)
+    cut = VLLM_CHAT.index(b" sky")  # role chunk + "The" delivered
+    m.feed(VLLM_CHAT[:cut], 1.0)
+    m.mark_sent(1.1)
+    m.feed(VLLM_CHAT[cut:], 2.0)  # the write of these bytes failed: no mark_sent
+    _, f = m.finish(2.5, cancelled=True)
+    assert f.cancelled and "cancelled" in f.finish_reasons and f.error is None
+    assert f.last_output_at == 1.1  # undelivered events are not timed
+
+
+def test_unmarked_output_counts_as_sent_at_finish() -> None:
+    m = StreamMeter("chat", t0=0.0, strip_usage=False)
+    m.feed(VLLM_CHAT, 1.0)
+    _, f = m.finish(2.0)
+    assert f.ttft_s == 2.0 and f.chunks == 5
+
+
+def test_n2_counts_every_choice_and_keeps_each_finish_reason() -> None:
+    _, f = run_meter("chat", CHAT_N2, [], strip=True)
+    assert f.chunks == 4 and f.finish_reasons == ["length", "stop"]
+
+
+def test_tool_calls_and_reasoning_content_are_output() -> None:
+    _, f = run_meter("chat", TOOL_CALLS, [], strip=False)
+    assert f.chunks == 4 and f.finish_reasons == ["tool_calls"]
+    _, f = run_meter("chat", REASONING, [], strip=False)
+    assert f.chunks == 4
+
+
+def test_spaced_json_is_classified_and_its_usage_stripped() -> None:
+    client, f = run_meter("chat", SGLANG_CHAT, [], strip=True)
+    assert f.chunks == 2 and f.output_tokens == 3 and f.finish_reasons == ["stop"]
+    assert b'"usage": {' not in client and client.count(b"data:") == 5
+
+
+def test_crlf_framing_comments_and_data_without_space() -> None:
+    _, f = run_meter("chat", CRLF_COMMENTS, [5, 40], strip=False)
+    assert f.chunks == 2 and f.events == 4 and f.finish_reasons == ["stop"] and f.error is None
+
+
+def test_responses_api_stream() -> None:
+    client, f = run_meter("responses", RESPONSES, [], strip=True)
+    assert client == RESPONSES
+    assert f.chunks == 2  # the empty delta does not count
+    assert (f.input_tokens, f.output_tokens, f.cached_tokens) == (37, 2, 32)
+    assert f.response_id == "resp_67ccd2" and f.response_model == "gpt-4.1-2025-04-14"
+    assert f.finish_reasons == ["stop"] and f.error is None
+    _, f = run_meter("responses", RESPONSES_FAILED, [], strip=False)
+    assert f.error == "server_error" and f.finish_reasons == ["error"]
+
+
+def test_meter_json_reads_usage_finish_and_ids() -> None:
+    body = orjson.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "model": "m",
+            "choices": [{"index": 0, "message": {"content": "hi"}, "finish_reason": "stop"}],
+            "usage": {
+                "prompt_tokens": 7,
+                "completion_tokens": 1,
+                "prompt_tokens_details": {"cached_tokens": 4},
+            },
+        }
+    )
+    f = meter_json("chat", body, t0=1.0, now=1.5)
+    assert f.e2e_s == 0.5 and f.ttft_s is None and f.chunks == 0
+    assert (f.input_tokens, f.output_tokens, f.cached_tokens) == (7, 1, 4)
+    assert f.finish_reasons == ["stop"] and f.response_id == "chatcmpl-1" and f.error is None
+
+
+def test_meter_json_error_and_responses_bodies() -> None:
+    err = meter_json(
+        "chat", b'{"error":{"message":"x","type":"BadRequestError","code":400}}', t0=0, now=1
+    )
+    assert err.error == "BadRequestError" and err.finish_reasons == ["error"]
+    old = meter_json(
+        "chat", b'{"object":"error","message":"x","type":"NotFoundError"}', t0=0, now=1
+    )
+    assert old.error == "NotFoundError"
+    assert meter_json("chat", b"<html>", t0=0, now=1).error == "invalid_response"
+    r = meter_json("responses", orjson.dumps(RESP_DONE), t0=0, now=2)
+    assert (r.input_tokens, r.output_tokens, r.finish_reasons) == (37, 2, ["stop"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from(["chat", "completions", "responses"]),
+    st.lists(
+        st.binary(max_size=40)
+        | st.sampled_from([b"data: ", b"\n\n", b"\r\n", b'"content":"', b"{", b"[DONE]"]),
+        max_size=30,
+    ),
+    st.booleans(),
+)
+def test_garbage_never_raises_and_strip_mode_loses_no_bytes(
+    api: API, pieces: list[bytes], strip: bool
+) -> None:
+    m = StreamMeter(api, t0=0.0, strip_usage=strip)
+    out = b"".join(m.feed(p, 1.0) for p in pieces)
+    rest, _ = m.finish(2.0)
+    assert out + rest == b"".join(pieces) or strip
