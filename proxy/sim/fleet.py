@@ -48,14 +48,12 @@ class SimFleet:
             for app, port in zip(self.apps, ports, strict=True)
         ]
         self._tasks: list[asyncio.Task[None]] = []
+        self._ports = list(ports)
 
     @property
     def ports(self) -> list[int]:
-        out = []
-        for server in self.servers:
-            sock = server.servers[0].sockets[0] if server.servers else None
-            out.append(int(sock.getsockname()[1]) if sock is not None else 0)
-        return out
+        """The ports bound (known once started; 0 asks the OS for a free one)."""
+        return list(self._ports)
 
     @property
     def urls(self) -> list[str]:
@@ -75,6 +73,7 @@ class SimFleet:
                     await self.stop()
                     raise RuntimeError("a simulated engine failed to start (port in use?)")
             await asyncio.sleep(0.01)
+        self._ports = [int(s.servers[0].sockets[0].getsockname()[1]) for s in self.servers]
 
     async def stop(self) -> None:
         for server in self.servers:

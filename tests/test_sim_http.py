@@ -1,0 +1,519 @@
+"""The simulated engine over real HTTP on loopback: vLLM's API shapes and the physics on the
+wall clock. Timings are compared as ratios with generous margins (shared, noisy machine);
+the exact numbers are proven on the pure core in test_sim_core.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from proxy.sim import SimApp, SimConfig, SimFleet, create_sim_app, serve
+from tests.support import ServerThread, free_port
+
+SYSTEM = "You are a meticulous assistant who answers with care and cites sources. "
+
+
+@contextlib.contextmanager
+def sim(device: str = "h100", **overrides: Any) -> Iterator[tuple[str, SimApp]]:
+    app = create_sim_app(SimConfig.from_preset(device, "8b", "bf16", **overrides))
+    with ServerThread(app, **app.uvicorn_kwargs()) as server:
+        yield server.url, app
+
+
+def chat(content: str, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    body = {"model": "sim-8b", "messages": [{"role": "user", "content": content}]}
+    return {**body, "max_tokens": max_tokens, "ignore_eos": True, **extra}
+
+
+def text_of_tokens(n: int, salt: str = "") -> str:
+    """About `n` tokens of text (4 characters each)."""
+    base = (salt + " " + SYSTEM) * (n * 4 // len(SYSTEM) + 2)
+    return base[: n * 4]
+
+
+class Stream:
+    """Every SSE event of one streamed request with its arrival time."""
+
+    def __init__(self, start: float, events: list[tuple[float, Any]], status: int) -> None:
+        self.start, self.events, self.status = start, events, status
+
+    @property
+    def chunks(self) -> list[dict[str, Any]]:
+        return [e for _, e in self.events if isinstance(e, dict)]
+
+    @property
+    def content_times(self) -> list[float]:
+        out = []
+        for t, e in self.events:
+            if isinstance(e, dict) and e["choices"]:
+                c = e["choices"][0]
+                if c.get("delta", {}).get("content") or c.get("text"):
+                    out.append(t)
+        return out
+
+    @property
+    def ttft(self) -> float:
+        return self.content_times[0] - self.start
+
+    @property
+    def itls(self) -> list[float]:
+        ts = self.content_times
+        return [b - a for a, b in itertools.pairwise(ts)]
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        return next(e["usage"] for e in self.chunks if e.get("usage"))
+
+
+async def stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], path: str = "/v1/chat/completions"
+) -> Stream:
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    events: list[tuple[float, Any]] = []
+    async with client.stream("POST", url + path, json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                events.append(
+                    (time.perf_counter(), data if data == "[DONE]" else orjson.loads(data))
+                )
+    return Stream(start, events, r.status_code)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not await check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert m, f"{name} missing"
+    return float(m.group(1))
+
+
+# --- API shape --------------------------------------------------------------------------
+
+
+async def test_chat_stream_chunks_look_like_vllms() -> None:
+    with sim(time_scale=10) as (url, _):
+        async with httpx.AsyncClient() as client:
+            s = await stream(client, url, chat("hello", max_tokens=5))
+    assert s.status == 200 and s.events[-1][1] == "[DONE]"
+    first, *tokens, usage = s.chunks
+    assert first["object"] == "chat.completion.chunk" and first["id"].startswith("chatcmpl-")
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert len(tokens) == 5  # one output token per chunk
+    assert all(t["choices"][0]["finish_reason"] is None for t in tokens[:-1])
+    assert tokens[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and set(usage) == {
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "usage",
+    }
+    assert usage["usage"]["completion_tokens"] == 5
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 5
+    assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+async def test_openai_client_streams_and_matches_the_non_streamed_answer() -> None:
+    with sim(time_scale=10) as (url, _):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sim")
+        msgs: Any = [{"role": "system", "content": SYSTEM * 8}, {"role": "user", "content": "hi"}]
+        full = await client.chat.completions.create(model="sim-8b", messages=msgs, max_tokens=12)
+        parts, usage = [], None
+        async with await client.chat.completions.create(
+            model="sim-8b",
+            messages=msgs,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        ) as chunks:
+            async for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    parts.append(chunk.choices[0].delta.content)
+                usage = chunk.usage or usage
+        models = await client.models.list()
+        completion = await client.completions.create(model="sim-8b", prompt="Once", max_tokens=3)
+        await client.close()
+    assert "".join(parts) == full.choices[0].message.content
+    assert full.usage is not None and full.usage.completion_tokens == 12
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the second time, the prefix is warm
+    assert [m.id for m in models.data] == ["sim-8b"]
+    assert completion.usage is not None and completion.usage.completion_tokens == 3
+
+
+async def test_completions_stream_n_and_stop() -> None:
+    with sim(time_scale=10) as (url, _):
+        async with httpx.AsyncClient() as client:
+            body = {"prompt": "The cache", "max_tokens": 6, "n": 2, "ignore_eos": True}
+            s = await stream(client, url, body, "/v1/completions")
+            plain = (await client.post(url + "/v1/completions", json=body)).json()
+            word = plain["choices"][0]["text"].split()[2].strip(".")
+            body2 = {**body, "n": 1, "stop": [word]}
+            stopped = (await client.post(url + "/v1/completions", json=body2)).json()
+    assert {c["choices"][0]["index"] for c in s.chunks if c["choices"]} == {0, 1}
+    assert s.chunks[0]["object"] == "text_completion" and s.usage["completion_tokens"] == 12
+    assert [c["finish_reason"] for c in plain["choices"]] == ["length", "length"]
+    assert plain["choices"][0]["text"] != plain["choices"][1]["text"]
+    choice = stopped["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == word
+    assert word not in choice["text"]
+
+
+async def test_errors_have_the_openai_shape() -> None:
+    with sim() as (url, _):
+        async with httpx.AsyncClient() as client:
+            bad_json = await client.post(url + "/v1/chat/completions", content=b"{nope")
+            no_msgs = await client.post(url + "/v1/chat/completions", json={"model": "sim-8b"})
+            too_long = await client.post(
+                url + "/v1/chat/completions", json=chat("x", max_tokens=10**6)
+            )
+            unknown = await client.post(
+                url + "/v1/completions", json={"model": "gpt", "prompt": "x"}
+            )
+            wrong_method = await client.get(url + "/v1/chat/completions")
+            health = await client.get(url + "/health")
+    for r, status in ((bad_json, 400), (no_msgs, 400), (too_long, 400), (unknown, 404)):
+        assert r.status_code == status
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert "maximum context length" in too_long.json()["error"]["message"]
+    assert wrong_method.status_code == 405 and health.status_code == 200
+
+
+# --- physics on the wall clock --------------------------------------------------------
+
+
+async def test_doubling_the_prompt_doubles_ttft_but_not_itl() -> None:
+    with sim("a10g", time_scale=4) as (url, _):
+        async with httpx.AsyncClient() as client:
+            await stream(client, url, chat("warm up", 2))
+            short = await stream(client, url, chat(text_of_tokens(1000, "a"), 12))
+            long = await stream(client, url, chat(text_of_tokens(2000, "b"), 12))
+    assert long.ttft >= 1.8 * short.ttft  # >= 2.0 exactly in simulated time
+    assert short.ttft > 0.08  # ~0.46 s of A10G prefill at time scale 4
+    ratio = statistics.median(long.itls) / statistics.median(short.itls)
+    assert 0.85 < ratio < 1.2
+
+
+async def test_warm_prefix_cuts_ttft_and_reports_cached_tokens() -> None:
+    system = text_of_tokens(2000, "sys")
+    with sim("a10g", time_scale=4) as (url, _):
+        async with httpx.AsyncClient() as client:
+
+            def body(q: str) -> dict[str, Any]:
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+                return {"model": "sim-8b", "messages": messages, "max_tokens": 3}
+
+            cold = await stream(client, url, body("What is a KV cache?"))
+            warm = await stream(client, url, body("And prefix caching?"))
+            stats = (await client.get(url + "/sim/stats")).json()
+    assert cold.usage["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = warm.usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 0.95 * 2000 and cached % 16 == 0
+    assert warm.ttft < cold.ttft / 4
+    assert [r["cached_tokens"] for r in stats["requests"]] == [0, cached]
+    assert stats["prefix_cache_hits"] == cached
+
+
+async def test_single_stream_decode_rate_tracks_the_device_ceiling() -> None:
+    scale = 4
+    with sim("a10g", time_scale=scale) as (url, _):
+        async with httpx.AsyncClient() as client:
+            s = await stream(client, url, chat("count", 60))
+    ts = s.content_times
+    rate = (len(ts) - 1) / (ts[-1] - ts[0]) / scale  # back in simulated tokens/s
+    assert rate == pytest.approx(600 / 16, rel=0.15)
+
+
+async def test_batching_raises_throughput_and_p99_itl() -> None:
+    with sim("h100", time_scale=2) as (url, _):
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
+            t0 = time.perf_counter()
+            alone = await stream(client, url, chat(text_of_tokens(1500, "solo"), 40))
+            single_tput = 40 / (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            many = await asyncio.gather(
+                *(stream(client, url, chat(text_of_tokens(1500, f"u{i}"), 40)) for i in range(12))
+            )
+            batch_tput = 12 * 40 / (time.perf_counter() - t0)
+            metrics = (await client.get(url + "/metrics")).text
+
+    def p99(xs: list[float]) -> float:
+        return sorted(xs)[int(0.99 * (len(xs) - 1))]
+
+    assert batch_tput > 3 * single_tput
+    batched_itls = [x for s in many for x in s.itls]
+    assert p99(batched_itls) > 2 * p99(alone.itls)  # others' prefills land between tokens
+    assert metric(metrics, "vllm:inter_token_latency_seconds_count") == 13 * 39
+    assert metric(metrics, "vllm:time_to_first_token_seconds_count") == 13
+
+
+async def test_full_kv_pool_makes_requests_wait() -> None:
+    with sim("h100", time_scale=2, kv_blocks=64) as (url, _):  # room for 1024 tokens
+        async with httpx.AsyncClient() as client:
+            seen: list[float] = []
+
+            async def waiting() -> bool:
+                text = (await client.get(url + "/metrics")).text
+                seen.append(metric(text, "vllm:kv_cache_usage_perc"))
+                return metric(text, "vllm:num_requests_waiting") > 0
+
+            tasks = [
+                asyncio.create_task(stream(client, url, chat(text_of_tokens(400, f"r{i}"), 60)))
+                for i in range(4)
+            ]
+            await eventually(waiting)
+            done = await asyncio.gather(*tasks)
+            text = (await client.get(url + "/metrics")).text
+    assert max(seen) > 0.75
+    assert all(s.usage["completion_tokens"] == 60 for s in done)
+    assert metric(text, "vllm:num_requests_waiting") == 0
+    assert metric(text, "vllm:kv_cache_usage_perc") == 0.0
+
+
+async def test_client_disconnect_aborts_the_request_in_the_engine() -> None:
+    with sim("h100", time_scale=1) as (url, _):
+        async with httpx.AsyncClient() as client:
+            body = {**chat(text_of_tokens(300), 5000), "stream": True}
+            async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen == 4:
+                        break
+
+            async def aborted() -> bool:
+                return (await client.get(url + "/sim/stats")).json()["aborted"] == 1
+
+            await eventually(aborted)
+            stats = (await client.get(url + "/sim/stats")).json()
+            metrics = (await client.get(url + "/metrics")).text
+    assert stats["running"] == 0 and stats["kv_cache_usage"] == 0.0
+    assert stats["requests"][-1]["finish_reason"] == "abort"
+    assert stats["requests"][-1]["completion_tokens"] < 100
+    assert 'vllm:request_success_total{model_name="sim-8b",finished_reason="abort"} 1' in metrics
+    assert metric(metrics, "warmroute_sim_aborted_requests_total") == 1
+
+
+# --- faults -------------------------------------------------------------------------------
+
+
+async def test_injected_errors_stalls_cuts_and_slow_starts() -> None:
+    with sim("h100", time_scale=1) as (url, _):
+        async with httpx.AsyncClient() as client:
+
+            async def faults(**kw: Any) -> None:
+                off = {"error_rate": 0, "stall_rate": 0, "cut_rate": 0, "slow_start_rate": 0}
+                r = await client.post(url + "/sim/faults", json={**off, **kw})
+                assert r.status_code == 200, r.text
+
+            await faults(error_rate=1.0, error_status=503)
+            err = await client.post(url + "/v1/chat/completions", json=chat("x"))
+            assert err.status_code == 503 and "injected" in err.json()["error"]["message"]
+
+            await faults(stall_rate=1.0, stall_s=0.3, stall_after=2)
+            stalled = await stream(client, url, chat("x", 5))
+            assert max(stalled.itls) >= 0.28 and sorted(stalled.itls)[1] < 0.05
+
+            await faults(cut_rate=1.0, cut_after=3)
+            with pytest.raises(httpx.RemoteProtocolError):
+                await stream(client, url, chat("x", 50))
+
+            await faults(slow_start_rate=1.0, slow_start_s=0.3)
+            t0 = time.perf_counter()
+            slow = await client.post(url + "/v1/chat/completions", json=chat("x", 2))
+            assert slow.status_code == 200 and time.perf_counter() - t0 >= 0.28
+
+            await faults()
+            bad = await client.post(url + "/sim/faults", json={"error_rate": 2})
+            stats = (await client.get(url + "/sim/stats")).json()
+    assert bad.status_code == 400
+    assert stats["counts"] | {"requests": 0} == {
+        "requests": 0,
+        "errors_injected": 1,
+        "stalls": 1,
+        "cuts": 1,
+        "slow_starts": 1,
+        "refused": 0,
+    }
+    assert stats["aborted"] == 1 and stats["running"] == 0  # the cut stream freed its KV
+
+
+async def test_refused_connections_and_model_loading() -> None:
+    with sim("h100", time_scale=10) as (url, app):
+        async with httpx.AsyncClient() as client:
+            r = await client.post(url + "/sim/faults", json={"refuse_for_s": 60})
+            assert r.status_code == 200
+            with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+                await client.get(url + "/health")
+            app.refuse_until = 0.0  # the in-process handle ends the outage
+            app.cfg.faults.refuse_rate = 1.0
+            with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+                await client.get(url + "/health")
+            app.cfg.faults.refuse_rate = 0.0
+            assert (await client.get(url + "/health")).status_code == 200
+    assert app.counts["refused"] >= 1
+
+    with sim("h100", time_scale=10, faults={"load_s": 3.0}) as (url, _):  # 0.3 s of wall
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(url + "/health")).status_code == 503
+            busy = await client.post(url + "/v1/chat/completions", json=chat("x"))
+            assert busy.status_code == 503
+
+            async def loaded() -> bool:
+                return (await client.get(url + "/health")).status_code == 200
+
+            await eventually(loaded)
+
+
+# --- prefill/decode disaggregation --------------------------------------------------------
+
+
+async def test_nixl_style_prefill_then_decode_skips_prefill_on_the_decode_engine() -> None:
+    prompt = text_of_tokens(3000, "doc")
+    with sim("a10g", time_scale=8, role="prefill") as (p_url, _):
+        with sim("a10g", time_scale=8, role="decode") as (d_url, _):
+            async with httpx.AsyncClient() as client:
+                leg1 = chat(prompt, 20, kv_transfer_params={"do_remote_decode": True})
+                r = await client.post(p_url + "/v1/chat/completions", json=leg1)
+                kvp = r.json()["kv_transfer_params"]
+                leg2 = chat(prompt, 20, kv_transfer_params=kvp)
+                decoded = await stream(client, d_url, leg2)
+                local = await stream(client, d_url, chat(text_of_tokens(3000, "other"), 20))
+                d_stats = (await client.get(d_url + "/sim/stats")).json()
+    assert r.json()["usage"]["completion_tokens"] == 1
+    assert kvp["do_remote_prefill"] is True and kvp["remote_engine_id"]
+    assert len(kvp["remote_block_ids"]) == -(-r.json()["usage"]["prompt_tokens"] // 16)
+    assert decoded.usage["completion_tokens"] == 20
+    assert decoded.usage["prompt_tokens_details"]["cached_tokens"] >= 2990
+    assert decoded.ttft < local.ttft / 5  # paid a KV transfer, not a prefill
+    assert d_stats["external_kv_tokens"] > 2990
+
+
+async def test_sglang_style_bootstrap_room_pairs_prefill_and_decode() -> None:
+    prompt = text_of_tokens(2000, "room")
+    with sim("a10g", time_scale=8, role="prefill") as (p_url, _):
+        with sim("a10g", time_scale=8, role="decode") as (d_url, _):
+            port = int(p_url.rsplit(":", 1)[1])
+            body = chat(prompt, 10, bootstrap_host="127.0.0.1", bootstrap_port=port)
+            body["bootstrap_room"] = 4242
+            async with httpx.AsyncClient() as client:
+                decode, prefill = await asyncio.gather(
+                    stream(client, d_url, body),
+                    client.post(p_url + "/v1/chat/completions", json=body),
+                )
+                p_stats = (await client.get(p_url + "/sim/stats")).json()
+                d_stats = (await client.get(d_url + "/sim/stats")).json()
+    assert prefill.json()["usage"]["completion_tokens"] == 1
+    assert decode.usage["completion_tokens"] == 10
+    assert decode.usage["prompt_tokens_details"]["cached_tokens"] >= 1990
+    assert p_stats["prefix_cache_queries"] > 1990 and d_stats["prefix_cache_hits"] == 0
+    assert d_stats["external_kv_tokens"] >= 1990
+    assert decode.ttft > 0.06  # it waited for the prefill engine's ~0.12 s (scaled) prefill
+
+
+# --- running engines ----------------------------------------------------------------------
+
+
+async def test_serve_runs_independent_engines_until_cancelled() -> None:
+    cfg = SimConfig.from_preset("h100", time_scale=10)
+    ports = [free_port(), free_port()]
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve([cfg, cfg.replace()], "127.0.0.1", ports, ready=ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    body = chat(text_of_tokens(200, "same"), 2)
+    async with httpx.AsyncClient() as client:
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        first = [await stream(client, u, body) for u in urls]
+        again = await stream(client, urls[0], body)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with pytest.raises(httpx.ConnectError):
+            await client.get(urls[0] + "/health")
+    assert [s.usage["prompt_tokens_details"]["cached_tokens"] for s in first] == [0, 0]
+    assert again.usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_fleet_picks_free_ports() -> None:
+    cfg = SimConfig.from_preset("l40s", time_scale=10)
+    async with SimFleet([cfg, cfg.replace(model="other")]) as fleet:
+        async with httpx.AsyncClient() as client:
+            ids = [(await client.get(u + "/v1/models")).json()["data"][0]["id"] for u in fleet.urls]
+    assert ids == ["sim-8b", "other"] and all(p > 0 for p in fleet.ports)
+
+
+def test_cli_options_come_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxy.cli import build_parser
+    from proxy.sim.cli import config_from_args
+
+    monkeypatch.setenv("WARMROUTE_SIM_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("WARMROUTE_SIM_FAULT_ERROR_RATE", "0.25")
+    monkeypatch.setenv("WARMROUTE_SIM_ENABLE_PREFIX_CACHING", "false")
+    parser = build_parser()
+    args = parser.parse_args(["sim", "--device", "l40s", "--dtype", "int8", "--max-num-seqs", "9"])
+    cfg = config_from_args(args)
+    assert (cfg.device, cfg.dtype, cfg.max_num_seqs, cfg.model) == ("l40s", "int8", 9, "sim-8b")
+    assert cfg.faults.error_rate == 0.25 and cfg.enable_prefix_caching is False
+    assert callable(args.func)
+    sub = next(a for a in parser._actions if a.dest == "command").choices["sim"]  # type: ignore[union-attr]
+    assert "examples:" in sub.format_help() and "WARMROUTE_SIM_" in sub.format_help()
+
+
+def test_cli_serves_instances_on_consecutive_ports_and_stops_on_sigterm() -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "proxy",
+            "sim",
+            "--port",
+            str(port),
+            "--instances",
+            "2",
+            "--time-scale",
+            "10",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "WARMROUTE_SIM_DEVICE": "a100"},
+    )
+    try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline()
+        assert "2 x sim-8b" in banner and "a100" in banner, banner
+        for p in (port, port + 1):
+            r = httpx.post(
+                f"http://127.0.0.1:{p}/v1/completions", json={"prompt": "hi", "max_tokens": 2}
+            )
+            assert r.json()["usage"]["completion_tokens"] == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
