@@ -1,0 +1,117 @@
+"""Start and stop a local stack (simulated engines, proxies) as child processes.
+
+Used by `warmroute demo` and benchmarks. Every child runs in its own process group and is
+killed on exit, error or Ctrl-C, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import TracebackType
+
+import httpx
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def free_ports(n: int) -> list[int]:
+    """n free loopback ports, consecutive when possible (sim --instances needs that)."""
+    import socket
+
+    for base in range(20000, 60000, 97):
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return [base + i for i in range(n)]
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise StackError(f"no {n} consecutive free ports on 127.0.0.1")
+
+
+class Stack:
+    """Child processes owned by one `with` block."""
+
+    def __init__(self, log_dir: str | None = None) -> None:
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.log_dir = log_dir
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop_all()
+
+    def spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
+        out: int | object = subprocess.DEVNULL
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{name}.log"), "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", *args], stdout=out, stderr=subprocess.STDOUT,  # type: ignore[arg-type]
+            start_new_session=True,  # its own process group: we can kill its whole tree
+        )
+        self.procs.append((name, proc))
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes], grace: float = 3.0) -> None:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs = [(n, p) for n, p in self.procs if p is not proc]
+
+    def stop_all(self) -> None:
+        for _, proc in reversed(list(self.procs)):
+            self.stop(proc)
+
+    @staticmethod
+    def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+        """Wait until GET url answers 200, or fail if the process died first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise StackError(f"process for {url} exited with status {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=1.0).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise StackError(f"{url} did not become ready within {timeout:.0f}s")
+
+    def sims(self, n: int, extra: Sequence[str] = ()) -> list[str]:
+        ports = free_ports(n)
+        proc = self.spawn("sim", ["sim", "--port", str(ports[0]), "--instances", str(n),
+                                  "--log-level", "warning", *extra])
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for u in urls:
+            self.wait_http(u + "/health", proc)
+        return urls
+
+    def proxy(self, backends: Sequence[str], extra: Sequence[str] = ()) -> str:
+        [port] = free_ports(1)
+        args = ["serve", "--port", str(port), "--log-level", "warning"]
+        for b in backends:
+            args += ["--backend", b]
+        proc = self.spawn(f"proxy-{port}", [*args, *extra])
+        url = f"http://127.0.0.1:{port}"
+        self.wait_http(url + "/ready", proc)
+        return url

@@ -1,0 +1,39 @@
+"""`warmroute demo` end to end, small: it runs, prints the table, and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import orjson
+import pytest
+
+pytest.importorskip("proxy.sim")
+
+
+def test_demo_compares_policies_and_cleans_up(tmp_path):
+    out = tmp_path / "demo"
+    r = subprocess.run(
+        [sys.executable, "-m", "proxy", "demo", "--policies", "round_robin,least_inflight",
+         "--engines", "2", "--requests", "24", "--concurrency", "4", "--prefixes", "3",
+         "--system-chars", "2000", "--max-tokens", "8", "--time-scale", "5", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("policy"))
+    assert "TTFT p50" in header and "ITL p99" in header and "cache hit" in header
+    rows = {line.split()[0]: line for line in lines if line.startswith(("round_robin", "least_"))}
+    assert set(rows) == {"round_robin", "least_inflight"}
+    assert all("24/24" in row for row in rows.values())
+    doc = orjson.loads((out / "results.json").read_bytes())
+    assert [run["label"] for run in doc["runs"]] == ["round_robin", "least_inflight"]
+    assert (out / "ttft_cdf.png").stat().st_size > 5000
+    # Every proxy it started is gone: nothing listens on their ports any more.
+    ports = [int(f.stem.split("-")[1]) for f in (out / "logs").glob("proxy-*.log")]
+    assert ports
+    for port in ports:
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            pass
