@@ -1,0 +1,859 @@
+"""OpenTelemetry for the proxy: providers, the request span, metric instruments, /metrics.
+
+One SERVER span per request with a CLIENT child per upstream attempt; never a span per chunk.
+All metric recording happens once per request in RequestRecord.finish(), from the facts the
+stream meter aggregated, so the per-chunk hot path pays nothing for telemetry.
+
+Histograms are pre-aggregated here rather than recorded through the SDK instrument API: the
+SDK costs ~5-15 µs per record() (attribute cleaning and hashing on every call), which for the
+~64 per-chunk samples of one request would cost more than forwarding the whole stream. The
+pre-aggregated points (with trace-linked exemplars) are merged into every reader's collection
+as ordinary OTel histogram metrics, so Prometheus and OTLP see them like any other.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import Exemplar, MeterProvider, TraceBasedExemplarFilter
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    Histogram,
+    HistogramDataPoint,
+    Metric,
+    MetricReader,
+    MetricsData,
+    PeriodicExportingMetricReader,
+    ResourceMetrics,
+    ScopeMetrics,
+)
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from proxy.config import TelemetryConfig
+from proxy.meter import StreamFacts
+from proxy.routing.types import Decision
+
+SCOPE = "warmroute"
+
+# Explicit bucket boundaries from the OTel GenAI semantic conventions (seconds / tokens).
+TTFT_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5)
+TTFT_BUCKETS += (0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+DURATION_BUCKETS = tuple(0.01 * 2**i for i in range(14))  # 0.01 ... 81.92
+TOKEN_BUCKETS = tuple(float(4**i) for i in range(14))  # 1 ... 67108864
+# The proxy's own cost is sub-millisecond; the GenAI buckets would put it all in the first one.
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+OPERATION = {
+    "chat": "chat",
+    "completions": "text_completion",
+    "embeddings": "embeddings",
+    # The OpenAI semconv maps the Responses API to "chat", told apart by openai.api.type.
+    "responses": "chat",
+}
+API_TYPE = {"chat": "chat_completions", "completions": "completions", "responses": "responses"}
+PROVIDER = "openai"  # the wire format every backend speaks (semconv: the telemetry flavour)
+
+# request body key -> span attribute
+_PARAMS = (
+    ("max_tokens", "gen_ai.request.max_tokens"),
+    ("max_completion_tokens", "gen_ai.request.max_tokens"),
+    ("max_output_tokens", "gen_ai.request.max_tokens"),
+    ("temperature", "gen_ai.request.temperature"),
+    ("top_p", "gen_ai.request.top_p"),
+    ("top_k", "gen_ai.request.top_k"),
+    ("seed", "gen_ai.request.seed"),
+    ("frequency_penalty", "gen_ai.request.frequency_penalty"),
+    ("presence_penalty", "gen_ai.request.presence_penalty"),
+)
+_CONTENT_KEYS = ("messages", "prompt", "input", "instructions")
+
+_propagator = TraceContextTextMapPropagator()
+
+
+def _epoch_ns(t: float, anchor: tuple[int, float]) -> int:
+    """perf_counter seconds -> wall-clock ns, through a (time_ns, perf_counter) pair."""
+    return anchor[0] + int((t - anchor[1]) * 1e9)
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (what vllm bench and most dashboards report for small n)."""
+    k = max(0, min(len(sorted_values) - 1, int(q * len(sorted_values) + 0.5) - 1))
+    return sorted_values[k]
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-aggregated histograms.
+
+
+@dataclass(slots=True)
+class _Point:
+    attributes: dict[str, Any]
+    counts: list[int]
+    total: float = 0.0
+    count: int = 0
+    min: float = float("inf")
+    max: float = float("-inf")
+    # one exemplar per bucket, the latest: what Prometheus/Grafana show per bucket
+    exemplars: dict[int, Exemplar] = field(default_factory=dict)
+
+
+class _Histogram:
+    """A cumulative explicit-bucket histogram, keyed by an attribute tuple the caller builds."""
+
+    __slots__ = ("bounds", "description", "name", "points", "unit")
+
+    def __init__(self, name: str, unit: str, description: str, bounds: Sequence[float]) -> None:
+        self.name = name
+        self.unit = unit
+        self.description = description
+        self.bounds = tuple(bounds)
+        self.points: dict[tuple[Any, ...], _Point] = {}
+
+    def record(
+        self,
+        values: Sequence[float],
+        attrs: dict[str, Any],
+        key: tuple[Any, ...],
+        exemplar: tuple[int, int, int] | None,
+    ) -> None:
+        """Add values; exemplar = (trace_id, span_id, time_ns) of the request, if sampled."""
+        if not values:
+            return
+        point = self.points.get(key)
+        if point is None:
+            point = self.points[key] = _Point(attrs, [0] * (len(self.bounds) + 1))
+        bounds, counts = self.bounds, point.counts
+        # OTel buckets are (lower, upper]: bisect_left puts v == bound in that bound's bucket.
+        if len(values) <= 8:
+            for v in values:
+                counts[bisect_left(bounds, v)] += 1
+            top = max(values)
+            low = min(values)
+        else:
+            # Many samples (per-chunk gaps): sort once in C and cut at each bound instead.
+            s = sorted(values)
+            prev = 0
+            for i, b in enumerate(bounds):
+                k = bisect_right(s, b, prev)
+                counts[i] += k - prev
+                prev = k
+            counts[-1] += len(s) - prev
+            low, top = s[0], s[-1]
+        point.total += sum(values)
+        point.count += len(values)
+        if low < point.min:
+            point.min = low
+        if top > point.max:
+            point.max = top
+        if exemplar is not None:
+            # One exemplar per request (its largest value): the sample worth clicking through.
+            trace_id, span_id, t_ns = exemplar
+            point.exemplars[bisect_left(bounds, top)] = Exemplar(
+                None, top, t_ns, span_id=span_id, trace_id=trace_id
+            )
+
+    def metric(self, start_ns: int, now_ns: int) -> Metric | None:
+        if not self.points:
+            return None
+        points = [
+            HistogramDataPoint(
+                attributes=dict(p.attributes),
+                start_time_unix_nano=start_ns,
+                time_unix_nano=now_ns,
+                count=p.count,
+                sum=p.total,
+                bucket_counts=list(p.counts),
+                explicit_bounds=self.bounds,
+                min=p.min,
+                max=p.max,
+                exemplars=[p.exemplars[i] for i in sorted(p.exemplars)],
+            )
+            for p in list(self.points.values())
+        ]
+        return Metric(
+            name=self.name,
+            description=self.description,
+            unit=self.unit,
+            data=Histogram(
+                data_points=points, aggregation_temporality=AggregationTemporality.CUMULATIVE
+            ),
+        )
+
+
+class _Counts:
+    """Monotonic or up-down counts by attribute tuple, read by an observable instrument."""
+
+    __slots__ = ("keys", "values")
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = keys
+        self.values: dict[tuple[Any, ...], int] = {}
+
+    def add(self, key: tuple[Any, ...], n: int = 1) -> None:
+        self.values[key] = self.values.get(key, 0) + n
+
+    def observe(self, _options: CallbackOptions) -> Iterable[Observation]:
+        for key, v in list(self.values.items()):
+            yield Observation(v, dict(zip(self.keys, key, strict=True)))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Telemetry:
+    """Owns the tracer and meter providers (no process globals) and the instruments."""
+
+    def __init__(
+        self,
+        cfg: TelemetryConfig,
+        *,
+        span_exporter: SpanExporter | None = None,
+        metric_readers: Sequence[MetricReader] = (),
+    ) -> None:
+        self.cfg = cfg
+        resource = Resource.create({"service.name": cfg.service_name})
+        self._tracing = span_exporter is not None or cfg.traces_exporter != "none"
+        # With nowhere to send spans, don't build them: non-recording spans still carry trace
+        # ids for propagation to the backend, at a fraction of the cost.
+        self.tracer_provider = TracerProvider(
+            resource=resource, sampler=None if self._tracing else ALWAYS_OFF
+        )
+        if span_exporter is not None:
+            self.tracer_provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+        elif cfg.traces_exporter == "otlp":
+            self.tracer_provider.add_span_processor(BatchSpanProcessor(_otlp_span_exporter(cfg)))
+        elif cfg.traces_exporter == "console":
+            self.tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        self.tracer = self.tracer_provider.get_tracer(SCOPE)
+
+        readers: list[MetricReader] = list(metric_readers)
+        self._registry: Any = None
+        if cfg.prometheus:
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+            from prometheus_client import CollectorRegistry
+
+            self._registry = CollectorRegistry(auto_describe=True)
+            readers.append(PrometheusMetricReader(registry=self._registry))
+        if cfg.traces_exporter == "otlp":
+            readers.append(PeriodicExportingMetricReader(_otlp_metric_exporter(cfg)))
+        self.meter_provider = MeterProvider(
+            metric_readers=readers,
+            resource=resource,
+            exemplar_filter=TraceBasedExemplarFilter(),
+        )
+        self._resource = resource
+        self._start_ns = time.time_ns()
+        self._lock = threading.Lock()  # readers collect from their own threads
+        self._scope = InstrumentationScope(SCOPE)
+        h = _Histogram
+        self.h_ttft = h(
+            "gen_ai.server.time_to_first_token",
+            "s",
+            "Time to the first output token written to the client, successful responses.",
+            TTFT_BUCKETS,
+        )
+        self.h_tpot = h(
+            "gen_ai.server.time_per_output_token",
+            "s",
+            "Time per output token after the first, successful responses.",
+            TPOT_BUCKETS,
+        )
+        self.h_duration = h(
+            "gen_ai.server.request.duration",
+            "s",
+            "Request duration to the last output token (or the response) as the client saw it.",
+            DURATION_BUCKETS,
+        )
+        self.h_tokens = h(
+            "gen_ai.client.token.usage",
+            "{token}",
+            "Input and output tokens, as reported by the backend's usage.",
+            TOKEN_BUCKETS,
+        )
+        self.h_ttfc = h(
+            "gen_ai.client.operation.time_to_first_chunk",
+            "s",
+            "Time to the first output chunk written to the client (streaming, any outcome).",
+            DURATION_BUCKETS,
+        )
+        self.h_tpoc = h(
+            "gen_ai.client.operation.time_per_output_chunk",
+            "s",
+            "Gap between consecutive output chunks written to the client (streaming).",
+            DURATION_BUCKETS,
+        )
+        self.h_overhead = h(
+            "warmroute.proxy.overhead",
+            "s",
+            "Client TTFT minus upstream TTFT: time the proxy added before the first token.",
+            OVERHEAD_BUCKETS,
+        )
+        self.h_forward = h(
+            "warmroute.proxy.chunk_forward.duration",
+            "s",
+            "Time from receiving output bytes from the backend to writing them to the client.",
+            OVERHEAD_BUCKETS,
+        )
+        self.h_decision = h(
+            "warmroute.route.decision.duration",
+            "s",
+            "Time to make one routing decision.",
+            OVERHEAD_BUCKETS,
+        )
+        self.h_cached = h(
+            "warmroute.prefix.cached_tokens",
+            "{token}",
+            "Prompt tokens the backend reported as served from its prefix cache.",
+            TOKEN_BUCKETS,
+        )
+        self.h_hit = h(
+            "warmroute.prefix.hit_ratio",
+            "1",
+            "Prefix cache hit ratio: predicted by the router's index, or actual from usage.",
+            RATIO_BUCKETS,
+        )
+        self._histograms = (
+            self.h_ttft,
+            self.h_tpot,
+            self.h_duration,
+            self.h_tokens,
+            self.h_ttfc,
+            self.h_tpoc,
+            self.h_overhead,
+            self.h_forward,
+            self.h_decision,
+            self.h_cached,
+            self.h_hit,
+        )
+        self.c_decisions = _Counts(("warmroute.route.policy", "warmroute.route.reason"))
+        self.c_errors = _Counts(("warmroute.backend", "error.type"))
+        self.c_retries = _Counts(("warmroute.backend",))
+        self.c_inflight = _Counts(("warmroute.backend",))
+        meter = self.meter_provider.get_meter(SCOPE)
+        meter.create_observable_counter(
+            "warmroute.route.decisions",
+            [self.c_decisions.observe],
+            unit="{decision}",
+            description="Routing decisions by policy and reason.",
+        )
+        meter.create_observable_counter(
+            "warmroute.upstream.errors",
+            [self.c_errors.observe],
+            unit="{error}",
+            description="Failed upstream attempts by backend and error.type.",
+        )
+        meter.create_observable_counter(
+            "warmroute.upstream.retries",
+            [self.c_retries.observe],
+            unit="{retry}",
+            description="Attempts beyond the first, by the backend retried onto.",
+        )
+        meter.create_observable_up_down_counter(
+            "warmroute.backend.inflight",
+            [self.c_inflight.observe],
+            unit="{request}",
+            description="Requests this proxy has open on each backend.",
+        )
+        self._reasons: dict[str, str] = {}
+        for reader in readers:
+            self._merge_into(reader)
+
+    # -- metrics export -------------------------------------------------------------------------
+    def _merge_into(self, reader: MetricReader) -> None:
+        """Have `reader`'s collections include the pre-aggregated histograms."""
+        # The SDK sets this callback when the reader joins the MeterProvider; wrapping it is the
+        # one place we lean on SDK internals (tests/test_telemetry.py guards it).
+        inner: Callable[..., Any] | None = reader._collect
+        if inner is None:
+            return
+
+        def collect(r: MetricReader, timeout_millis: float = 10_000) -> Any:
+            return self._with_histograms(inner(r, timeout_millis=timeout_millis))
+
+        reader._set_collect_callback(collect)
+
+    def _with_histograms(self, data: MetricsData | None) -> MetricsData | None:
+        now = time.time_ns()
+        with self._lock:
+            metrics = [m for h in self._histograms if (m := h.metric(self._start_ns, now))]
+        if not metrics:
+            return data
+        ours = ScopeMetrics(scope=self._scope, metrics=metrics, schema_url="")
+        if data is None or not data.resource_metrics:
+            rm = [ResourceMetrics(resource=self._resource, scope_metrics=[ours], schema_url="")]
+            return MetricsData(resource_metrics=rm)
+        first, *rest = data.resource_metrics
+        # Exporters group by scope (OTLP keys a dict by it), so join the SDK's "warmroute"
+        # scope rather than add a second one with the same name.
+        scopes = list(first.scope_metrics)
+        for i, sm in enumerate(scopes):
+            if sm.scope.name == SCOPE:
+                scopes[i] = ScopeMetrics(sm.scope, [*sm.metrics, *metrics], sm.schema_url)
+                break
+        else:
+            scopes.append(ours)
+        merged = ResourceMetrics(
+            resource=first.resource, scope_metrics=scopes, schema_url=first.schema_url
+        )
+        return MetricsData(resource_metrics=[merged, *rest])
+
+    def prometheus_text(self) -> tuple[bytes, str]:
+        """The body and content type for GET /metrics (Prometheus text format 0.0.4)."""
+        from prometheus_client import generate_latest
+
+        if self._registry is None:
+            return b"# prometheus export is disabled (telemetry.prometheus: false)\n", (
+                "text/plain; charset=utf-8"
+            )
+        # The classic text format: every Prometheus version (and most scrapers) parses it.
+        return generate_latest(self._registry), "text/plain; version=0.0.4; charset=utf-8"
+
+    # -- per request ----------------------------------------------------------------------------
+    def start_request(
+        self,
+        *,
+        request_id: str,
+        api: str,
+        model: str | None,
+        stream: bool,
+        params: Mapping[str, Any],
+        headers: Mapping[str, str],
+        t0: float,
+    ) -> RequestRecord:
+        """Open the request's SERVER span (parent: the client's W3C traceparent, if any)."""
+        return RequestRecord(self, request_id, api, model, stream, params, headers, t0)
+
+    def observe_routing(self, policy: str, reason: str, decision_s: float) -> None:
+        """Count one routing decision and time it (called once per decision, not per attempt)."""
+        label = self._reasons.get(reason)
+        if label is None:
+            # Reasons may embed counts ("rotated among 3 ties"); keep the label set small.
+            label = self._reasons[reason] = _DIGITS.sub("N", reason)[:80]
+        with self._lock:
+            self.c_decisions.add((policy, label))
+            self.h_decision.record(
+                (decision_s,), {"warmroute.route.policy": policy}, (policy,), None
+            )
+
+    def set_inflight(self, backend: str, delta: int) -> None:
+        """Adjust warmroute.backend.inflight for `backend` by delta (+1 on open, -1 on close)."""
+        with self._lock:
+            self.c_inflight.add((backend,), delta)
+
+    def shutdown(self) -> None:
+        """Flush and stop exporters; the Prometheus collector is unregistered."""
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+def _otlp_endpoint(cfg: TelemetryConfig, signal: str) -> str | None:
+    """cfg.otlp_endpoint is a base URL like OTEL_EXPORTER_OTLP_ENDPOINT; None defers to env."""
+    if not cfg.otlp_endpoint:
+        return None
+    if cfg.otlp_protocol == "grpc":
+        return cfg.otlp_endpoint
+    return cfg.otlp_endpoint.rstrip("/") + f"/v1/{signal}"
+
+
+def _otlp_span_exporter(cfg: TelemetryConfig) -> SpanExporter:
+    if cfg.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as G
+
+        return G(endpoint=_otlp_endpoint(cfg, "traces"))
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as H
+
+    return H(endpoint=_otlp_endpoint(cfg, "traces"))
+
+
+def _otlp_metric_exporter(cfg: TelemetryConfig) -> Any:
+    if cfg.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as G
+
+        return G(endpoint=_otlp_endpoint(cfg, "metrics"))
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as H
+
+    return H(endpoint=_otlp_endpoint(cfg, "metrics"))
+
+
+class AttemptRecord:
+    """One upstream attempt: a CLIENT span, child of the request's SERVER span."""
+
+    __slots__ = ("backend", "ended", "record", "span")
+
+    def __init__(self, record: RequestRecord, span: trace.Span, backend: str) -> None:
+        self.record = record
+        self.span = span
+        self.backend = backend
+        self.ended = False
+
+    def inject_headers(self, headers: dict[str, str]) -> None:
+        """Add this attempt's W3C traceparent (and tracestate) to the upstream request."""
+        if self.span.get_span_context().is_valid:
+            _propagator.inject(headers, context=trace.set_span_in_context(self.span))
+
+    def fail(self, error_type: str, status: int | None = None) -> None:
+        """The attempt failed (connect error, 5xx before the first byte...): end it as error."""
+        if self.ended:
+            return
+        self.ended = True
+        span = self.span
+        span.set_attribute("error.type", error_type)
+        if status is not None:
+            span.set_attribute("http.response.status_code", status)
+        span.set_status(Status(StatusCode.ERROR, error_type))
+        span.end()
+        tel = self.record.tel
+        with tel._lock:
+            tel.c_errors.add((self.backend, error_type))
+
+
+class RequestRecord:
+    """Everything telemetry keeps about one request between start_request() and finish()."""
+
+    __slots__ = (
+        "anchor",
+        "api",
+        "attempts",
+        "backend",
+        "base",
+        "decision",
+        "model",
+        "name",
+        "op",
+        "span",
+        "stream",
+        "t0",
+        "tel",
+    )
+
+    def __init__(
+        self,
+        tel: Telemetry,
+        request_id: str,
+        api: str,
+        model: str | None,
+        stream: bool,
+        params: Mapping[str, Any],
+        headers: Mapping[str, str],
+        t0: float,
+    ) -> None:
+        self.tel = tel
+        self.api = api
+        self.model = model
+        self.stream = stream
+        self.t0 = t0
+        self.anchor = (time.time_ns(), time.perf_counter())
+        self.op = OPERATION.get(api, api)
+        self.attempts: list[AttemptRecord] = []
+        self.backend: tuple[str, str, int] | None = None  # name, address, port
+        self.decision: Decision | None = None
+        self.base: dict[str, Any] = {
+            "gen_ai.operation.name": self.op,
+            "gen_ai.provider.name": PROVIDER,
+        }
+        if model:
+            self.base["gen_ai.request.model"] = model
+        attrs = self._request_attributes(request_id, params) if tel._tracing else None
+        parent = _propagator.extract(headers) if "traceparent" in headers else None
+        self.name = f"{self.op} {model}" if model else self.op
+        self.span = tel.tracer.start_span(
+            self.name,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=attrs,
+            start_time=_epoch_ns(t0, self.anchor),
+        )
+
+    def _request_attributes(self, request_id: str, params: Mapping[str, Any]) -> dict[str, Any]:
+        attrs: dict[str, Any] = {
+            **self.base,
+            "gen_ai.request.stream": self.stream,
+            "warmroute.request.id": request_id,
+        }
+        if self.api in API_TYPE:
+            attrs["openai.api.type"] = API_TYPE[self.api]
+        for key, name in _PARAMS:
+            v = params.get(key)
+            if isinstance(v, int | float) and not isinstance(v, bool) and name not in attrs:
+                attrs[name] = v
+        n = params.get("n")
+        if isinstance(n, int) and n != 1:
+            attrs["gen_ai.request.choice.count"] = n
+        stop = params.get("stop")
+        if isinstance(stop, str):
+            attrs["gen_ai.request.stop_sequences"] = [stop]
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            attrs["gen_ai.request.stop_sequences"] = stop
+        if self.tel.cfg.capture_content:
+            for key in _CONTENT_KEYS:
+                if key in params:
+                    attrs[f"warmroute.request.{key}"] = orjson.dumps(params[key]).decode()
+        return attrs
+
+    def set_decision(self, decision: Decision) -> None:
+        """Record the routing decision as warmroute.route.* attributes."""
+        self.decision = decision
+        if not self.span.is_recording():
+            return
+        winner = decision.winner
+        attrs: dict[str, Any] = {
+            "warmroute.route.policy": decision.policy,
+            "warmroute.route.reason": decision.reason,
+            "warmroute.route.decision_ms": round(decision.decision_s * 1000, 4),
+            "warmroute.route.candidates": decision.ranking[:16],
+            "warmroute.route.prefix_blocks": decision.prefix_blocks,
+        }
+        if decision.filtered_out:
+            attrs["warmroute.route.filtered_out"] = [
+                f"{k}: {v}" for k, v in list(decision.filtered_out.items())[:16]
+            ]
+        if winner is not None:
+            attrs["warmroute.route.backend"] = winner
+            if winner in decision.totals:
+                attrs["warmroute.route.score"] = decision.totals[winner]
+            for scorer, value in decision.scores.get(winner, {}).items():
+                attrs[f"warmroute.route.score.{scorer}"] = value
+            matched = decision.matched_blocks.get(winner, 0)
+            attrs["warmroute.route.matched_blocks"] = matched
+            block_chars: int = getattr(decision, "block_chars", 0)
+            prompt_chars: int = getattr(decision, "prompt_chars", 0)
+            if block_chars:
+                attrs["warmroute.route.matched_chars"] = matched * block_chars
+                if prompt_chars:
+                    ratio = min(1.0, matched * block_chars / prompt_chars)
+                    attrs["warmroute.prefix.predicted_hit_ratio"] = ratio
+        self.span.set_attributes(attrs)
+
+    def attempt(self, *, backend: str, address: str, port: int, attempt: int) -> AttemptRecord:
+        """Open the CLIENT span of one upstream attempt (attempt numbers start at 1)."""
+        tel = self.tel
+        for prev in self.attempts:
+            if not prev.ended:  # the caller moved on without fail(): it did fail
+                prev.fail("_OTHER")
+        span = tel.tracer.start_span(
+            self.name,
+            context=trace.set_span_in_context(self.span),
+            kind=SpanKind.CLIENT,
+            attributes={
+                **self.base,
+                "server.address": address,
+                "server.port": port,
+                "warmroute.backend": backend,
+                "warmroute.attempt": attempt,
+            },
+        )
+        rec = AttemptRecord(self, span, backend)
+        self.attempts.append(rec)
+        self.backend = (backend, address, port)
+        if attempt > 1:
+            with tel._lock:
+                tel.c_retries.add((backend,))
+        return rec
+
+    def finish(
+        self,
+        facts: StreamFacts | None,
+        *,
+        status: int,
+        error_type: str | None = None,
+        backend: str | None = None,
+    ) -> None:
+        """End the spans and record every metric of this request, once."""
+        now = time.perf_counter()
+        end_ns = _epoch_ns(now, self.anchor)
+        span = self.span
+        err = error_type or (facts.error if facts else None)
+        if err is None and facts is not None and facts.cancelled:
+            err = "cancelled"
+        if err is None and status >= 400:
+            err = str(status)
+        name, address, port = self.backend or (backend or "", "", 0)
+        if backend:
+            name = backend
+        if not span.is_recording():
+            for a in self.attempts:
+                a.ended = True
+            self._record_metrics(facts, err, name, address, port, now, span)
+            return
+        attrs: dict[str, Any] = {"http.response.status_code": status}
+        if name:
+            attrs["warmroute.backend"] = name
+        if address:
+            attrs["server.address"] = address
+            attrs["server.port"] = port
+        if len(self.attempts) > 1:
+            attrs["warmroute.route.retries"] = len(self.attempts) - 1
+        if err is not None:
+            attrs["error.type"] = err
+        if facts is not None:
+            attrs.update(self._fact_attributes(facts))
+        span.set_attributes(attrs)
+        if facts is not None and facts.first_output_at is not None:
+            self._events(facts)
+        if err is not None:
+            span.set_status(Status(StatusCode.ERROR, err))
+        for a in self.attempts:
+            if not a.ended:  # the attempt that carried the response ends with it
+                a.ended = True
+                if err is not None:
+                    a.span.set_attribute("error.type", err)
+                    a.span.set_status(Status(StatusCode.ERROR, err))
+                a.span.end(end_time=end_ns)
+        span.end(end_time=end_ns)
+        self._record_metrics(facts, err, name, address, port, now, span)
+
+    def _fact_attributes(self, f: StreamFacts) -> dict[str, Any]:
+        a: dict[str, Any] = {"gen_ai.response.finish_reasons": f.finish_reasons}
+        if f.response_id is not None:
+            a["gen_ai.response.id"] = f.response_id
+        if f.response_model is not None:
+            a["gen_ai.response.model"] = f.response_model
+        if f.input_tokens is not None:
+            a["gen_ai.usage.input_tokens"] = f.input_tokens
+        if f.output_tokens is not None:
+            a["gen_ai.usage.output_tokens"] = f.output_tokens
+        if f.cached_tokens is not None:
+            a["gen_ai.usage.cache_read.input_tokens"] = f.cached_tokens
+            if f.input_tokens:
+                a["warmroute.prefix.observed_hit_ratio"] = f.cached_tokens / f.input_tokens
+        if f.ttft_s is not None:
+            a["gen_ai.response.time_to_first_chunk"] = f.ttft_s
+        if f.upstream_ttft_s is not None:
+            a["warmroute.upstream.time_to_first_chunk"] = f.upstream_ttft_s
+            if f.ttft_s is not None:
+                a["warmroute.proxy.overhead_s"] = f.ttft_s - f.upstream_ttft_s
+        if f.tpot_s is not None:
+            a["warmroute.tpot_s"] = f.tpot_s
+        if f.e2e_s is not None:
+            a["warmroute.e2e_s"] = f.e2e_s
+        if self.stream:
+            a["warmroute.chunks"] = f.chunks
+            a["warmroute.events"] = f.events
+        if f.itl_s:
+            s = sorted(f.itl_s)
+            a["warmroute.itl.p50_s"] = _percentile(s, 0.5)
+            a["warmroute.itl.p99_s"] = _percentile(s, 0.99)
+            a["warmroute.itl.max_s"] = s[-1]
+        if f.cancelled:
+            a["warmroute.cancelled"] = True
+        return a
+
+    def _events(self, f: StreamFacts) -> None:
+        """first_token and, per cfg.chunk_events, chunk events (capped: never one per chunk)."""
+        mode = self.tel.cfg.chunk_events
+        if mode == "off" or f.first_output_at is None:
+            return
+        span, anchor = self.span, self.anchor
+        span.add_event(
+            "first_token",
+            {"gen_ai.response.time_to_first_chunk": f.ttft_s or 0.0},
+            timestamp=_epoch_ns(f.first_output_at, anchor),
+        )
+        cap = self.tel.cfg.chunk_events_cap
+        gaps = f.itl_s
+        if mode == "first" or not gaps or cap <= 0:
+            return
+        n = len(gaps)
+        if mode == "all" or n <= cap:
+            picks: Iterable[int] = range(min(n, cap))
+        else:  # "sampled": evenly spread, always including the last chunk
+            picks = sorted({round(i * (n - 1) / max(1, cap - 1)) for i in range(cap)})
+        t = f.first_output_at
+        done = 0
+        for i in picks:
+            while done <= i:  # advance the clock through the gaps up to chunk i+1
+                t += gaps[done]
+                done += 1
+            span.add_event(
+                "chunk",
+                {"warmroute.chunk.index": i + 1, "warmroute.chunk.gap_s": gaps[i]},
+                timestamp=_epoch_ns(t, anchor),
+            )
+
+    def _record_metrics(
+        self,
+        f: StreamFacts | None,
+        err: str | None,
+        backend: str,
+        address: str,
+        port: int,
+        now: float,
+        span: trace.Span,
+    ) -> None:
+        tel = self.tel
+        base = self.base
+        model = self.model or ""
+        attrs: dict[str, Any] = {**base}
+        if address:
+            attrs["server.address"] = address
+            attrs["server.port"] = port
+        key: tuple[Any, ...] = (self.op, model, address, port)
+        ctx = span.get_span_context()
+        ex = (ctx.trace_id, ctx.span_id, time.time_ns()) if ctx.trace_flags.sampled else None
+        d_attrs, d_key = attrs, key
+        if err is not None:
+            d_attrs = {**attrs, "error.type": err}
+            d_key = (*key, err)
+        duration = f.e2e_s if f is not None and f.e2e_s is not None else now - self.t0
+        with tel._lock:
+            tel.h_duration.record((duration,), d_attrs, d_key, ex)
+            if f is None:
+                return
+            if f.ttft_s is not None:
+                tel.h_ttfc.record((f.ttft_s,), attrs, key, ex)
+                if f.itl_s:
+                    tel.h_tpoc.record(f.itl_s, attrs, key, ex)
+                if f.upstream_ttft_s is not None:
+                    tel.h_overhead.record((f.ttft_s - f.upstream_ttft_s,), attrs, key, ex)
+                if err is None:
+                    tel.h_ttft.record((f.ttft_s,), attrs, key, ex)
+            if f.forward_s:
+                tel.h_forward.record(f.forward_s, attrs, key, ex)
+            if err is None and f.tpot_s is not None:
+                tel.h_tpot.record((f.tpot_s,), attrs, key, ex)
+            if f.input_tokens is not None:
+                t_attrs = {**attrs, "gen_ai.token.type": "input"}
+                tel.h_tokens.record((f.input_tokens,), t_attrs, (*key, "input"), ex)
+            if f.output_tokens is not None:
+                t_attrs = {**attrs, "gen_ai.token.type": "output"}
+                tel.h_tokens.record((f.output_tokens,), t_attrs, (*key, "output"), ex)
+            b_attrs = {"warmroute.backend": backend, "gen_ai.request.model": model}
+            if f.cached_tokens is not None:
+                tel.h_cached.record((f.cached_tokens,), b_attrs, (backend, model), ex)
+                if f.input_tokens:
+                    ratio = min(1.0, f.cached_tokens / f.input_tokens)
+                    h_attrs = {**b_attrs, "warmroute.prefix.source": "actual"}
+                    tel.h_hit.record((ratio,), h_attrs, (backend, model, "actual"), ex)
+            d = self.decision
+            prompt_chars: int = getattr(d, "prompt_chars", 0)
+            if d is not None and backend and prompt_chars:
+                # predicted for the backend that served it (a retry may have moved it)
+                block_chars: int = getattr(d, "block_chars", 0)
+                ratio = min(1.0, d.matched_blocks.get(backend, 0) * block_chars / prompt_chars)
+                h_attrs = {**b_attrs, "warmroute.prefix.source": "predicted"}
+                tel.h_hit.record((ratio,), h_attrs, (backend, model, "predicted"), ex)
