@@ -528,7 +528,7 @@ def _without(data: bytes, cuts: list[tuple[int, int]]) -> bytes:
     return b"".join(parts)
 
 
-def meter_json(api: API, body: bytes, *, t0: float, now: float) -> StreamFacts:
+def meter_json(api: str, body: bytes, *, t0: float, now: float) -> StreamFacts:
     """Facts of a non-streamed response: duration, usage, finish reasons, id/model, error."""
     f = _Facts()
     try:
