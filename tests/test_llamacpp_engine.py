@@ -141,7 +141,8 @@ def test_metrics_names_and_counters(pair: list[LlamaServer]) -> None:
     b = pair[1]
     before = b.metrics()
     for name in ("llamacpp:prompt_tokens_total", "llamacpp:requests_processing",
-                 "llamacpp:requests_deferred", "llamacpp:tokens_predicted_total"):  # fmt: skip
+                 "llamacpp:requests_deferred", "llamacpp:tokens_predicted_total",
+                 "llamacpp:prompt_tokens_cached_total"):  # fmt: skip
         assert name in before, name
     r = stream_chat(b.url, [{"role": "user", "content": f"count me {time.time_ns()}"}], 3)
     assert r.timings is not None
@@ -150,6 +151,12 @@ def test_metrics_names_and_counters(pair: list[LlamaServer]) -> None:
     assert (
         after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"]
         == r.timings["prompt_n"]
+    )
+    # Not in llama.cpp's README, but present: the engine-side cache-hit counter, the ground
+    # truth for "did routing land this prefix where it was cached".
+    assert (
+        after["llamacpp:prompt_tokens_cached_total"] - before["llamacpp:prompt_tokens_cached_total"]
+        == r.timings["cache_n"]
     )
     assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 3
     assert after["llamacpp:requests_processing"] == 0
