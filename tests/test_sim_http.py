@@ -193,14 +193,34 @@ async def test_errors_have_the_openai_shape() -> None:
             unknown = await client.post(
                 url + "/v1/completions", json={"model": "gpt", "prompt": "x"}
             )
+            opts_without_stream = await client.post(
+                url + "/v1/chat/completions",
+                json=chat("x", stream_options={"include_usage": True}),
+            )
             wrong_method = await client.get(url + "/v1/chat/completions")
             health = await client.get(url + "/health")
-    for r, status in ((bad_json, 400), (no_msgs, 400), (too_long, 400), (unknown, 404)):
+    cases = ((bad_json, 400), (no_msgs, 400), (too_long, 400), (unknown, 404))
+    for r, status in (*cases, (opts_without_stream, 400)):
         assert r.status_code == status
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
     assert "maximum context length" in too_long.json()["error"]["message"]
     assert wrong_method.status_code == 405 and health.status_code == 200
+
+
+async def test_a_crashed_engine_fails_requests_and_health() -> None:
+    with sim() as (url, app):
+
+        def boom() -> None:
+            raise RuntimeError("simulated bug")
+
+        app.engine.scheduler.schedule = boom  # type: ignore[assignment, method-assign]
+        async with httpx.AsyncClient() as client:
+            first = await client.post(url + "/v1/chat/completions", json=chat("x"))
+            health = await client.get(url + "/health")
+            later = await client.post(url + "/v1/chat/completions", json=chat("x"))
+    assert first.status_code == 500 and health.status_code == 500
+    assert later.status_code == 500 and "dead" in later.json()["error"]["message"]
 
 
 # --- physics on the wall clock --------------------------------------------------------
@@ -210,12 +230,12 @@ async def test_doubling_the_prompt_doubles_ttft_but_not_itl() -> None:
     with sim("a10g", time_scale=4) as (url, _):
         async with httpx.AsyncClient() as client:
             await stream(client, url, chat("warm up", 2))
-            short = await stream(client, url, chat(text_of_tokens(1000, "a"), 12))
-            long = await stream(client, url, chat(text_of_tokens(2000, "b"), 12))
-    assert long.ttft >= 1.8 * short.ttft  # >= 2.0 exactly in simulated time
+            short = await stream(client, url, chat(text_of_tokens(1000, "a"), 20))
+            long = await stream(client, url, chat(text_of_tokens(2000, "b"), 20))
+    assert long.ttft >= 1.8 * short.ttft, (short.ttft, long.ttft)  # >= 2.0 in simulated time
     assert short.ttft > 0.08  # ~0.46 s of A10G prefill at time scale 4
     ratio = statistics.median(long.itls) / statistics.median(short.itls)
-    assert 0.85 < ratio < 1.2
+    assert 0.8 < ratio < 1.25, (short.itls, long.itls)
 
 
 async def test_warm_prefix_cuts_ttft_and_reports_cached_tokens() -> None:
@@ -248,27 +268,45 @@ async def test_single_stream_decode_rate_tracks_the_device_ceiling() -> None:
     assert rate == pytest.approx(600 / 16, rel=0.15)
 
 
-async def test_batching_raises_throughput_and_p99_itl() -> None:
+async def test_batching_raises_throughput() -> None:
     with sim("h100", time_scale=2) as (url, _):
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
             t0 = time.perf_counter()
-            alone = await stream(client, url, chat(text_of_tokens(1500, "solo"), 40))
-            single_tput = 40 / (time.perf_counter() - t0)
+            await stream(client, url, chat(text_of_tokens(100, "solo"), 60))
+            single_tput = 60 / (time.perf_counter() - t0)
             t0 = time.perf_counter()
-            many = await asyncio.gather(
-                *(stream(client, url, chat(text_of_tokens(1500, f"u{i}"), 40)) for i in range(12))
+            await asyncio.gather(
+                *(stream(client, url, chat(text_of_tokens(100, f"u{i}"), 60)) for i in range(12))
             )
-            batch_tput = 12 * 40 / (time.perf_counter() - t0)
+            batch_tput = 12 * 60 / (time.perf_counter() - t0)
             metrics = (await client.get(url + "/metrics")).text
-
-    def p99(xs: list[float]) -> float:
-        return sorted(xs)[int(0.99 * (len(xs) - 1))]
-
-    assert batch_tput > 3 * single_tput
-    batched_itls = [x for s in many for x in s.itls]
-    assert p99(batched_itls) > 2 * p99(alone.itls)  # others' prefills land between tokens
-    assert metric(metrics, "vllm:inter_token_latency_seconds_count") == 13 * 39
+    assert batch_tput > 2.5 * single_tput  # ~10x in simulated time; the client is the limit
+    assert metric(metrics, "vllm:inter_token_latency_seconds_count") == 13 * 59
     assert metric(metrics, "vllm:time_to_first_token_seconds_count") == 13
+    assert metric(metrics, "vllm:generation_tokens_total") == 13 * 60
+
+
+async def test_long_prompts_arriving_mid_stream_inflate_p99_itl() -> None:
+    with sim("h100", time_scale=2) as (url, _):
+        async with httpx.AsyncClient() as client:
+            body = {**chat("a chat", 80), "stream": True}
+            times: list[float] = []
+            docs: list[asyncio.Task[Stream]] = []
+            async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if '"content":"' in line and '"content":""' not in line:
+                        times.append(time.perf_counter())
+                    if len(times) == 20 and not docs:
+                        docs = [
+                            asyncio.create_task(
+                                stream(client, url, chat(text_of_tokens(3000, f"d{i}"), 2))
+                            )
+                            for i in range(3)
+                        ]
+            await asyncio.gather(*docs)
+    itls = sorted(b - a for a, b in itertools.pairwise(times))
+    p50, p99 = itls[len(itls) // 2], itls[int(0.99 * (len(itls) - 1))]
+    assert p99 > 4 * p50, (p50, p99)  # each 2048-token chunk: ~66 ms vs ~5 ms per token
 
 
 async def test_full_kv_pool_makes_requests_wait() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from proxy.sim.metrics import EngineMetrics
 
 MAX_LAG_S = 0.05  # behind the deadline by more than this: restart the budget, do not burst
 LOG_SIZE = 1000
+log = logging.getLogger("warmroute.sim")
 
 
 @dataclass
@@ -49,6 +51,7 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.in_step = False
+        self.dead: BaseException | None = None
 
     # --- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -69,6 +72,8 @@ class AsyncEngine:
         self, seq: Seq, queue: asyncio.Queue[tuple[int, Any]] | None = None, index: int = 0
     ) -> asyncio.Queue[tuple[int, Any]]:
         """Queue `seq`; its tokens arrive on `queue` as (index, TokenEvent) pairs."""
+        if self.dead is not None:
+            raise RuntimeError(f"the simulated engine is dead: {self.dead!r}")
         self.start()
         self.scheduler.add(seq)
         q: asyncio.Queue[tuple[int, Any]] = queue if queue is not None else asyncio.Queue()
@@ -88,6 +93,19 @@ class AsyncEngine:
 
     # --- the loop ---------------------------------------------------------------------
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            # Like vLLM's EngineDeadError: report unhealthy and release every waiting client.
+            log.exception("simulated engine crashed")
+            self.dead = e
+            for q, index in self.queues.values():
+                q.put_nowait((index, None))
+            self.queues.clear()
+
+    async def _loop(self) -> None:
         scale = self.cfg.time_scale
         anchor = time.monotonic()
         budget = 0.0  # simulated seconds since `anchor`

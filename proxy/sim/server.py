@@ -176,7 +176,8 @@ class SimApp:
                 raise HTTPError(503, "the model is still loading")
             await self._completion(scope, receive, send, chat=path.endswith("chat/completions"))
         elif path == "/health":
-            await self._respond(send, 503 if loading else 200, b"", "text/plain")
+            status = 500 if self.engine.dead else 503 if loading else 200
+            await self._respond(send, status, b"", "text/plain")
         elif path == "/v1/models":
             await self._json(send, self._models())
         elif path == "/metrics":
@@ -300,6 +301,11 @@ class SimApp:
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):
             raise HTTPError(400, "stream_options must be an object", "stream_options")
+        if opts and not stream:
+            # vLLM rejects this too; a proxy that injects include_usage must check `stream`.
+            raise HTTPError(
+                400, "Stream options can only be defined when `stream=True`.", "stream_options"
+            )
 
         # Prefill/decode disaggregation: which leg is this, if any?
         kvp = body.get("kv_transfer_params")
@@ -362,6 +368,9 @@ class SimApp:
         except ValueError as e:
             ctx.abort_all()
             raise HTTPError(400, str(e)) from None
+        except RuntimeError as e:
+            ctx.abort_all()
+            raise HTTPError(500, str(e)) from None
 
         watcher = asyncio.create_task(_watch_disconnect(receive, ctx))
         try:
