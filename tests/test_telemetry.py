@@ -454,3 +454,31 @@ def test_otlp_http_export_reaches_a_receiver_as_protobuf() -> None:
     )
     assert found["warmroute.route.decisions"].sum.data_points[0].as_int == 1
     assert found["warmroute.backend.inflight"].sum.data_points[0].as_int == 1
+
+
+def test_every_metric_on_the_grafana_dashboard_is_exported(tel: Any) -> None:
+    """A number on a dashboard must be measured: each series it queries is in /metrics."""
+    import json
+    import re
+    from pathlib import Path
+
+    t, _, _ = tel
+    d = Decision(policy="prefix", ranking=["b1"], reason="r", matched_blocks={"b1": 1})
+    if hasattr(d, "prompt_chars"):
+        d.block_chars, d.prompt_chars = 64, 128
+    rec = start(t)
+    rec.set_decision(d)
+    t.observe_routing("prefix", "r", 0.0001)
+    rec.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1).fail("500", 500)
+    rec.attempt(backend="b2", address="10.0.0.2", port=8002, attempt=2)
+    t.set_inflight("b2", 1)
+    rec.finish(facts(), status=200)
+    text = t.prometheus_text()[0].decode()
+    dash = Path(__file__).parent.parent / "deploy/grafana/dashboards/warmroute.json"
+    exprs = [
+        tg["expr"] for p in json.loads(dash.read_text())["panels"] for tg in p.get("targets", [])
+    ]
+    used = {m for e in exprs for m in re.findall(r"\b((?:gen_ai|warmroute)_[a-z_]+)[{\[]", e)}
+    assert len(used) >= 12
+    missing = sorted(m for m in used if not re.search(rf"^{m}[{{ ]", text, re.M))
+    assert not missing
