@@ -18,6 +18,7 @@ from proxy.backends import Backend, BackendRegistry
 from proxy.config import Config, ConfigError
 from proxy.forward import API_PATHS, Exchange, ProxyEndpoint
 from proxy.routing.router import Router
+from proxy.telemetry import RequestRecord, Telemetry
 from proxy.upstream import Upstream
 
 log = logging.getLogger("warmroute")
@@ -32,16 +33,23 @@ class AppState:
     upstream: Upstream
     router: Router
     http: httpx.AsyncClient
-    telemetry: Any = None
+    telemetry: Telemetry
     open_requests: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
-    # Hooks the forwarder calls; telemetry and metering plug in here.
-    def start_record(self, ex: Exchange) -> Any:
-        return None
+    def start_record(self, ex: Exchange) -> RequestRecord:
+        return self.telemetry.start_request(
+            request_id=ex.request_id,
+            api=ex.api,
+            model=ex.body.get("model"),
+            stream=ex.stream,
+            params=ex.body,
+            headers=ex.headers,
+            t0=ex.t0,
+        )
 
     def inflight_changed(self, backend: Backend, delta: int) -> None:
-        pass
+        self.telemetry.set_inflight(backend.name, delta)
 
 
 def build_policy(config: Config) -> Router:
@@ -75,6 +83,7 @@ def create_app(config: Config) -> Starlette:
         upstream=Upstream(config.timeouts),
         router=router,
         http=http,
+        telemetry=Telemetry(config.telemetry),
     )
 
     @contextlib.asynccontextmanager
@@ -83,7 +92,8 @@ def create_app(config: Config) -> Starlette:
         await state.registry.start()
         log.info(
             "warmroute ready: %d backend(s), policy %s",
-            len(state.registry.backends), config.routing.policy,
+            len(state.registry.backends),
+            config.routing.policy,
         )
         try:
             yield
@@ -91,10 +101,10 @@ def create_app(config: Config) -> Starlette:
             await state.registry.close()
             await state.upstream.close()
             await http.aclose()
+            state.telemetry.shutdown()
 
     routes: list[Route | Mount] = [
-        Route(path, ProxyEndpoint(state, api), methods=["POST"])
-        for api, path in API_PATHS.items()
+        Route(path, ProxyEndpoint(state, api), methods=["POST"]) for api, path in API_PATHS.items()
     ]
     routes += handlers.routes(state)
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -40,7 +40,12 @@ LOAD_METRICS: dict[str, dict[str, str]] = {
         "llamacpp:kv_cache_usage_ratio": "kv_usage",
     },
 }
-HEALTH_PATH = {"vllm": "/health", "sglang": "/health", "llamacpp": "/health", "openai": "/v1/models"}
+HEALTH_PATH = {
+    "vllm": "/health",
+    "sglang": "/health",
+    "llamacpp": "/health",
+    "openai": "/v1/models",
+}
 
 
 def parse_load(engine: str, text: str, now: float) -> EngineLoad | None:
@@ -59,14 +64,18 @@ def parse_load(engine: str, text: str, now: float) -> EngineLoad | None:
         if attr is None:
             continue
         try:
-            value = float(line.rsplit(" ", 1)[-1] if "}" not in line else line.rsplit("}", 1)[1].split()[0])
+            value = float(
+                line.rsplit(" ", 1)[-1] if "}" not in line else line.rsplit("}", 1)[1].split()[0]
+            )
         except (ValueError, IndexError):
             continue
         sums[attr] = sums.get(attr, 0.0) + value
     if not sums:
         return None
     return EngineLoad(
-        waiting=sums.get("waiting"), running=sums.get("running"), kv_usage=sums.get("kv_usage"),
+        waiting=sums.get("waiting"),
+        running=sums.get("running"),
+        kv_usage=sums.get("kv_usage"),
         scraped_at=now,
     )
 
@@ -98,9 +107,16 @@ class Backend:
 
     def view(self, now: float) -> BackendView:
         return BackendView(
-            name=self.name, url=self.url, engine=self.cfg.engine, role=self.cfg.role,
-            weight=self.cfg.weight, healthy=self.is_up(now), inflight=self.inflight,
-            load=self.load, models=self.models, prefill_tokens_per_s=self.prefill_tokens_per_s,
+            name=self.name,
+            url=self.url,
+            engine=self.cfg.engine,
+            role=self.cfg.role,
+            weight=self.cfg.weight,
+            healthy=self.is_up(now),
+            inflight=self.inflight,
+            load=self.load,
+            models=self.models,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
         )
 
 
@@ -129,7 +145,9 @@ class BackendRegistry:
         seen: dict[str, dict[str, object]] = {}
         for b in self.backends.values():
             for m in sorted(b.models or ()):
-                seen.setdefault(m, {"id": m, "object": "model", "created": 0, "owned_by": "warmroute"})
+                seen.setdefault(
+                    m, {"id": m, "object": "model", "created": 0, "owned_by": "warmroute"}
+                )
         return list(seen.values())
 
     def any_ready(self) -> bool:
@@ -142,8 +160,12 @@ class BackendRegistry:
         if connect:
             # Refused/unreachable: stop sending there until the health loop (or cooldown) says so.
             backend.down_until = time.monotonic() + self.config.retries.unhealthy_cooldown_s
-            log.warning("backend %s unreachable (%s); skipping it for %.1fs", backend.name, reason,
-                        self.config.retries.unhealthy_cooldown_s)
+            log.warning(
+                "backend %s unreachable (%s); skipping it for %.1fs",
+                backend.name,
+                reason,
+                self.config.retries.unhealthy_cooldown_s,
+            )
 
     def mark_success(self, backend: Backend) -> None:
         if backend.failures:
@@ -178,7 +200,9 @@ class BackendRegistry:
         was = b.healthy
         try:
             if discover and b.cfg.models is None:
-                r = await self.http.get(f"{b.url}/v1/models", headers=self._headers(b), timeout=timeout)
+                r = await self.http.get(
+                    f"{b.url}/v1/models", headers=self._headers(b), timeout=timeout
+                )
                 r.raise_for_status()
                 ids = frozenset(m["id"] for m in r.json().get("data", []) if "id" in m)
                 if ids != b.models:
@@ -186,8 +210,9 @@ class BackendRegistry:
                 b.models = ids
             fetched_models = discover and b.cfg.models is None
             if not (fetched_models and HEALTH_PATH[b.cfg.engine] == "/v1/models"):
-                r = await self.http.get(b.url + HEALTH_PATH[b.cfg.engine], headers=self._headers(b),
-                                        timeout=timeout)
+                r = await self.http.get(
+                    b.url + HEALTH_PATH[b.cfg.engine], headers=self._headers(b), timeout=timeout
+                )
                 r.raise_for_status()
             b.healthy = True
             b.down_until = 0.0

@@ -8,14 +8,21 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def error_body(
-    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
 ) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    )
 
 
 def sse_error_event(message: str, type_: str = "server_error", code: str | None = None) -> bytes:
     """A mid-stream error in the shape OpenAI's clients raise on, then a clean end of stream."""
-    event = orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
+    event = orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    )
     return b"data: " + event + b"\n\n" + SSE_DONE
 
 

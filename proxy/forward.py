@@ -27,6 +27,7 @@ from proxy.validate import validate
 if TYPE_CHECKING:
     from proxy.app import AppState
     from proxy.backends import Backend
+    from proxy.telemetry import RequestRecord
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -49,8 +50,9 @@ RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 class _Retry(Exception):
     """This attempt failed before anything reached the client: try the next backend."""
 
-    def __init__(self, reason: str, error_type: str, status: int | None = None,
-                 connect: bool = False) -> None:
+    def __init__(
+        self, reason: str, error_type: str, status: int | None = None, connect: bool = False
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.error_type = error_type
@@ -93,8 +95,12 @@ class ProxyEndpoint:
         state.open_requests += 1
         try:
             if scope["method"] != "POST":
-                await _respond(send, 405, error_body(f"Use POST for {self.path}.", code="method_not_allowed"),
-                               request_id)
+                await _respond(
+                    send,
+                    405,
+                    error_body(f"Use POST for {self.path}.", code="method_not_allowed"),
+                    request_id,
+                )
                 return
             try:
                 raw = await self._read_body(headers, receive)
@@ -135,14 +141,19 @@ class ProxyEndpoint:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
-            raise RequestError(400, f"We could not parse the JSON body of your request ({e}).",
-                               code="invalid_json") from None
+            raise RequestError(
+                400, f"We could not parse the JSON body of your request ({e}).", code="invalid_json"
+            ) from None
         validate(self.api, body)
         model = body["model"]
         if not self.state.registry.may_serve(model):
-            raise RequestError(404, f"The model `{model}` does not exist or is not served by any "
-                               "backend of this proxy. GET /v1/models lists the models served.",
-                               param="model", code="model_not_found")
+            raise RequestError(
+                404,
+                f"The model `{model}` does not exist or is not served by any "
+                "backend of this proxy. GET /v1/models lists the models served.",
+                param="model",
+                code="model_not_found",
+            )
         stream = bool(body.get("stream", False)) and self.api in STREAMABLE
         ex = Exchange(self.api, request_id, t0, headers, body, raw, stream)
         if stream and self.api != "responses":
@@ -159,21 +170,57 @@ class ProxyEndpoint:
     async def _handle(self, ex: Exchange, receive: Receive, send: Send) -> None:
         state = self.state
         ctx = RouteContext(
-            request_id=ex.request_id, model=ex.body["model"], api=self.api, body=ex.body,
-            headers=ex.headers, now=time.monotonic(),
+            request_id=ex.request_id,
+            model=ex.body["model"],
+            api=self.api,
+            body=ex.body,
+            headers=ex.headers,
+            now=time.monotonic(),
             session_key=ex.headers.get("x-session-id") or ex.body.get("user"),
         )
         decision = await state.router.route(ctx, state.registry.views())
         ex.decision = decision
+        state.telemetry.observe_routing(decision.policy, decision.reason, decision.decision_s)
         record = state.start_record(ex)
-        if record is not None:
-            record.set_decision(decision)
+        record.set_decision(decision)
         ranking = decision.ranking[: state.config.retries.max_attempts]
         if not ranking:
-            why = "; ".join(f"{k}: {v}" for k, v in decision.filtered_out.items()) or "none configured"
-            await self._fail(ex, send, record, 503, f"No backend can serve model "
-                             f"`{ex.body['model']}` right now ({why}).", "no_backend")
+            why = (
+                "; ".join(f"{k}: {v}" for k, v in decision.filtered_out.items())
+                or "none configured"
+            )
+            await self._fail(
+                ex,
+                send,
+                record,
+                503,
+                f"No backend can serve model `{ex.body['model']}` right now ({why}).",
+                "no_backend",
+            )
             return
+        try:
+            await self._attempts(ex, ranking, record, receive, send)
+        except Exception as e:
+            # A bug or an unexpected failure must neither hang the client nor leak the span.
+            log.exception("request %s: unexpected %s", ex.request_id, type(e).__name__)
+            if not ex.started_response:
+                await _respond(
+                    send,
+                    500,
+                    error_body(f"Internal proxy error ({type(e).__name__}).", "server_error"),
+                    ex.request_id,
+                )
+            record.finish(None, status=500, error_type=type(e).__name__)
+
+    async def _attempts(
+        self,
+        ex: Exchange,
+        ranking: list[str],
+        record: RequestRecord,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        state = self.state
         failures: list[str] = []
         for attempt_no, name in enumerate(ranking, start=1):
             backend = state.registry[name]
@@ -183,21 +230,32 @@ class ProxyEndpoint:
             except _Retry as r:
                 failures.append(f"{backend.name}: {r.reason}")
                 state.registry.mark_failure(backend, r.reason, connect=r.connect)
-                log.warning("request %s attempt %d on %s failed before the first byte: %s%s",
-                            ex.request_id, attempt_no, backend.name, r.reason,
-                            "; retrying" if attempt_no < len(ranking) else "")
+                log.warning(
+                    "request %s attempt %d on %s failed before the first byte: %s%s",
+                    ex.request_id,
+                    attempt_no,
+                    backend.name,
+                    r.reason,
+                    "; retrying" if attempt_no < len(ranking) else "",
+                )
                 if ex.client_gone:
+                    record.finish(None, status=499, error_type="cancelled")
                     return
-        await self._fail(ex, send, record, 503,
-                         "All backends failed before responding: " + "; ".join(failures) + ".",
-                         "backends_unavailable")
+        await self._fail(
+            ex,
+            send,
+            record,
+            503,
+            "All backends failed before responding: " + "; ".join(failures) + ".",
+            "backends_unavailable",
+        )
 
-    async def _fail(self, ex: Exchange, send: Send, record: Any, status: int, message: str,
-                    code: str) -> None:
+    async def _fail(
+        self, ex: Exchange, send: Send, record: RequestRecord, status: int, message: str, code: str
+    ) -> None:
         log.error("request %s failed: %s", ex.request_id, message)
         await _respond(send, status, error_body(message, "server_error", None, code), ex.request_id)
-        if record is not None:
-            record.finish(None, status=status, error_type=code)
+        record.finish(None, status=status, error_type=code)
 
     def _upstream_headers(self, ex: Exchange, backend: Backend) -> dict[str, str]:
         out = {k: v for k, v in ex.headers.items() if k not in NOT_FORWARDED_UPSTREAM}
@@ -208,8 +266,9 @@ class ProxyEndpoint:
             out["authorization"] = f"Bearer {backend.api_key}"
         return out
 
-    def _response_headers(self, ex: Exchange, backend: Backend,
-                          upstream: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+    def _response_headers(
+        self, ex: Exchange, backend: Backend, upstream: aiohttp.ClientResponse
+    ) -> list[tuple[bytes, bytes]]:
         out = [
             (k.lower().encode("latin-1"), v.encode("latin-1"))
             for k, v in upstream.headers.items()
@@ -221,15 +280,21 @@ class ProxyEndpoint:
             out.append((b"x-warmroute-route", orjson.dumps(ex.decision.as_dict())))
         return out
 
-    async def _attempt(self, ex: Exchange, backend: Backend, attempt_no: int, record: Any,
-                       receive: Receive, send: Send) -> None:
+    async def _attempt(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        attempt_no: int,
+        record: RequestRecord,
+        receive: Receive,
+        send: Send,
+    ) -> None:
         state = self.state
         headers = self._upstream_headers(ex, backend)
-        attempt = None
-        if record is not None:
-            attempt = record.attempt(backend=backend.name, address=backend.host,
-                                     port=backend.port, attempt=attempt_no)
-            attempt.inject_headers(headers)
+        attempt = record.attempt(
+            backend=backend.name, address=backend.host, port=backend.port, attempt=attempt_no
+        )
+        attempt.inject_headers(headers)
         ex.attempts.append(backend.name)
         backend.inflight += 1
         state.inflight_changed(backend, +1)
@@ -240,13 +305,17 @@ class ProxyEndpoint:
             except CONNECT_ERRORS as e:
                 raise _Retry(_describe(e), "connect_error", connect=True) from None
             except TimeoutError:
-                raise _Retry("no response headers within the first-byte timeout",
-                             "timeout") from None
+                raise _Retry(
+                    "no response headers within the first-byte timeout", "timeout"
+                ) from None
             try:
                 if upstream.status in RETRYABLE_STATUS:
                     detail = await _read_error_detail(upstream)
-                    raise _Retry(f"HTTP {upstream.status}{detail}", f"http_{upstream.status}",
-                                 upstream.status)
+                    raise _Retry(
+                        f"HTTP {upstream.status}{detail}",
+                        f"http_{upstream.status}",
+                        upstream.status,
+                    )
                 state.registry.mark_success(backend)
                 if ex.stream and upstream.status == 200:
                     await self._stream(ex, backend, upstream, t_sent, record, receive, send)
@@ -255,35 +324,57 @@ class ProxyEndpoint:
             finally:
                 upstream.release()
         except _Retry as r:
-            if attempt is not None:
-                attempt.fail(r.error_type, r.status)
+            attempt.fail(r.error_type, r.status)
             raise
         finally:
             backend.inflight -= 1
             state.inflight_changed(backend, -1)
 
     # -- response relay -------------------------------------------------------------------
-    async def _whole(self, ex: Exchange, backend: Backend, upstream: aiohttp.ClientResponse,
-                     record: Any, send: Send) -> None:
+    async def _whole(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        upstream: aiohttp.ClientResponse,
+        record: RequestRecord,
+        send: Send,
+    ) -> None:
         try:
             payload = await upstream.read()
         except (aiohttp.ClientError, TimeoutError) as e:
             raise _Retry(f"response body broke off: {_describe(e)}", "body_error") from None
-        await send({"type": "http.response.start", "status": upstream.status,
-                    "headers": [*self._response_headers(ex, backend, upstream),
-                                (b"content-length", str(len(payload)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": upstream.status,
+                "headers": [
+                    *self._response_headers(ex, backend, upstream),
+                    (b"content-length", str(len(payload)).encode()),
+                ],
+            }
+        )
         ex.started_response = True
         await send({"type": "http.response.body", "body": payload})
-        if record is not None:
-            facts = None
-            if upstream.status == 200 and self.api != "embeddings":
-                facts = meter_json(self.api, payload, t0=ex.t0, now=time.perf_counter())  # type: ignore[arg-type]
-            record.finish(facts, status=upstream.status,
-                          error_type=None if upstream.status < 400 else f"http_{upstream.status}",
-                          backend=backend.name)
+        facts = None
+        if upstream.status == 200 and self.api != "embeddings":
+            facts = meter_json(self.api, payload, t0=ex.t0, now=time.perf_counter())
+        record.finish(
+            facts,
+            status=upstream.status,
+            error_type=None if upstream.status < 400 else f"http_{upstream.status}",
+            backend=backend.name,
+        )
 
-    async def _stream(self, ex: Exchange, backend: Backend, upstream: aiohttp.ClientResponse,
-                      t_sent: float, record: Any, receive: Receive, send: Send) -> None:
+    async def _stream(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        upstream: aiohttp.ClientResponse,
+        t_sent: float,
+        record: RequestRecord,
+        receive: Receive,
+        send: Send,
+    ) -> None:
         state = self.state
         meter = StreamMeter(self.api, t0=ex.t0, strip_usage=ex.strip_usage)  # type: ignore[arg-type]
         meter.upstream_sent(t_sent)
@@ -302,8 +393,13 @@ class ProxyEndpoint:
         error: str | None = None
         reason = ""
         try:
-            await send({"type": "http.response.start", "status": upstream.status,
-                        "headers": self._response_headers(ex, backend, upstream)})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": upstream.status,
+                    "headers": self._response_headers(ex, backend, upstream),
+                }
+            )
             ex.started_response = True
             perf = time.perf_counter
             while data:
@@ -318,10 +414,17 @@ class ProxyEndpoint:
                         break
                     timed_out = isinstance(e, TimeoutError)
                     error = "idle_timeout" if timed_out else "upstream_stream_error"
-                    reason = (f"no data from {backend.name} for {state.config.timeouts.idle_s:g}s"
-                              if timed_out else f"{backend.name} broke off the stream: {_describe(e)}")
-                    log.warning("request %s: %s after the first byte; ending the stream with an "
-                                "error event", ex.request_id, reason)
+                    reason = (
+                        f"no data from {backend.name} for {state.config.timeouts.idle_s:g}s"
+                        if timed_out
+                        else f"{backend.name} broke off the stream: {_describe(e)}"
+                    )
+                    log.warning(
+                        "request %s: %s after the first byte; ending the stream with an "
+                        "error event",
+                        ex.request_id,
+                        reason,
+                    )
                     break
             tail, facts = meter.finish(perf(), error=error, cancelled=ex.client_gone)
             if facts.error and not error:
@@ -331,16 +434,24 @@ class ProxyEndpoint:
                     tail += sse_error_event(reason, "server_error", error)
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
             else:
-                log.info("request %s: client disconnected mid-stream; closed the upstream on %s",
-                         ex.request_id, backend.name)
+                log.info(
+                    "request %s: client disconnected mid-stream; closed the upstream on %s",
+                    ex.request_id,
+                    backend.name,
+                )
         finally:
             watcher.cancel()
-        if record is not None:
-            record.finish(facts, status=499 if ex.client_gone else upstream.status,
-                          error_type="cancelled" if ex.client_gone else error, backend=backend.name)
+        record.finish(
+            facts,
+            status=499 if ex.client_gone else upstream.status,
+            error_type="cancelled" if ex.client_gone else error,
+            backend=backend.name,
+        )
 
 
-async def _watch_disconnect(receive: Receive, ex: Exchange, upstream: aiohttp.ClientResponse) -> None:
+async def _watch_disconnect(
+    receive: Receive, ex: Exchange, upstream: aiohttp.ClientResponse
+) -> None:
     """`send()` does not report a departed client, so wait for http.disconnect ourselves."""
     while True:
         message = await receive()
@@ -354,7 +465,13 @@ async def _read_error_detail(upstream: aiohttp.ClientResponse) -> str:
     try:
         body = await asyncio.wait_for(upstream.content.read(2048), 1.0)
         message = orjson.loads(body).get("error", {}).get("message") if body else None
-        return f" ({message})" if message else f" ({body[:200].decode('utf-8', 'replace')})" if body else ""
+        return (
+            f" ({message})"
+            if message
+            else f" ({body[:200].decode('utf-8', 'replace')})"
+            if body
+            else ""
+        )
     except Exception:
         return ""
 
@@ -365,12 +482,24 @@ def _describe(e: BaseException) -> str:
 
 
 def _too_large(size: int, limit: int) -> RequestError:
-    return RequestError(413, f"Request body of {size} bytes exceeds this proxy's limit of {limit} "
-                        "bytes (server.max_body_bytes).", code="request_too_large")
+    return RequestError(
+        413,
+        f"Request body of {size} bytes exceeds this proxy's limit of {limit} "
+        "bytes (server.max_body_bytes).",
+        code="request_too_large",
+    )
 
 
 async def _respond(send: Send, status: int, body: bytes, request_id: str) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*JSON_HEADERS, (b"content-length", str(len(body)).encode()),
-                            (b"x-request-id", request_id.encode("latin-1"))]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                *JSON_HEADERS,
+                (b"content-length", str(len(body)).encode()),
+                (b"x-request-id", request_id.encode("latin-1")),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -31,15 +31,26 @@ def routes(state: AppState) -> list[Route]:
     def _backends() -> list[dict[str, object]]:
         return [
             {
-                "name": b.name, "url": b.url, "engine": b.cfg.engine, "role": b.cfg.role,
-                "healthy": b.healthy, "inflight": b.inflight,
+                "name": b.name,
+                "url": b.url,
+                "engine": b.cfg.engine,
+                "role": b.cfg.role,
+                "healthy": b.healthy,
+                "inflight": b.inflight,
                 "models": sorted(b.models) if b.models is not None else None,
                 "last_error": b.last_error,
-                "load": {"waiting": b.load.waiting, "running": b.load.running,
-                         "kv_usage": b.load.kv_usage},
+                "load": {
+                    "waiting": b.load.waiting,
+                    "running": b.load.running,
+                    "kv_usage": b.load.kv_usage,
+                },
             }
             for b in state.registry.backends.values()
         ]
+
+    async def metrics(request: Request) -> Response:
+        body, content_type = state.telemetry.prometheus_text()
+        return Response(body, 200, headers={"content-type": content_type})
 
     async def backends(request: Request) -> Response:
         return _json({"backends": _backends(), "policy": state.router.policy.name})
@@ -49,4 +60,5 @@ def routes(state: AppState) -> list[Route]:
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/admin/backends", backends, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]

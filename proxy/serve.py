@@ -51,12 +51,21 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML config file (env: WARMROUTE_CONFIG)")
-    p.add_argument("--backend", dest="backends", action="append", metavar="URL",
-                   help="backend base URL, repeatable (env: WARMROUTE_BACKENDS=url1,url2)")
-    p.add_argument("--policy", help="routing policy: round_robin, least_inflight, ... "
-                   "(env: WARMROUTE_POLICY)")
-    p.add_argument("--redis", metavar="URL", help="Redis URL for shared routing state "
-                   "(env: WARMROUTE_REDIS_URL)")
+    p.add_argument(
+        "--backend",
+        dest="backends",
+        action="append",
+        metavar="URL",
+        help="backend base URL, repeatable (env: WARMROUTE_BACKENDS=url1,url2)",
+    )
+    p.add_argument(
+        "--policy", help="routing policy: round_robin, least_inflight, ... (env: WARMROUTE_POLICY)"
+    )
+    p.add_argument(
+        "--redis",
+        metavar="URL",
+        help="Redis URL for shared routing state (env: WARMROUTE_REDIS_URL)",
+    )
 
 
 def register(sub: Any) -> None:
@@ -70,20 +79,40 @@ def register(sub: Any) -> None:
     p.add_argument("--host", help="address to listen on (default 127.0.0.1; env: WARMROUTE_HOST)")
     p.add_argument("--port", type=int, help="port to listen on (default 8080; env: WARMROUTE_PORT)")
     add_common_args(p)
-    p.add_argument("--workers", type=int, help="worker processes (default 1; env: WARMROUTE_WORKERS)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
-                   help="log verbosity (default info; env: WARMROUTE_LOG_LEVEL)")
-    p.add_argument("--debug-headers", action="store_true", default=None,
-                   help="add x-warmroute-route (the routing decision) to every response")
-    p.add_argument("--check", action="store_true",
-                   help="validate the configuration, print it, and exit")
+    p.add_argument(
+        "--workers", type=int, help="worker processes (default 1; env: WARMROUTE_WORKERS)"
+    )
+    p.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (default info; env: WARMROUTE_LOG_LEVEL)",
+    )
+    p.add_argument(
+        "--debug-headers",
+        action="store_true",
+        default=None,
+        help="add x-warmroute-route (the routing decision) to every response",
+    )
+    p.add_argument(
+        "--check", action="store_true", help="validate the configuration, print it, and exit"
+    )
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    flags = {k: getattr(args, k, None) for k in (
-        "host", "port", "backends", "policy", "redis", "workers", "log_level", "debug_headers",
-    )}
+    flags = {
+        k: getattr(args, k, None)
+        for k in (
+            "host",
+            "port",
+            "backends",
+            "policy",
+            "redis",
+            "workers",
+            "log_level",
+            "debug_headers",
+        )
+    }
     return load_config(args.config, flags)
 
 
@@ -138,8 +167,9 @@ def run(args: argparse.Namespace) -> int:
         setup_logging(config.server.log_level)
         if config.server.workers > 1:
             os.environ[CONFIG_ENV] = config.model_dump_json()
-            server_config = uvicorn_config(config, "proxy.serve:app_factory", factory=True,
-                                           workers=config.server.workers)
+            server_config = uvicorn_config(
+                config, "proxy.serve:app_factory", factory=True, workers=config.server.workers
+            )
         else:
             server_config = uvicorn_config(config, create_app(config))
     except ConfigError as e:

@@ -11,18 +11,36 @@ import aiohttp
 from proxy.config import TimeoutsConfig
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and ones we set ourselves: never copied across.
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-    "te", "trailer", "trailers", "transfer-encoding", "upgrade",
-})
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
 NOT_FORWARDED_UPSTREAM = HOP_BY_HOP | {
-    "host", "content-length", "authorization", "accept-encoding", "cookie", "x-api-key",
+    "host",
+    "content-length",
+    "authorization",
+    "accept-encoding",
+    "cookie",
+    "x-api-key",
 }
 NOT_FORWARDED_DOWNSTREAM = HOP_BY_HOP | {"content-length", "date", "server"}
 
 # Errors that mean "this backend did not take the request": safe to retry elsewhere.
-CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
-                  aiohttp.ClientOSError)
+CONNECT_ERRORS = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+)
 
 
 class Upstream:

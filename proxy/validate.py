@@ -39,15 +39,23 @@ def validate(api: str, body: Any) -> None:
         raise RequestError(400, "The request body must be a JSON object.", code="invalid_json")
     model = body.get("model")
     if model is None:
-        raise RequestError(400, "Missing required parameter: 'model'.", param="model",
-                           code="missing_required_parameter")
+        raise RequestError(
+            400,
+            "Missing required parameter: 'model'.",
+            param="model",
+            code="missing_required_parameter",
+        )
     if not isinstance(model, str) or not model:
         raise _bad("model", "'model' must be a non-empty string.")
     field, types = PROMPT_FIELD[api]
     value = body.get(field)
     if value is None:
-        raise RequestError(400, f"Missing required parameter: '{field}'.", param=field,
-                           code="missing_required_parameter")
+        raise RequestError(
+            400,
+            f"Missing required parameter: '{field}'.",
+            param=field,
+            code="missing_required_parameter",
+        )
     if not isinstance(value, types):
         expected = " or ".join(_TYPE_NAMES[t] for t in types)
         raise _bad(field, f"'{field}' must be {expected}, got {type(value).__name__}.")
@@ -58,8 +66,12 @@ def validate(api: str, body: Any) -> None:
             if not isinstance(msg, dict):
                 raise _bad(f"messages[{i}]", f"'messages[{i}]' must be an object.")
             if not isinstance(msg.get("role"), str):
-                raise RequestError(400, f"Missing required parameter: 'messages[{i}].role'.",
-                                   param=f"messages[{i}].role", code="missing_required_parameter")
+                raise RequestError(
+                    400,
+                    f"Missing required parameter: 'messages[{i}].role'.",
+                    param=f"messages[{i}].role",
+                    code="missing_required_parameter",
+                )
     _expect(body, "stream", (bool,), "a boolean")
     _expect(body, "stream_options", (dict,), "an object")
     for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):

@@ -82,46 +82,91 @@ class FakeBackend:
         if "slowstart" in text:
             await asyncio.sleep(_opt(text, "slowstart", 0))
         if path.endswith("/embeddings"):
-            return await self._json(send, 200, {
-                "object": "list", "model": body["model"],
-                "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3]}],
-                "usage": {"prompt_tokens": 3, "total_tokens": 3}})
+            return await self._json(
+                send,
+                200,
+                {
+                    "object": "list",
+                    "model": body["model"],
+                    "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3]}],
+                    "usage": {"prompt_tokens": 3, "total_tokens": 3},
+                },
+            )
         n = int(_opt(text, "chunks", 5))
         if body.get("stream"):
             await self._stream(scope, receive, send, path, body, text, n)
         else:
             await self._whole(send, path, body, n)
 
-    async def _json(self, send: Any, status: int, data: Any, extra: list[Any] | None = None) -> None:
+    async def _json(
+        self, send: Any, status: int, data: Any, extra: list[Any] | None = None
+    ) -> None:
         payload = orjson.dumps(data)
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-            *(extra or [])]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    *(extra or []),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": payload})
 
     def _usage(self, body: dict[str, Any], n: int) -> dict[str, Any]:
         prompt_tokens = max(1, len(_prompt_text(body)) // 4)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                "total_tokens": prompt_tokens + n,
-                "prompt_tokens_details": {"cached_tokens": 0}}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
 
     async def _whole(self, send: Any, path: str, body: dict[str, Any], n: int) -> None:
         text = "".join(words(n))
         if path.endswith("/chat/completions"):
-            data = {"id": "chatcmpl-fake", "object": "chat.completion", "created": 1,
-                    "model": body["model"], "choices": [{"index": 0, "finish_reason": "length",
-                    "message": {"role": "assistant", "content": text}}],
-                    "usage": self._usage(body, n)}
+            data = {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "length",
+                        "message": {"role": "assistant", "content": text},
+                    }
+                ],
+                "usage": self._usage(body, n),
+            }
         else:
-            data = {"id": "cmpl-fake", "object": "text_completion", "created": 1,
-                    "model": body["model"], "choices": [{"index": 0, "text": text,
-                    "finish_reason": "length", "logprobs": None}], "usage": self._usage(body, n)}
+            data = {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [
+                    {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+                ],
+                "usage": self._usage(body, n),
+            }
         self.rec.completed += 1
-        await self._json(send, 200, data, [(b"x-backend", self.name.encode()),
-                                           (b"connection", b"keep-alive")])
+        await self._json(
+            send, 200, data, [(b"x-backend", self.name.encode()), (b"connection", b"keep-alive")]
+        )
 
-    async def _stream(self, scope: Any, receive: Any, send: Any, path: str, body: dict[str, Any],
-                      text: str, n: int) -> None:
+    async def _stream(
+        self,
+        scope: Any,
+        receive: Any,
+        send: Any,
+        path: str,
+        body: dict[str, Any],
+        text: str,
+        n: int,
+    ) -> None:
         chat = path.endswith("/chat/completions")
         delay = _opt(text, "delay", 0)
         cut = int(_opt(text, "cut", -1))
@@ -136,20 +181,46 @@ class FakeBackend:
             gone.set()
 
         watcher = asyncio.ensure_future(watch())
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream"), (b"x-backend", self.name.encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream"),
+                    (b"x-backend", self.name.encode()),
+                ],
+            }
+        )
 
         def event(obj: Any) -> bytes:
             return b"data: " + orjson.dumps(obj) + b"\n\n"
 
-        base = {"id": "chatcmpl-fake" if chat else "cmpl-fake",
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": 1, "model": body["model"]}
+        base = {
+            "id": "chatcmpl-fake" if chat else "cmpl-fake",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 1,
+            "model": body["model"],
+        }
         try:
             if chat:
-                await send({"type": "http.response.body", "more_body": True, "body": event(
-                    {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "finish_reason": None}]})})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "more_body": True,
+                        "body": event(
+                            {
+                                **base,
+                                "choices": [
+                                    {
+                                        "index": 0,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "finish_reason": None,
+                                    }
+                                ],
+                            }
+                        ),
+                    }
+                )
             for i, w in enumerate(words(n)):
                 if i == cut:
                     raise ConnectionAbortedError  # drop the connection mid-stream
@@ -164,12 +235,23 @@ class FakeBackend:
                         pass
                 if gone.is_set():
                     return
-                choice = ({"index": 0, "delta": {"content": w}, "finish_reason": None} if chat
-                          else {"index": 0, "text": w, "finish_reason": None, "logprobs": None})
-                await send({"type": "http.response.body", "body": event({**base, "choices": [choice]}),
-                            "more_body": True})
-            final = ({"index": 0, "delta": {}, "finish_reason": "length"} if chat
-                     else {"index": 0, "text": "", "finish_reason": "length", "logprobs": None})
+                choice = (
+                    {"index": 0, "delta": {"content": w}, "finish_reason": None}
+                    if chat
+                    else {"index": 0, "text": w, "finish_reason": None, "logprobs": None}
+                )
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": event({**base, "choices": [choice]}),
+                        "more_body": True,
+                    }
+                )
+            final = (
+                {"index": 0, "delta": {}, "finish_reason": "length"}
+                if chat
+                else {"index": 0, "text": "", "finish_reason": "length", "logprobs": None}
+            )
             out = event({**base, "choices": [final]})
             if (body.get("stream_options") or {}).get("include_usage"):
                 out += event({**base, "choices": [], "usage": self._usage(body, n)})

@@ -36,7 +36,9 @@ def proxy_server() -> Iterator[Callable[..., ServerThread]]:
     """Start the real proxy app under uvicorn: proxy_server([url, ...], policy=..., ...)."""
     started: list[ServerThread] = []
 
-    def start(backends: list[str], config: dict[str, Any] | None = None, **flags: Any) -> ServerThread:
+    def start(
+        backends: list[str], config: dict[str, Any] | None = None, **flags: Any
+    ) -> ServerThread:
         cfg = load_config(flags={"backends": backends, **flags}, env={})
         if config:
             cfg = cfg.model_validate(_deep_merge(cfg.model_dump(), config))
@@ -53,7 +55,9 @@ def proxy_server() -> Iterator[Callable[..., ServerThread]]:
 def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     out = dict(a)
     for k, v in b.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
     return out
 
 

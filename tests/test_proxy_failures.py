@@ -21,20 +21,57 @@ def _chat(text: str, **extra):
     [
         (CHAT, b"{not json", 400, None, "invalid_json"),
         (CHAT, b"[1, 2]", 400, None, "invalid_json"),
-        (CHAT, orjson.dumps({"messages": [{"role": "user", "content": "x"}]}), 400, "model",
-         "missing_required_parameter"),
-        (CHAT, orjson.dumps({"model": "test-model"}), 400, "messages", "missing_required_parameter"),
-        (CHAT, orjson.dumps({"model": "test-model", "messages": "hi"}), 400, "messages",
-         "invalid_value"),
-        (CHAT, orjson.dumps({"model": "test-model", "messages": [{"content": "x"}]}), 400,
-         "messages[0].role", "missing_required_parameter"),
+        (
+            CHAT,
+            orjson.dumps({"messages": [{"role": "user", "content": "x"}]}),
+            400,
+            "model",
+            "missing_required_parameter",
+        ),
+        (
+            CHAT,
+            orjson.dumps({"model": "test-model"}),
+            400,
+            "messages",
+            "missing_required_parameter",
+        ),
+        (
+            CHAT,
+            orjson.dumps({"model": "test-model", "messages": "hi"}),
+            400,
+            "messages",
+            "invalid_value",
+        ),
+        (
+            CHAT,
+            orjson.dumps({"model": "test-model", "messages": [{"content": "x"}]}),
+            400,
+            "messages[0].role",
+            "missing_required_parameter",
+        ),
         (CHAT, orjson.dumps({**_chat("x"), "stream": "yes"}), 400, "stream", "invalid_value"),
-        (CHAT, orjson.dumps({**_chat("x"), "max_tokens": "10"}), 400, "max_tokens", "invalid_value"),
+        (
+            CHAT,
+            orjson.dumps({**_chat("x"), "max_tokens": "10"}),
+            400,
+            "max_tokens",
+            "invalid_value",
+        ),
         (CHAT, orjson.dumps({"model": 7, "messages": []}), 400, "model", "invalid_value"),
-        ("/v1/completions", orjson.dumps({"model": "test-model"}), 400, "prompt",
-         "missing_required_parameter"),
-        ("/v1/embeddings", orjson.dumps({"model": "test-model"}), 400, "input",
-         "missing_required_parameter"),
+        (
+            "/v1/completions",
+            orjson.dumps({"model": "test-model"}),
+            400,
+            "prompt",
+            "missing_required_parameter",
+        ),
+        (
+            "/v1/embeddings",
+            orjson.dumps({"model": "test-model"}),
+            400,
+            "input",
+            "missing_required_parameter",
+        ),
         (CHAT, orjson.dumps(_chat("x", model="unknown")), 404, "model", "model_not_found"),
     ],
 )
@@ -61,17 +98,25 @@ def test_oversized_body_is_413(fake_backends, proxy_server):
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "request_too_large"
     # Chunked upload without content-length is caught while reading, too.
-    r = httpx.post(proxy.url + CHAT, content=iter([b'{"model": "test-model", "messages": ["',
-                                                    b"y" * 2000, b'"]}']))
+    r = httpx.post(
+        proxy.url + CHAT,
+        content=iter([b'{"model": "test-model", "messages": ["', b"y" * 2000, b'"]}']),
+    )
     assert r.status_code == 413
     assert backend_app.rec.requests == []
 
 
-def test_connection_refused_retries_on_the_next_backend(fake_backends, proxy_server, closed_port_url):
+def test_connection_refused_retries_on_the_next_backend(
+    fake_backends, proxy_server, closed_port_url
+):
     [(backend_app, backend)] = fake_backends(1)
-    proxy = proxy_server([closed_port_url, backend.url], policy="round_robin",
-                         config={"backends": [{"url": closed_port_url, "models": ["test-model"]},
-                                              {"url": backend.url}]})
+    proxy = proxy_server(
+        [closed_port_url, backend.url],
+        policy="round_robin",
+        config={
+            "backends": [{"url": closed_port_url, "models": ["test-model"]}, {"url": backend.url}]
+        },
+    )
     for _ in range(4):  # round robin starts on the dead one at least once
         r = httpx.post(proxy.url + CHAT, json=_chat("hi", stream=True))
         assert r.status_code == 200
@@ -92,8 +137,9 @@ def test_5xx_before_first_byte_retries_then_503_when_all_fail(fake_backends, pro
 
 
 def test_all_backends_down_is_503_with_clear_message(proxy_server, closed_port_url):
-    proxy = proxy_server([closed_port_url],
-                         config={"backends": [{"url": closed_port_url, "models": ["test-model"]}]})
+    proxy = proxy_server(
+        [closed_port_url], config={"backends": [{"url": closed_port_url, "models": ["test-model"]}]}
+    )
     t = time.monotonic()
     r = httpx.post(proxy.url + CHAT, json=_chat("hi"))
     assert r.status_code == 503
@@ -130,8 +176,11 @@ def test_idle_timeout_after_first_byte_ends_stream_cleanly(fake_backends, proxy_
 
 def test_first_byte_timeout_retries_elsewhere(fake_backends, proxy_server):
     backends = fake_backends(2)
-    proxy = proxy_server([s.url for _, s in backends], policy="round_robin",
-                         config={"timeouts": {"first_byte_s": 0.4}})
+    proxy = proxy_server(
+        [s.url for _, s in backends],
+        policy="round_robin",
+        config={"timeouts": {"first_byte_s": 0.4}},
+    )
     r = httpx.post(proxy.url + CHAT, json=_chat("slowstart:3"), timeout=10)
     assert r.status_code == 503  # both too slow: bounded, clear, no hang
     assert "first-byte" in r.json()["error"]["message"] or "Timeout" in r.json()["error"]["message"]
@@ -140,8 +189,9 @@ def test_first_byte_timeout_retries_elsewhere(fake_backends, proxy_server):
 def test_client_disconnect_closes_upstream_at_once(fake_backends, proxy_server):
     [(backend_app, backend)] = fake_backends(1)
     proxy = proxy_server([backend.url])
-    with httpx.stream("POST", proxy.url + CHAT, json=_chat("chunks:1000 delay:0.05", stream=True),
-                      timeout=10) as r:
+    with httpx.stream(
+        "POST", proxy.url + CHAT, json=_chat("chunks:1000 delay:0.05", stream=True), timeout=10
+    ) as r:
         it = r.iter_raw()
         next(it)
         next(it)
@@ -155,11 +205,20 @@ def test_client_disconnect_closes_upstream_at_once(fake_backends, proxy_server):
 def test_request_id_and_auth_headers(fake_backends, proxy_server, monkeypatch):
     monkeypatch.setenv("TEST_UPSTREAM_KEY", "sekrit-backend-key")
     [(backend_app, backend)] = fake_backends(1)
-    proxy = proxy_server([backend.url], config={"backends": [
-        {"url": backend.url, "api_key_env": "TEST_UPSTREAM_KEY"}]})
-    r = httpx.post(proxy.url + CHAT, json=_chat("hi"), headers={
-        "authorization": "Bearer client-key", "x-request-id": "req-123",
-        "connection": "keep-alive", "x-custom": "kept"})
+    proxy = proxy_server(
+        [backend.url],
+        config={"backends": [{"url": backend.url, "api_key_env": "TEST_UPSTREAM_KEY"}]},
+    )
+    r = httpx.post(
+        proxy.url + CHAT,
+        json=_chat("hi"),
+        headers={
+            "authorization": "Bearer client-key",
+            "x-request-id": "req-123",
+            "connection": "keep-alive",
+            "x-custom": "kept",
+        },
+    )
     assert r.headers["x-request-id"] == "req-123"
     seen = backend_app.rec.requests[-1]["headers"]
     assert seen["authorization"] == "Bearer sekrit-backend-key"

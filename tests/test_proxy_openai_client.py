@@ -7,8 +7,10 @@ import pytest
 
 
 def _clients(url: str) -> tuple[openai.OpenAI, openai.AsyncOpenAI]:
-    return (openai.OpenAI(base_url=url + "/v1", api_key="client-key", max_retries=0),
-            openai.AsyncOpenAI(base_url=url + "/v1", api_key="client-key", max_retries=0))
+    return (
+        openai.OpenAI(base_url=url + "/v1", api_key="client-key", max_retries=0),
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key="client-key", max_retries=0),
+    )
 
 
 MSG = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello chunks:7"}]
@@ -26,19 +28,33 @@ def test_sync_chat_and_completions_match_direct(fake_backends, proxy_server):
             d_chunks = [ch.model_dump() for ch in d]
             v_chunks = [ch.model_dump() for ch in v]
             assert v_chunks == d_chunks
-            assert "".join(c["choices"][0]["delta"]["content"] or "" for c in v_chunks
-                           if c["choices"]) == "".join(
-                f"{w}" for w in ["alpha0 ", "bravo1 ", "charlie2 ", "delta3 ", "echo4 ",
-                                 "foxtrot5 ", "golf6 "])
+            assert "".join(
+                c["choices"][0]["delta"]["content"] or "" for c in v_chunks if c["choices"]
+            ) == "".join(
+                f"{w}"
+                for w in [
+                    "alpha0 ",
+                    "bravo1 ",
+                    "charlie2 ",
+                    "delta3 ",
+                    "echo4 ",
+                    "foxtrot5 ",
+                    "golf6 ",
+                ]
+            )
         else:
             assert v.model_dump() == d.model_dump()
     d = direct.completions.create(model="test-model", prompt="once chunks:4")
     v = via.completions.create(model="test-model", prompt="once chunks:4")
     assert v.model_dump() == d.model_dump()
-    d_s = [c.model_dump() for c in direct.completions.create(
-        model="test-model", prompt="once chunks:4", stream=True)]
-    v_s = [c.model_dump() for c in via.completions.create(
-        model="test-model", prompt="once chunks:4", stream=True)]
+    d_s = [
+        c.model_dump()
+        for c in direct.completions.create(model="test-model", prompt="once chunks:4", stream=True)
+    ]
+    v_s = [
+        c.model_dump()
+        for c in via.completions.create(model="test-model", prompt="once chunks:4", stream=True)
+    ]
     assert v_s == d_s
 
 
@@ -47,8 +63,12 @@ async def test_async_client_streams_and_usage_when_asked(fake_backends, proxy_se
     proxy = proxy_server([backend.url])
     _, direct = _clients(backend.url)
     _, via = _clients(proxy.url)
-    kwargs = {"model": "test-model", "messages": MSG, "stream": True,
-              "stream_options": {"include_usage": True}}
+    kwargs = {
+        "model": "test-model",
+        "messages": MSG,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     d = [c.model_dump() async for c in await direct.chat.completions.create(**kwargs)]
     v = [c.model_dump() async for c in await via.chat.completions.create(**kwargs)]
     assert v == d
