@@ -74,7 +74,8 @@ def check_config(config: Config) -> Router:
     return build_policy(config)
 
 
-def create_app(config: Config) -> Starlette:
+def create_app(config: Config, telemetry: Telemetry | None = None) -> Starlette:
+    """The proxy app; `telemetry` lets tests pass one with in-memory exporters."""
     router = check_config(config)
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
     state = AppState(
@@ -83,7 +84,7 @@ def create_app(config: Config) -> Starlette:
         upstream=Upstream(config.timeouts),
         router=router,
         http=http,
-        telemetry=Telemetry(config.telemetry),
+        telemetry=telemetry or Telemetry(config.telemetry),
     )
 
     @contextlib.asynccontextmanager
