@@ -21,6 +21,7 @@ from tests.llamacpp import (
     Engine,
     LlamaServer,
     llamacpp_engine,
+    long_system_prompt,
     running_servers,
     stream_chat,
 )
@@ -195,3 +196,41 @@ def test_engine_metrics_feed_load_signals(
         for t in threads:
             t.join(60)
         assert peak == {"running": 1.0, "waiting": 1.0}
+
+
+@pytest.mark.parametrize("policy", ["prefix_aware", "round_robin"])
+def test_repeated_system_prompt_lands_where_cached(
+    pair: list[LlamaServer], proxy_server: Callable[..., ServerThread], policy: str
+) -> None:
+    """The engine is the referee: its own `cache_n` says whether routing found the warm slot.
+
+    Each system prompt is sent twice with different user turns. prefix_aware must send the
+    second one to the instance that prefilled the first (cache_n ~ the whole prefix, and the
+    engines' cached-token counters show it); round robin alternates instances, so the second
+    lands on the other, cold one.
+    """
+    proxy = proxy_server([s.url for s in pair], config={"backends": _backends(pair)}, policy=policy)
+    before = [s.metrics() for s in pair]
+    second_hits: list[bool] = []
+    expected_cached = 0
+    for _ in range(2):
+        system = {"role": "system", "content": long_system_prompt(words=300)}  # ~570 tokens
+        first = stream_chat(proxy.url, [system, {"role": "user", "content": "first turn"}])
+        again = stream_chat(proxy.url, [system, {"role": "user", "content": "second turn"}])
+        assert first.timings is not None and again.timings is not None and again.usage
+        assert first.timings["cache_n"] < 32  # a fresh prompt is cold everywhere
+        prompt_tokens = again.usage["prompt_tokens"]
+        second_hits.append(again.timings["cache_n"] > prompt_tokens - 32)
+        expected_cached += first.timings["cache_n"] + again.timings["cache_n"]
+    after = [s.metrics() for s in pair]
+    cached = sum(
+        a["llamacpp:prompt_tokens_cached_total"] - b["llamacpp:prompt_tokens_cached_total"]
+        for a, b in zip(after, before, strict=True)
+    )
+    assert cached == expected_cached  # the engines' counters tell the same story
+    if policy == "prefix_aware":
+        assert second_hits == [True, True]
+        assert cached > 1000
+    else:
+        assert second_hits == [False, False]
+        assert cached < 4 * 32
