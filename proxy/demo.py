@@ -43,23 +43,41 @@ def register(sub: Any) -> None:
     p.add_argument("--policies", help="comma-separated policies (default: all installed)")
     p.add_argument("--engines", type=int, default=4, help="simulated engines (default 4)")
     p.add_argument("--device", default="l40s", help="simulated GPU preset (default l40s)")
-    p.add_argument("--kv-blocks", type=int, default=1200,
-                   help="KV-cache blocks per engine (16 tokens each; default 1200 = 19k tokens, "
-                   "small enough that not every prompt fits everywhere)")
-    p.add_argument("--workload", default="mixed",
-                   help="bench workload (default mixed: shared prompts + long documents)")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=1200,
+        help="KV-cache blocks per engine (16 tokens each; default 1200 = 19k tokens, "
+        "small enough that not every prompt fits everywhere)",
+    )
+    p.add_argument(
+        "--workload",
+        default="mixed",
+        help="bench workload (default mixed: shared prompts + long documents)",
+    )
     p.add_argument("--requests", type=int, default=240, help="requests per policy (default 240)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
     p.add_argument("--prefixes", type=int, default=16, help="distinct system prompts (default 16)")
-    p.add_argument("--system-chars", type=int, default=8000,
-                   help="system prompt length in characters (default 8000, ~2k tokens)")
+    p.add_argument(
+        "--system-chars",
+        type=int,
+        default=8000,
+        help="system prompt length in characters (default 8000, ~2k tokens)",
+    )
     p.add_argument("--max-tokens", type=int, default=48, help="output tokens per chat (default 48)")
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="run the simulated devices this much faster than real time")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="run the simulated devices this much faster than real time",
+    )
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default="warmroute-demo", help="directory for results and plots")
-    p.add_argument("--keep-running", action="store_true",
-                   help="after the last policy, keep its proxy and engines up until Ctrl-C")
+    p.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="after the last policy, keep its proxy and engines up until Ctrl-C",
+    )
     p.set_defaults(func=run)
 
 
@@ -70,23 +88,45 @@ def _ms(v: float | None) -> str:
 
 
 def format_policy_table(rows: list[dict[str, Any]]) -> str:
-    head = ["policy", "ok/sent", "TTFT mean", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
-            "E2E p50", "cache hit", "req/s"]
+    head = [
+        "policy",
+        "ok/sent",
+        "TTFT mean",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "E2E p50",
+        "cache hit",
+        "req/s",
+    ]
     lines = [head]
     for s in rows:
         t, i, e = s["ttft_s"], s["itl_s"], s["e2e_s"]
         hit = s.get("prefix_cache_hit_ratio")
-        lines.append([
-            s["label"], f"{s['completed']}/{s['requests_sent']}", _ms(t["mean"]), _ms(t["p50"]),
-            _ms(t["p99"]), _ms(i["p50"]), _ms(i["p99"]), _ms(e["p50"]),
-            "-" if hit is None else f"{hit:.1%}",
-            "-" if s["request_throughput"] is None else f"{s['request_throughput']:.1f}",
-        ])
+        lines.append(
+            [
+                s["label"],
+                f"{s['completed']}/{s['requests_sent']}",
+                _ms(t["mean"]),
+                _ms(t["p50"]),
+                _ms(t["p99"]),
+                _ms(i["p50"]),
+                _ms(i["p99"]),
+                _ms(e["p50"]),
+                "-" if hit is None else f"{hit:.1%}",
+                "-" if s["request_throughput"] is None else f"{s['request_throughput']:.1f}",
+            ]
+        )
     widths = [max(len(str(r[c])) for r in lines) for c in range(len(head))]
     out = []
     for n, r in enumerate(lines):
-        out.append("  ".join(str(v).ljust(w) if c == 0 else str(v).rjust(w)
-                             for c, (v, w) in enumerate(zip(r, widths, strict=True))))
+        out.append(
+            "  ".join(
+                str(v).ljust(w) if c == 0 else str(v).rjust(w)
+                for c, (v, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
@@ -98,35 +138,70 @@ def proxy_metrics_excerpt(url: str) -> str:
         text = httpx.get(url + "/metrics", timeout=5).text
     except httpx.HTTPError:
         return ""
-    keep = [ln for ln in text.splitlines() if not ln.startswith("#") and (
-        "time_to_first_token_seconds_count" in ln or "time_to_first_token_seconds_sum" in ln
-        or "proxy_overhead" in ln and "_sum" in ln or "route_decisions" in ln)]
+    keep = [
+        ln
+        for ln in text.splitlines()
+        if not ln.startswith("#")
+        and (
+            "time_to_first_token_seconds_count" in ln
+            or "time_to_first_token_seconds_sum" in ln
+            or "proxy_overhead" in ln
+            and "_sum" in ln
+            or "route_decisions" in ln
+        )
+    ]
     return "\n".join(keep[:12])
 
 
 def run(args: argparse.Namespace) -> int:
-    from proxy.bench import make_workload, plot_cdfs, results_document, run_bench, summarize, write_json
+    from proxy.bench import (
+        make_workload,
+        plot_cdfs,
+        results_document,
+        run_bench,
+        summarize,
+        write_json,
+    )
 
     available = plugins.policy_names()
     policies = args.policies.split(",") if args.policies else available
     unknown = [p for p in policies if p not in available]
     if unknown:
-        print(f"warmroute demo: unknown policy {', '.join(unknown)}; available: "
-              f"{', '.join(available)}", file=sys.stderr)
+        print(
+            f"warmroute demo: unknown policy {', '.join(unknown)}; available: "
+            f"{', '.join(available)}",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    workload = make_workload(args.workload, seed=args.seed, num_prefixes=args.prefixes,
-                             system_chars=args.system_chars, max_tokens=args.max_tokens)
-    sim_args = ["--device", args.device, "--kv-blocks", str(args.kv_blocks),
-                "--time-scale", str(args.time_scale), "--seed", str(args.seed)]
+    workload = make_workload(
+        args.workload,
+        seed=args.seed,
+        num_prefixes=args.prefixes,
+        system_chars=args.system_chars,
+        max_tokens=args.max_tokens,
+    )
+    sim_args = [
+        "--device",
+        args.device,
+        "--kv-blocks",
+        str(args.kv_blocks),
+        "--time-scale",
+        str(args.time_scale),
+        "--seed",
+        str(args.seed),
+    ]
     # SIGTERM gets the same cleanup as Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    print(f"warmroute demo: {args.engines} simulated {args.device} engines "
-          f"({args.kv_blocks * 16} KV tokens each), workload {args.workload!r} "
-          f"({args.prefixes} system prompts of ~{args.system_chars // 4} tokens, Zipf popularity), "
-          f"{args.requests} requests at concurrency {args.concurrency}, per policy: "
-          f"{', '.join(policies)}\n", file=sys.stderr)
+    print(
+        f"warmroute demo: {args.engines} simulated {args.device} engines "
+        f"({args.kv_blocks * 16} KV tokens each), workload {args.workload!r} "
+        f"({args.prefixes} system prompts of ~{args.system_chars // 4} tokens, Zipf popularity), "
+        f"{args.requests} requests at concurrency {args.concurrency}, per policy: "
+        f"{', '.join(policies)}\n",
+        file=sys.stderr,
+    )
     runs = []
     summaries = []
     try:
@@ -135,15 +210,25 @@ def run(args: argparse.Namespace) -> int:
                 sims = stack.sims(args.engines, sim_args)
                 proxy = stack.proxy(sims, ["--policy", policy])
                 started = time.monotonic()
-                result = asyncio.run(run_bench(
-                    proxy, workload, requests=args.requests, concurrency=args.concurrency,
-                    progress=True, label=policy, max_duration=600,
-                ))
+                result = asyncio.run(
+                    run_bench(
+                        proxy,
+                        workload,
+                        requests=args.requests,
+                        concurrency=args.concurrency,
+                        progress=True,
+                        label=policy,
+                        max_duration=600,
+                    )
+                )
                 runs.append(result)
                 summary = summarize(result)
                 summaries.append(summary)
-                print(f"  {policy}: {summary['completed']} ok, {summary['failed']} failed in "
-                      f"{time.monotonic() - started:.1f}s", file=sys.stderr)
+                print(
+                    f"  {policy}: {summary['completed']} ok, {summary['failed']} failed in "
+                    f"{time.monotonic() - started:.1f}s",
+                    file=sys.stderr,
+                )
                 last = n == len(policies) - 1
                 if last:
                     excerpt = proxy_metrics_excerpt(proxy)
@@ -154,8 +239,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"warmroute demo: {e} (logs in {out / 'logs'})", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\nwarmroute demo: interrupted; every process it started was stopped.",
-              file=sys.stderr)
+        print(
+            "\nwarmroute demo: interrupted; every process it started was stopped.", file=sys.stderr
+        )
         return 130
     doc = results_document(runs, command=["warmroute", "demo", *sys.argv[2:]])
     write_json(out / "results.json", doc)
@@ -163,29 +249,34 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_policy_table(summaries))
     print()
-    print("TTFT = time to the first content token as the client saw it; ITL = gap between "
-          "tokens;\ncache hit = prompt tokens the engines served from their prefix cache.")
+    print(
+        "TTFT = time to the first content token as the client saw it; ITL = gap between "
+        "tokens;\ncache hit = prompt tokens the engines served from their prefix cache."
+    )
     if excerpt:
         print("\nThe proxy measured the same requests itself (its GET /metrics, last policy):")
         print(excerpt)
     print(f"\nResults: {out / 'results.json'}; plots: {', '.join(str(p) for p in plots)}")
-    print("Where to look next:\n"
-          "  metrics  `warmroute serve ...` serves Prometheus text at /metrics "
-          "(dashboard: deploy/grafana/)\n"
-          "  traces   WARMROUTE_TRACES_EXPORTER=otlp OTEL_EXPORTER_OTLP_ENDPOINT="
-          "http://127.0.0.1:4318 warmroute serve ...  (Jaeger/Tempo)\n"
-          "           or `docker compose up` and open http://127.0.0.1:16686\n"
-          "  rehearse `warmroute demo --keep-running`, then `warmroute bench --base-url ...`")
+    print(
+        "Where to look next:\n"
+        "  metrics  `warmroute serve ...` serves Prometheus text at /metrics "
+        "(dashboard: deploy/grafana/)\n"
+        "  traces   WARMROUTE_TRACES_EXPORTER=otlp OTEL_EXPORTER_OTLP_ENDPOINT="
+        "http://127.0.0.1:4318 warmroute serve ...  (Jaeger/Tempo)\n"
+        "           or `docker compose up` and open http://127.0.0.1:16686\n"
+        "  rehearse `warmroute demo --keep-running`, then `warmroute bench --base-url ...`"
+    )
     return 0
 
 
 def _keep_running(proxy: str, sims: list[str]) -> None:
-    print(f"\nStack kept running: proxy {proxy} (metrics {proxy}/metrics), engines "
-          f"{', '.join(sims)}. Ctrl-C to stop.", file=sys.stderr)
+    print(
+        f"\nStack kept running: proxy {proxy} (metrics {proxy}/metrics), engines "
+        f"{', '.join(sims)}. Ctrl-C to stop.",
+        file=sys.stderr,
+    )
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
-
-

@@ -52,8 +52,9 @@ class Stack:
     def __enter__(self) -> Stack:
         return self
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop_all()
 
     def spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
@@ -62,7 +63,9 @@ class Stack:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"{name}.log"), "wb")  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", *args], stdout=out, stderr=subprocess.STDOUT,  # type: ignore[arg-type]
+            [sys.executable, "-m", "proxy", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,  # type: ignore[arg-type]
             start_new_session=True,  # its own process group: we can kill its whole tree
         )
         self.procs.append((name, proc))
@@ -99,8 +102,19 @@ class Stack:
 
     def sims(self, n: int, extra: Sequence[str] = ()) -> list[str]:
         ports = free_ports(n)
-        proc = self.spawn("sim", ["sim", "--port", str(ports[0]), "--instances", str(n),
-                                  "--log-level", "warning", *extra])
+        proc = self.spawn(
+            "sim",
+            [
+                "sim",
+                "--port",
+                str(ports[0]),
+                "--instances",
+                str(n),
+                "--log-level",
+                "warning",
+                *extra,
+            ],
+        )
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         for u in urls:
             self.wait_http(u + "/health", proc)

@@ -16,10 +16,34 @@ pytest.importorskip("proxy.sim")
 def test_demo_compares_policies_and_cleans_up(tmp_path):
     out = tmp_path / "demo"
     r = subprocess.run(
-        [sys.executable, "-m", "proxy", "demo", "--policies", "round_robin,least_inflight",
-         "--engines", "2", "--requests", "24", "--concurrency", "4", "--prefixes", "3",
-         "--system-chars", "2000", "--max-tokens", "8", "--time-scale", "5", "--out", str(out)],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "proxy",
+            "demo",
+            "--policies",
+            "round_robin,least_inflight",
+            "--engines",
+            "2",
+            "--requests",
+            "24",
+            "--concurrency",
+            "4",
+            "--prefixes",
+            "3",
+            "--system-chars",
+            "2000",
+            "--max-tokens",
+            "8",
+            "--time-scale",
+            "5",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
