@@ -208,6 +208,18 @@ async def test_errors_have_the_openai_shape() -> None:
     assert wrong_method.status_code == 405 and health.status_code == 200
 
 
+async def test_context_is_capped_by_a_tiny_kv_pool_instead_of_hanging() -> None:
+    with sim(time_scale=10, kv_blocks=8) as (url, _):  # 128 tokens of KV
+        async with httpx.AsyncClient() as client:
+            too_big = await client.post(url + "/v1/completions", json={"prompt": "x" * 800})
+            body = {"prompt": "y" * 80, "ignore_eos": True}  # no max_tokens: fill the context
+            fills = await client.post(url + "/v1/completions", json=body)
+            card = (await client.get(url + "/v1/models")).json()["data"][0]
+    assert too_big.status_code == 400 and "maximum context length is 128" in too_big.text
+    assert fills.json()["usage"]["completion_tokens"] == 128 - 20
+    assert card["max_model_len"] == 128
+
+
 async def test_a_crashed_engine_fails_requests_and_health() -> None:
     with sim() as (url, app):
 
@@ -447,7 +459,7 @@ async def test_nixl_style_prefill_then_decode_skips_prefill_on_the_decode_engine
     assert len(kvp["remote_block_ids"]) == -(-r.json()["usage"]["prompt_tokens"] // 16)
     assert decoded.usage["completion_tokens"] == 20
     assert decoded.usage["prompt_tokens_details"]["cached_tokens"] >= 2990
-    assert decoded.ttft < local.ttft / 5  # paid a KV transfer, not a prefill
+    assert decoded.ttft < local.ttft / 3  # paid a KV transfer (~6 ms here), not a prefill
     assert d_stats["external_kv_tokens"] > 2990
 
 

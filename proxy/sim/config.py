@@ -176,6 +176,12 @@ class SimConfig:
     def kv_pool_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
 
+    @property
+    def effective_max_model_len(self) -> int:
+        """Where vLLM would refuse to start (a sequence longer than the pool could never
+        finish), the sim serves a shorter context instead, so tiny test pools just work."""
+        return min(self.max_model_len, self.kv_pool_tokens)
+
     def validate(self) -> None:
         presets.device(self.device)
         presets.model_layout(self.params)

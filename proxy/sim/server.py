@@ -233,7 +233,7 @@ class SimApp:
             "owned_by": "vllm",
             "root": self.cfg.model,
             "parent": None,
-            "max_model_len": self.cfg.max_model_len,
+            "max_model_len": self.cfg.effective_max_model_len,
         }
         return {"object": "list", "data": [card]}
 
@@ -273,14 +273,22 @@ class SimApp:
         if max_tokens is None:
             max_tokens = body.get("max_tokens")
         longest = max(len(p) for p in prompts)
-        if max_tokens is None:
-            max_tokens = self.cfg.max_model_len - longest
-        elif not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise HTTPError(400, "max_tokens must be an integer >= 1", "max_tokens")
-        if longest + max_tokens > self.cfg.max_model_len:
+        max_len = self.cfg.effective_max_model_len
+        if longest >= max_len:
             raise HTTPError(
                 400,
-                f"This model's maximum context length is {self.cfg.max_model_len} tokens. "
+                f"This model's maximum context length is {max_len} tokens. However, your "
+                f"request has {longest} input tokens. Please reduce the length of the input.",
+                "messages" if chat else "prompt",
+            )
+        if max_tokens is None:
+            max_tokens = max_len - longest
+        elif not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise HTTPError(400, "max_tokens must be an integer >= 1", "max_tokens")
+        if longest + max_tokens > max_len:
+            raise HTTPError(
+                400,
+                f"This model's maximum context length is {max_len} tokens. "
                 f"However, you requested {longest + max_tokens} tokens ({longest} in the "
                 f"messages, {max_tokens} in the completion). Please reduce the length of "
                 "the messages or completion.",
