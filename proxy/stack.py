@@ -23,16 +23,20 @@ class StackError(RuntimeError):
 
 
 def free_ports(n: int) -> list[int]:
-    """n free loopback ports, consecutive when possible (sim --instances needs that)."""
+    """n free consecutive loopback ports (sim --instances needs that), from a random base so
+    that concurrent runs on one machine do not race for the same ones."""
+    import random
     import socket
 
-    for base in range(20000, 60000, 97):
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
         socks = []
         try:
             for i in range(n):
                 s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
                 socks.append(s)
+                s.bind(("127.0.0.1", base + i))
             return [base + i for i in range(n)]
         except OSError:
             continue

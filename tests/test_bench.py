@@ -366,7 +366,7 @@ async def test_unreachable_and_remote_targets_raise_a_clean_error(closed_port_ur
 
 RUN_KEYS = {
     "label", "targets", "workload", "model", "endpoint", "concurrency", "rate",
-    "requests_planned", "started_at", "duration", "requests", "not_sent", "client_cpu_s",
+    "requests_planned", "started_at", "duration", "requests", "not_sent", "client_cpu_s", "server_cpu_s",
     "role", "notes", "summary",
 }  # fmt: skip
 REQUEST_KEYS = {
@@ -380,7 +380,7 @@ SUMMARY_KEYS = {
     "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
     "input_tokens", "output_tokens", "cached_tokens", "prefix_cache_hit_ratio", "goodput",
     "ttft_s", "tpot_s", "itl_s", "e2e_s", "output_chunks", "chunk_throughput", "client_cpu_s",
-    "client_cpu_util",
+    "client_cpu_util", "server_cpu_s", "server_cpu_ms_per_request",
 }  # fmt: skip
 DIST_KEYS = {"n", "mean", "p50", "p90", "p99", "max"}
 

@@ -288,6 +288,14 @@ def register(sub: Any) -> None:
     )
     _add_report_outputs(g)
     g.add_argument(
+        "--server-pid",
+        type=int,
+        action="append",
+        metavar="PID",
+        help="measure the CPU these processes (e.g. the proxy) use during the --base-url run, "
+        "reported as server CPU per request; repeatable (one per worker)",
+    )
+    g.add_argument(
         "--max-error-rate",
         type=float,
         default=_env("max-error-rate", "0"),
@@ -341,6 +349,24 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def process_cpu_s(pids: Sequence[int] | None) -> float | None:
+    """User+system CPU seconds of these processes (from /proc), or None when not asked."""
+    if not pids:
+        return None
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError as e:
+            raise BenchError(
+                f"--server-pid {pid}: cannot read its CPU time ({e.strerror})"
+            ) from None
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
 def run_command(args: argparse.Namespace) -> int:
     if not args.base_url:
         return _fail("--base-url is required (or WARMROUTE_BENCH_BASE_URL)")
@@ -377,6 +403,7 @@ def run_command(args: argparse.Namespace) -> int:
     async def go() -> list[RunResult]:
         runs = []
         for k, (url, label, role) in enumerate(plan):
+            cpu0 = process_cpu_s(args.server_pid) if role == "target" else None
             # --vary-seed: same shape, disjoint prompts, so no run inherits a warm cache.
             w = (
                 dataclasses.replace(workload, seed=workload.seed + k)
@@ -402,6 +429,8 @@ def run_command(args: argparse.Namespace) -> int:
                     allow_remote=args.allow_remote,
                 )
             )
+            if cpu0 is not None:
+                runs[-1].server_cpu_s = process_cpu_s(args.server_pid) - cpu0
         return runs
 
     try:

@@ -136,6 +136,10 @@ def summarize(run: RunResult, slo: Mapping[str, float] | None = None) -> dict[st
         "chunk_throughput": _rate(sum(r.output_chunks for r in done), dur),
         "client_cpu_s": run.client_cpu_s,
         "client_cpu_util": _rate(run.client_cpu_s, dur),
+        "server_cpu_s": run.server_cpu_s,
+        "server_cpu_ms_per_request": (
+            None if run.server_cpu_s is None or not done else run.server_cpu_s / len(done) * 1000
+        ),
     }
 
 

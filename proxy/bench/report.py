@@ -140,6 +140,7 @@ def _rows(s: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("prompt / output tokens", f"{s['input_tokens']} / {s['output_tokens']}"),
         ("prefix cache hit ratio", _pct(s["prefix_cache_hit_ratio"])),
         ("client CPU (share of a core)", _pct(s["client_cpu_util"])),
+        ("server CPU per request (ms)", _num(s.get("server_cpu_ms_per_request"))),
     ]
     return rows
 

@@ -78,6 +78,7 @@ class RunResult:
     requests: list[RequestResult] = field(default_factory=list)
     not_sent: int = 0  # planned but never sent (max-duration reached)
     client_cpu_s: float = 0.0  # CPU time of the client's event loop thread during the run
+    server_cpu_s: float | None = None  # CPU of --server-pid processes during the run (the proxy)
     role: str = "target"  # "target" | "direct" | "compare"
     notes: list[str] = field(default_factory=list)
 
