@@ -1,18 +1,56 @@
-"""The router: runs a policy's filters -> scorers -> picker and records the decision."""
+"""The router: runs a policy's filters -> scorers -> picker and records the decision.
+
+When the policy uses prefixes, the router also hashes the prompt (once per request), asks the
+prefix index for every candidate's longest match (one lookup, after filtering so no backend
+that cannot serve the request costs a probe), and records the winner's blocks right after the
+pick so the next request with this prefix finds it.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from proxy.routing.index import PrefixIndex
+from proxy.routing.prefix import PrefixHasher
 from proxy.routing.types import BackendView, Decision, Policy, RouteContext
+
+PREFIX_BLOCK = "prefix"  # RoutingConfig.plugins key for hashing settings (shared with the scorer)
 
 
 class Router:
     """Owns one policy instance (and its picker state) for the life of the app."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        index: PrefixIndex | None = None,
+        hasher: PrefixHasher | None = None,
+        record_on_route: bool = True,
+    ) -> None:
         self.policy = policy
+        self.index = index
+        self.hasher = hasher or PrefixHasher()
+        # True: the winner's blocks are recorded inside route(). Set False to record only once
+        # the upstream accepted the request (call record() with the backend actually used).
+        self.record_on_route = record_on_route
+
+    @classmethod
+    def from_config(cls, routing: Any, index: PrefixIndex | None = None) -> Router:
+        """Build from a RoutingConfig (or a mapping with `policy` and `plugins`)."""
+        import plugins
+
+        if isinstance(routing, Mapping):
+            name, blocks = routing.get("policy", "prefix_aware"), routing.get("plugins", {})
+        else:
+            name, blocks = routing.policy, routing.plugins
+        blocks = dict(blocks or {})
+        # A composite policy configures its parts from their own blocks; hand it all of them.
+        policy_cfg = {**blocks.get(name, {}), "plugins": blocks}
+        policy = plugins.build(name, policy_cfg)
+        hasher = PrefixHasher.from_config(blocks.get(PREFIX_BLOCK, {}))
+        return cls(policy, index=index, hasher=hasher)
 
     async def route(self, ctx: RouteContext, backends: Sequence[BackendView]) -> Decision:
         started = time.perf_counter()
@@ -20,9 +58,29 @@ class Router:
         candidates = list(backends)
         for f in self.policy.filters:
             candidates = f.filter(ctx, candidates, dropped)
+        if self.policy.uses_prefix:
+            await self._match(ctx, candidates)
         decision = self.decide(ctx, candidates, dropped)
         decision.decision_s = time.perf_counter() - started
+        if self.record_on_route and decision.winner is not None:
+            self.record(ctx, decision.winner)
         return decision
+
+    async def _match(self, ctx: RouteContext, candidates: list[BackendView]) -> None:
+        if not ctx.prefix_blocks:
+            key = self.hasher.key(ctx.model, ctx.api, ctx.body)
+            ctx.prefix_blocks = key.blocks
+            ctx.prompt_chars = key.chars
+            ctx.block_chars = key.block_chars
+        if self.index is not None and ctx.prefix_blocks and candidates:
+            ctx.matched_blocks = await self.index.lookup(
+                ctx.prefix_blocks, [b.name for b in candidates]
+            )
+
+    def record(self, ctx: RouteContext, backend: str) -> None:
+        """Note that `backend` is about to hold ctx's prefix (non-blocking)."""
+        if self.index is not None and ctx.prefix_blocks:
+            self.index.record(backend, ctx.prefix_blocks)
 
     def decide(
         self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]
@@ -43,5 +101,7 @@ class Router:
             totals=totals,
             matched_blocks=dict(ctx.matched_blocks),
             prefix_blocks=len(ctx.prefix_blocks),
+            block_chars=ctx.block_chars,
+            prompt_chars=ctx.prompt_chars,
             filtered_out=dropped,
         )

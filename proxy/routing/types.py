@@ -36,6 +36,7 @@ class BackendView:
     load: EngineLoad
     models: frozenset[str] | None  # None = not discovered yet
     prefill_tokens_per_s: float | None = None  # learned online from measured TTFT
+    mean_prefill_s: float | None = None  # typical prefill of one request here (queue -> seconds)
 
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -53,7 +54,7 @@ class RouteContext:
     now: float
     session_key: str | None = None
     prompt_chars: int = 0
-    # Filled by the router before scoring when a policy uses prefix matching:
+    # Filled by the router before scoring when a policy uses prefix matching (prompt_chars too):
     prefix_blocks: Sequence[int] = ()
     block_chars: int = 64
     matched_blocks: dict[str, int] = field(default_factory=dict)  # backend name -> blocks
@@ -70,12 +71,19 @@ class Decision:
     totals: dict[str, float] = field(default_factory=dict)
     matched_blocks: dict[str, int] = field(default_factory=dict)
     prefix_blocks: int = 0
+    block_chars: int = 64  # matched_blocks * block_chars ≈ predicted cached prompt chars
+    prompt_chars: int = 0
     filtered_out: dict[str, str] = field(default_factory=dict)  # backend -> why
     decision_s: float = 0.0
 
     @property
     def winner(self) -> str | None:
         return self.ranking[0] if self.ranking else None
+
+    def predicted_cached_chars(self, backend: str | None = None) -> int:
+        """Prompt chars the index expects `backend` (default: the winner) to have cached."""
+        name = backend or self.winner
+        return self.matched_blocks.get(name, 0) * self.block_chars if name else 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -87,6 +95,8 @@ class Decision:
             "totals": self.totals,
             "matched_blocks": self.matched_blocks,
             "prefix_blocks": self.prefix_blocks,
+            "block_chars": self.block_chars,
+            "prompt_chars": self.prompt_chars,
             "filtered_out": self.filtered_out,
             "decision_ms": round(self.decision_s * 1000, 4),
         }
@@ -131,4 +141,4 @@ class Policy:
     filters: list[Filter]
     scorers: list[tuple[Scorer, float]]
     picker: Picker
-    uses_prefix: bool = False
+    uses_prefix: bool = False  # the router hashes the prompt and looks the index up first

@@ -1,0 +1,117 @@
+"""Online prefill-rate estimates per backend, learned from our own TTFT measurements (pure).
+
+Model: ttft ≈ overhead + uncached_tokens / rate. An exponentially weighted least-squares fit of
+ttft against uncached tokens gives the slope (1/rate) and the intercept (overhead: network,
+scheduling, first decode step). Queueing inflates single samples far above the line, so once
+the fit is warm a sample is clipped to a few times its prediction before it is used (a cheap
+Huber-style guard). When the prompts seen so far are all about the same size, the slope is
+not identifiable; the estimate then falls back to tokens over time through the origin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PrefillRate:
+    """Weighted least-squares state for one backend."""
+
+    half_life: float = 64.0  # samples after which a sample's weight has halved
+    min_samples: int = 4
+    clip: float = 3.0  # a warm sample may count at most clip * its prediction (+ 50 ms)
+    min_rate: float = 50.0  # tokens/s bounds keep one odd sample from breaking routing
+    max_rate: float = 1e7
+    n: int = 0
+    sw: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    tokens_ewma: float = 0.0  # mean uncached tokens per request (for queue-wait estimates)
+
+    def observe(self, uncached_tokens: float, ttft_s: float, queue_s: float = 0.0) -> None:
+        """Add one sample; `queue_s` (time known to be spent queued) is taken off the TTFT."""
+        x = max(float(uncached_tokens), 0.0)
+        y = max(float(ttft_s) - max(queue_s, 0.0), 0.0)
+        if self.n >= self.min_samples:
+            predicted = self.predict(x)
+            if predicted is not None:
+                y = min(y, self.clip * predicted + 0.05)
+        decay = 0.5 ** (1.0 / self.half_life)
+        self.sw = self.sw * decay + 1.0
+        self.sx = self.sx * decay + x
+        self.sy = self.sy * decay + y
+        self.sxx = self.sxx * decay + x * x
+        self.sxy = self.sxy * decay + x * y
+        self.n += 1
+        alpha = 1.0 - decay
+        self.tokens_ewma = x if self.n == 1 else (1 - alpha) * self.tokens_ewma + alpha * x
+
+    def _fit(self) -> tuple[float, float] | None:
+        """(seconds per token, overhead seconds), or None before enough samples."""
+        if self.n < self.min_samples or self.sx <= 0:
+            return None
+        mx, my = self.sx / self.sw, self.sy / self.sw
+        var = self.sxx / self.sw - mx * mx
+        cov = self.sxy / self.sw - mx * my
+        # Identifiable only when prompt sizes vary (relative spread above ~10%).
+        if var > (0.1 * mx) ** 2 and cov > 0:
+            slope = cov / var
+            intercept = max(my - slope * mx, 0.0)
+        else:
+            slope, intercept = my / mx, 0.0
+        lo, hi = 1.0 / self.max_rate, 1.0 / self.min_rate
+        return min(max(slope, lo), hi), intercept
+
+    @property
+    def rate(self) -> float | None:
+        """Prefill speed in tokens/s, or None while unknown."""
+        fit = self._fit()
+        return None if fit is None else 1.0 / fit[0]
+
+    @property
+    def overhead_s(self) -> float:
+        fit = self._fit()
+        return 0.0 if fit is None else fit[1]
+
+    def predict(self, uncached_tokens: float) -> float | None:
+        """Predicted TTFT in seconds for a prompt with this many uncached tokens."""
+        fit = self._fit()
+        if fit is None:
+            return None
+        return fit[1] + max(uncached_tokens, 0.0) * fit[0]
+
+
+@dataclass
+class PrefillLearner:
+    """One PrefillRate per backend; feed it every finished request's (uncached tokens, TTFT)."""
+
+    half_life: float = 64.0
+    min_samples: int = 4
+    rates: dict[str, PrefillRate] = field(default_factory=dict)
+
+    def observe(
+        self, backend: str, uncached_tokens: float, ttft_s: float, queue_s: float = 0.0
+    ) -> None:
+        est = self.rates.get(backend)
+        if est is None:
+            est = self.rates[backend] = PrefillRate(self.half_life, self.min_samples)
+        est.observe(uncached_tokens, ttft_s, queue_s)
+
+    def rate(self, backend: str) -> float | None:
+        est = self.rates.get(backend)
+        return None if est is None else est.rate
+
+    def mean_prefill_s(self, backend: str) -> float | None:
+        """Typical prefill time of one request on `backend` (to turn a queue into seconds)."""
+        est = self.rates.get(backend)
+        if est is None:
+            return None
+        return est.predict(est.tokens_ewma)
+
+    def snapshot(self) -> dict[str, dict[str, float | None]]:
+        return {
+            b: {"tokens_per_s": e.rate, "overhead_s": e.overhead_s, "samples": float(e.n)}
+            for b, e in self.rates.items()
+        }

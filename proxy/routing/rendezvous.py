@@ -1,0 +1,67 @@
+"""Weighted rendezvous hashing with bounded load (pure; shared by the affinity pickers).
+
+Rendezvous (highest random weight) hashing gives every replica the same order of backends for
+a key without coordination, and moves only 1/n of the keys when a backend comes or goes. The
+load bound (Mirrokni et al., "Consistent Hashing with Bounded Loads") skips a backend whose
+in-flight count would exceed (1 + ε) * its weighted share of the total, so one hot key spills
+to the next backend in its order instead of piling up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import xxhash
+
+from proxy.routing.types import BackendView
+
+_h64 = xxhash.xxh3_64_intdigest
+_SCALE = 1.0 / 18446744073709551616.0  # 2**-64
+
+
+def weight_for(key: int, backend: BackendView) -> float:
+    """Weighted HRW score: -w / ln(u), u uniform in (0, 1) from hash(key, backend)."""
+    u = (_h64(backend.name.encode(), key & 0xFFFFFFFFFFFFFFFF) + 0.5) * _SCALE
+    return -max(backend.weight, 1e-9) / math.log(u)
+
+
+def key_of(text: str) -> int:
+    return _h64(text.encode())
+
+
+def hrw_order(key: int, candidates: Sequence[BackendView]) -> list[BackendView]:
+    """Candidates in rendezvous order for `key` (same order on every replica)."""
+    return sorted(candidates, key=lambda b: -weight_for(key, b))
+
+
+def split_by_load(
+    candidates: Sequence[BackendView], epsilon: float, slack: int = 1
+) -> tuple[list[BackendView], list[BackendView]]:
+    """(within bound, over bound) if one more request were added to each backend.
+
+    Two bounds, in weight-normalised requests. Above: (1 + epsilon) * the average share, as in
+    consistent hashing with bounded loads, or average + slack if larger (at low load a ratio
+    alone would refuse a warm backend its second request and pay a cold prefill elsewhere).
+    Below: at most max(slack, epsilon * least) more than the least loaded backend. Bounded
+    loads alone cap the busiest backend but let warm backends absorb everything while a cold
+    one idles (3, 3, 3, 0 is "within 1.25x average"). The least loaded backend is always
+    within both, so the choice is never empty.
+    """
+    if not candidates:
+        return [], []
+    mean_w = sum(max(b.weight, 1e-9) for b in candidates) / len(candidates)
+    rel = {b.name: max(b.weight, 1e-9) / mean_w for b in candidates}
+    norm = {b.name: max(b.inflight, 0) / rel[b.name] for b in candidates}
+    average = (sum(norm.values()) + 1) / len(candidates)
+    least = min(norm.values())
+    above = max(math.ceil((1.0 + epsilon) * average), math.ceil(average) + slack)
+    below = least + 1 + max(slack, epsilon * (least + 1))
+    within: list[BackendView] = []
+    over: list[BackendView] = []
+    for b in candidates:
+        after = norm[b.name] + 1 / rel[b.name]
+        (within if after <= above and after <= below + 1e-9 else over).append(b)
+    if not within:  # unreachable by construction; never return an empty choice
+        return list(candidates), []
+    return within, over

@@ -1,0 +1,88 @@
+"""Routing resources built from the config and opened/closed by the app's lifespan.
+
+routing = build_routing(config)       # no I/O yet
+await routing.start()                  # in lifespan startup
+BackendView(..., inflight=routing.board.get(name),
+            prefill_tokens_per_s=routing.learner.rate(name),
+            mean_prefill_s=routing.learner.mean_prefill_s(name))
+decision = await routing.router.route(ctx, views)
+routing.board.acquire(decision.winner) ... routing.board.release(backend)
+routing.learner.observe(backend, uncached_tokens, upstream_ttft_s)
+await routing.close()                  # in lifespan shutdown
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.routing.index import (
+    DEFAULT_CAPACITY_BLOCKS,
+    DEFAULT_TTL_S,
+    REDIS_DOWN_ERRORS,
+    MemoryPrefixIndex,
+    PrefixIndex,
+    RedisPrefixIndex,
+    open_redis,
+)
+from proxy.routing.inflight import InflightBoard
+from proxy.routing.learn import PrefillLearner
+from proxy.routing.router import PREFIX_BLOCK, Router
+
+
+@dataclass
+class Routing:
+    """The router and the state it reads: prefix index, in-flight board, prefill learner."""
+
+    router: Router
+    index: PrefixIndex
+    board: InflightBoard
+    learner: PrefillLearner
+    redis: Any | None = None  # the shared client, closed last
+
+    async def start(self) -> None:
+        await self.index.start()
+        await self.board.start()
+
+    async def close(self) -> None:
+        await self.board.close()
+        await self.index.close()
+        if self.redis is not None:
+            with contextlib.suppress(*REDIS_DOWN_ERRORS):
+                await self.redis.aclose()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "policy": self.router.policy.name,
+            "index": self.index.info(),
+            "inflight": self.board.info(),
+            "prefill": self.learner.snapshot(),
+        }
+
+
+def build_routing(config: Any, replica_id: str | None = None) -> Routing:
+    """From a proxy.config.Config: routing.policy/plugins and redis.* (url, cluster, timeout_s,
+    key_prefix). Index sizing lives in routing.plugins.prefix: capacity_blocks, ttl_s."""
+    blocks: dict[str, Any] = dict(config.routing.plugins or {})
+    prefix_cfg = blocks.get(PREFIX_BLOCK, {})
+    capacity = int(prefix_cfg.get("capacity_blocks", DEFAULT_CAPACITY_BLOCKS))
+    ttl_s = float(prefix_cfg.get("ttl_s", DEFAULT_TTL_S))
+    rc = config.redis
+    index: PrefixIndex
+    if rc.url:
+        client = open_redis(rc.url, rc.cluster, rc.timeout_s)
+        index = RedisPrefixIndex(
+            client,
+            key_prefix=rc.key_prefix,
+            timeout_s=rc.timeout_s,
+            capacity_blocks=capacity,
+            ttl_s=ttl_s,
+        )
+        board = InflightBoard(client, key_prefix=rc.key_prefix, replica_id=replica_id)
+    else:
+        client = None
+        index = MemoryPrefixIndex(capacity, ttl_s)
+        board = InflightBoard()
+    router = Router.from_config(config.routing, index=index)
+    return Routing(router=router, index=index, board=board, learner=PrefillLearner(), redis=client)
