@@ -1,0 +1,72 @@
+"""Picker ``bounded_load``: best weighted score, rendezvous for cold prefixes, under a load bound.
+
+Every pick first sets aside backends whose in-flight count would exceed (1 + epsilon) * their
+weighted share (proxy.routing.rendezvous); they stay in the ranking, last, as retry targets.
+- Warm prefix (some backend matches at least `warm_blocks`): highest total score wins.
+- Cold prefix (a prompt of at least `warm_blocks` that no backend holds): rendezvous hashing
+  on the hash of the first `affinity_blocks` blocks, so a new system prompt lands on one
+  backend - the same one on every replica, whatever arrives first - and spills to the next in
+  its order only when that backend is loaded.
+- Short prompts: highest total score (they save too little prefill to be sticky).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.routing.rendezvous import hrw_order, key_of, split_by_load
+from proxy.routing.types import BackendView, RouteContext
+
+
+class BoundedLoadPicker:
+    name = "bounded_load"
+    kind = "picker"
+
+    def __init__(
+        self, epsilon: float = 0.25, affinity_blocks: int = 8, warm_blocks: int = 4, slack: int = 1
+    ) -> None:
+        self.epsilon = epsilon
+        self.slack = slack
+        self.affinity_blocks = max(1, affinity_blocks)
+        self.warm_blocks = max(1, warm_blocks)
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> BoundedLoadPicker:
+        return cls(
+            epsilon=float(cfg.get("epsilon", 0.25)),
+            affinity_blocks=int(cfg.get("affinity_blocks", 8)),
+            warm_blocks=int(cfg.get("warm_blocks", 4)),
+            slack=int(cfg.get("slack", 1)),
+        )
+
+    def pick(
+        self, ctx: RouteContext, candidates: list[BackendView], totals: dict[str, float]
+    ) -> tuple[list[str], str]:
+        if not candidates:
+            return [], "no candidates"
+        # Prompts shorter than warm_blocks save too little prefill anywhere to be worth
+        # stickiness: they go by score, spread by a per-request tie-break.
+        blocks = ctx.prefix_blocks if len(ctx.prefix_blocks) >= self.warm_blocks else ()
+        if blocks:
+            key = blocks[min(self.affinity_blocks, len(blocks)) - 1]
+        else:
+            key = key_of(ctx.request_id)
+        within, over = split_by_load(candidates, self.epsilon, self.slack)
+        best_match = max((ctx.matched_blocks.get(b.name, 0) for b in candidates), default=0)
+        spill = f"; {len(over)} over the load bound" if over else ""
+        if blocks and best_match < self.warm_blocks:
+            order = hrw_order(key, within)
+            reason = f"cold prefix: rendezvous on the first blocks{spill}"
+        else:
+            # Ties (say, every backend warm and equally loaded) are broken per request: a fixed
+            # order would hand the first backend in it the odd extra request every time.
+            tie_order = hrw_order(key_of(ctx.request_id), within)
+            order = sorted(tie_order, key=lambda b: -round(totals.get(b.name, 0.0), 9))
+            reason = "highest score" + (" (warm prefix)" if blocks else "") + spill
+        rest = sorted(
+            over, key=lambda b: (b.inflight / max(b.weight, 1e-9), -totals.get(b.name, 0))
+        )
+        return [b.name for b in order + rest], reason
+
+
+PLUGINS = [BoundedLoadPicker]
