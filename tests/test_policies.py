@@ -1,0 +1,153 @@
+"""Routing policies end to end through the router, in a pure simulation of the pipeline."""
+
+from __future__ import annotations
+
+import heapq
+import random
+from typing import Any
+
+import plugins
+from proxy.config import RoutingConfig
+from proxy.routing.index import MemoryPrefixIndex
+from proxy.routing.router import Router
+from proxy.routing.types import EngineLoad, RouteContext
+from tests.test_router import NAMES, SYSTEM, chat, view, views
+
+
+def test_policies_are_registered_by_name() -> None:
+    assert {"round_robin", "least_inflight", "prefix_aware", "session"} <= set(
+        plugins.policy_names()
+    )
+    for name in ("prefix", "queue", "kv_usage", "predicted_ttft", "bounded_load"):
+        assert plugins.registry()[name].name == name
+
+
+async def simulate(
+    r: Router,
+    prompts: list[tuple[str, str]],
+    gap_s: float = 0.03,
+    prefill_tokens_per_s: float = 4000.0,
+    decode_s: float = 0.8,
+) -> dict[str, float]:
+    """Route each request in turn; an engine holds it for prefill of its uncached part plus a
+    fixed decode time. Returns each backend's time-averaged in-flight count after warm-up."""
+    inflight = dict.fromkeys(NAMES, 0)
+    cached: dict[str, set[str]] = {n: set() for n in NAMES}
+    ends: list[tuple[float, str]] = []
+    area = dict.fromkeys(NAMES, 0.0)
+    last = 0.0
+    warmup = len(prompts) // 5
+    for i, (system, user) in enumerate(prompts):
+        now = i * gap_s
+        while ends and ends[0][0] <= now:
+            t, name = heapq.heappop(ends)
+            if i > warmup:
+                for n in NAMES:
+                    area[n] += inflight[n] * (t - last)
+                last = t
+            inflight[name] -= 1
+        if i > warmup:
+            for n in NAMES:
+                area[n] += inflight[n] * (now - last)
+        last = now
+        backends = [view(n, inflight[n]) for n in NAMES]
+        winner = (await r.route(chat(system, user, i), backends)).winner
+        assert winner is not None
+        uncached = len(user) / 4 + (0 if system in cached[winner] else len(system) / 4)
+        cached[winner].add(system)
+        inflight[winner] += 1
+        heapq.heappush(ends, (now + uncached / prefill_tokens_per_s + decode_s, winner))
+    return area
+
+
+async def test_a_hot_system_prompt_in_every_request_spreads_the_load() -> None:
+    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    rng = random.Random(3)
+    prompts = [(SYSTEM, f"user question {rng.random()}") for _ in range(1500)]
+    area = await simulate(r, prompts)
+    assert max(area.values()) / min(area.values()) <= 1.5
+
+
+async def test_a_short_prompt_repeated_everywhere_is_not_sticky() -> None:
+    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    area = await simulate(r, [("Be brief.", "hi")] * 1000)
+    assert max(area.values()) / min(area.values()) <= 1.2
+
+
+async def test_prefix_aware_keeps_each_system_prompt_on_few_backends() -> None:
+    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    rng = random.Random(5)
+    systems = [f"system prompt {k}: " + "policy text " * 200 for k in range(8)]
+    homes: dict[str, set[str]] = {s: set() for s in systems}
+    for i in range(400):
+        system = systems[rng.randrange(8)]
+        d = await r.route(chat(system, f"q{i}", i), views())
+        homes[system].add(d.winner or "")
+    # Unloaded: each prompt stays on the backend that first cached it.
+    assert all(len(h) == 1 for h in homes.values())
+    assert len({next(iter(h)) for h in homes.values()}) >= 3  # and prompts spread across backends
+
+
+async def test_prefix_beats_a_small_load_difference_but_not_a_long_queue() -> None:
+    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    home = (await r.route(chat(SYSTEM * 4, "q", 1), views())).winner
+    busier = [view(n, 2 if n == home else 1) for n in NAMES]
+    assert (await r.route(chat(SYSTEM * 4, "q2", 2), busier)).winner == home
+    queued = [
+        view(
+            n,
+            1,
+            load=EngineLoad(waiting=30 if n == home else 0, kv_usage=0.99 if n == home else 0.2),
+        )
+        for n in NAMES
+    ]
+    assert (await r.route(chat(SYSTEM * 4, "q3", 3), queued)).winner != home
+
+
+# -- session ---------------------------------------------------------------------------------
+
+
+def session_router(**cfg: Any) -> Router:
+    return Router.from_config(RoutingConfig(policy="session", plugins={"session": cfg}))
+
+
+def ctx(i: int, headers: dict[str, str] | None = None, user: str | None = None) -> RouteContext:
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    if user:
+        body["user"] = user
+    return RouteContext(f"r{i}", "m", "chat", body, headers or {}, 0.0)
+
+
+async def test_session_header_sticks_to_one_backend_across_replicas() -> None:
+    winners = {
+        (await session_router().route(ctx(i, {"x-session-id": "abc"}), views())).winner
+        for i in range(10)
+    }
+    assert len(winners) == 1
+
+
+async def test_session_falls_back_to_the_user_field() -> None:
+    r = session_router()
+    a = {(await r.route(ctx(i, user="alice"), views())).winner for i in range(10)}
+    assert len(a) == 1
+    spread = {(await r.route(ctx(i, user=f"user{i}"), views())).winner for i in range(40)}
+    assert len(spread) == len(NAMES)
+
+
+async def test_session_spills_when_its_home_is_overloaded() -> None:
+    r = session_router(epsilon=0.5)
+    home = (await r.route(ctx(1, {"x-session-id": "s"}), views())).winner
+    loads = [9 if n == home else 1 for n in NAMES]
+    d = await r.route(ctx(2, {"x-session-id": "s"}), views(loads))
+    assert d.winner != home and "spill" in d.reason
+
+
+async def test_requests_without_session_go_to_the_least_loaded() -> None:
+    d = await session_router().route(ctx(1), views((4, 2, 0, 3)))
+    assert d.winner == "e2"
+
+
+async def test_session_header_name_is_configurable() -> None:
+    r = session_router(header="X-Conversation")
+    a = {(await r.route(ctx(i, {"x-conversation": "c1"}), views())).winner for i in range(8)}
+    assert len(a) == 1

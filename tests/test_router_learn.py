@@ -1,0 +1,101 @@
+"""Online prefill-rate learning and the predicted-TTFT scorer that uses it."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plugins.predicted_ttft_scorer import PredictedTtftScorer
+from proxy.routing.learn import PrefillLearner, PrefillRate
+from proxy.routing.types import EngineLoad, RouteContext
+from tests.test_router import view
+
+
+def test_rate_and_overhead_are_recovered_from_noisy_samples() -> None:
+    rng = random.Random(1)
+    est = PrefillRate()
+    for _ in range(400):
+        tokens = rng.uniform(100, 4000)
+        est.observe(tokens, 0.03 + tokens / 8000 + rng.gauss(0, 0.005))
+    assert est.rate is not None and abs(est.rate - 8000) / 8000 < 0.1
+    assert abs(est.overhead_s - 0.03) < 0.01
+
+
+def test_queueing_spikes_do_not_drag_the_rate_down() -> None:
+    rng = random.Random(2)
+    est = PrefillRate()
+    for i in range(400):
+        tokens = rng.uniform(100, 4000)
+        spike = 5.0 if i % 10 == 0 else 0.0  # every tenth request waited in the engine queue
+        est.observe(tokens, tokens / 8000 + spike)
+    assert est.rate is not None and est.rate > 6000
+
+
+def test_equal_sized_prompts_still_give_a_rate() -> None:
+    est = PrefillRate()
+    for _ in range(10):
+        est.observe(2000, 0.5)
+    assert est.rate is not None and abs(est.rate - 4000) < 1
+
+
+def test_the_estimate_follows_a_backend_that_slows_down() -> None:
+    rng = random.Random(3)
+    est = PrefillRate(half_life=32)
+    for _ in range(200):
+        t = rng.uniform(500, 3000)
+        est.observe(t, t / 10000)
+    for _ in range(300):
+        t = rng.uniform(500, 3000)
+        est.observe(t, t / 2000)
+    assert est.rate is not None and abs(est.rate - 2000) / 2000 < 0.15
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e6), st.floats(0, 1e3)), max_size=50))
+def test_the_rate_is_always_positive_and_bounded(samples: list[tuple[float, float]]) -> None:
+    est = PrefillRate()
+    for tokens, ttft in samples:
+        est.observe(tokens, ttft)
+    if est.rate is not None:
+        assert est.min_rate <= est.rate <= est.max_rate
+
+
+def test_unknown_backend_has_no_rate_until_enough_samples() -> None:
+    learner = PrefillLearner(min_samples=3)
+    assert learner.rate("a") is None
+    for _ in range(3):
+        learner.observe("a", 1000, 0.25)
+    assert learner.rate("a") == 4000
+    assert learner.mean_prefill_s("a") == 0.25
+    assert learner.snapshot()["a"]["samples"] == 3
+
+
+def ctx(prompt_chars: int, matched: dict[str, int]) -> RouteContext:
+    return RouteContext(
+        "r", "m", "chat", {}, {}, 0.0, prompt_chars=prompt_chars, matched_blocks=matched
+    )
+
+
+def test_predicted_ttft_prefers_the_cached_backend() -> None:
+    scorer = PredictedTtftScorer()
+    c = ctx(16_000, {"warm": 250})
+    scores = scorer.score(c, [view("warm"), view("cold")])
+    assert scores["warm"] == 1.0 and scores["cold"] < 0.2
+
+
+def test_predicted_ttft_prefers_a_fast_cold_backend_over_a_queued_warm_one() -> None:
+    scorer = PredictedTtftScorer()
+    c = ctx(16_000, {"warm": 250})
+    warm = view("warm", load=EngineLoad(waiting=20), prefill_tokens_per_s=8000, mean_prefill_s=0.3)
+    cold = view("cold", prefill_tokens_per_s=8000)
+    scores = scorer.score(c, [warm, cold])
+    assert scores["cold"] == 1.0 and scores["warm"] < 0.2
+
+
+def test_predicted_ttft_uses_each_backends_learned_rate() -> None:
+    scorer = PredictedTtftScorer()
+    c = ctx(8_000, {})
+    fast, slow = view("fast", prefill_tokens_per_s=20_000), view("slow", prefill_tokens_per_s=2000)
+    scores = scorer.score(c, [fast, slow])
+    assert scores["fast"] == 1.0 and scores["slow"] < 0.2
