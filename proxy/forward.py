@@ -75,6 +75,7 @@ class Exchange:
     decision: Decision | None = None
     attempts: list[str] = field(default_factory=list)
     client_gone: bool = False
+    upstream: aiohttp.ClientResponse | None = None  # the live upstream response, if any
     started_response: bool = False
 
 
@@ -198,8 +199,22 @@ class ProxyEndpoint:
                 "no_backend",
             )
             return
+        # One watcher for the whole request: `send()` does not report a departed client, and
+        # an engine must hear of the abort even while it is still queueing or prefilling.
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, ex, task))
         try:
             await self._attempts(ex, ranking, record, receive, send)
+        except asyncio.CancelledError:
+            if not ex.client_gone:
+                raise
+            task.uncancel()  # our own cancel (the client left while we awaited the backend)
+            log.info(
+                "request %s: client disconnected before the first byte; upstream closed",
+                ex.request_id,
+            )
+            record.finish(None, status=499, error_type="cancelled")
         except Exception as e:
             # A bug or an unexpected failure must neither hang the client nor leak the span.
             log.exception("request %s: unexpected %s", ex.request_id, type(e).__name__)
@@ -211,6 +226,8 @@ class ProxyEndpoint:
                     ex.request_id,
                 )
             record.finish(None, status=500, error_type=type(e).__name__)
+        finally:
+            watcher.cancel()
 
     async def _attempts(
         self,
@@ -223,6 +240,8 @@ class ProxyEndpoint:
         state = self.state
         failures: list[str] = []
         for attempt_no, name in enumerate(ranking, start=1):
+            if ex.client_gone:
+                break
             backend = state.registry[name]
             try:
                 await self._attempt(ex, backend, attempt_no, record, receive, send)
@@ -238,9 +257,9 @@ class ProxyEndpoint:
                     r.reason,
                     "; retrying" if attempt_no < len(ranking) else "",
                 )
-                if ex.client_gone:
-                    record.finish(None, status=499, error_type="cancelled")
-                    return
+        if ex.client_gone:
+            record.finish(None, status=499, error_type="cancelled")
+            return
         await self._fail(
             ex,
             send,
@@ -308,6 +327,7 @@ class ProxyEndpoint:
                 raise _Retry(
                     "no response headers within the first-byte timeout", "timeout"
                 ) from None
+            ex.upstream = upstream
             try:
                 if upstream.status in RETRYABLE_STATUS:
                     detail = await _read_error_detail(upstream)
@@ -322,6 +342,7 @@ class ProxyEndpoint:
                 else:
                     await self._whole(ex, backend, upstream, record, send)
             finally:
+                ex.upstream = None
                 upstream.release()
         except _Retry as r:
             attempt.fail(r.error_type, r.status)
@@ -389,58 +410,53 @@ class ProxyEndpoint:
             raise _Retry("the backend closed the stream before sending anything", "empty_stream")
         state.upstream.set_read_timeout(upstream, state.config.timeouts.idle_s)
 
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, ex, upstream))
         error: str | None = None
         reason = ""
-        try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": upstream.status,
-                    "headers": self._response_headers(ex, backend, upstream),
-                }
-            )
-            ex.started_response = True
-            perf = time.perf_counter
-            while data:
-                data = meter.feed(data, perf())
-                if data:
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
-                    meter.mark_sent(perf())
-                try:
-                    data = await content.readany()
-                except (aiohttp.ClientError, TimeoutError) as e:
-                    if ex.client_gone:
-                        break
-                    timed_out = isinstance(e, TimeoutError)
-                    error = "idle_timeout" if timed_out else "upstream_stream_error"
-                    reason = (
-                        f"no data from {backend.name} for {state.config.timeouts.idle_s:g}s"
-                        if timed_out
-                        else f"{backend.name} broke off the stream: {_describe(e)}"
-                    )
-                    log.warning(
-                        "request %s: %s after the first byte; ending the stream with an "
-                        "error event",
-                        ex.request_id,
-                        reason,
-                    )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": upstream.status,
+                "headers": self._response_headers(ex, backend, upstream),
+            }
+        )
+        ex.started_response = True
+        perf = time.perf_counter
+        while data:
+            data = meter.feed(data, perf())
+            if data:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+                meter.mark_sent(perf())
+            try:
+                data = await content.readany()
+            except (aiohttp.ClientError, TimeoutError) as e:
+                if ex.client_gone:
                     break
-            tail, facts = meter.finish(perf(), error=error, cancelled=ex.client_gone)
-            if facts.error and not error:
-                error = facts.error
-            if not ex.client_gone:
-                if error in ("idle_timeout", "upstream_stream_error"):
-                    tail += sse_error_event(reason, "server_error", error)
-                await send({"type": "http.response.body", "body": tail, "more_body": False})
-            else:
-                log.info(
-                    "request %s: client disconnected mid-stream; closed the upstream on %s",
-                    ex.request_id,
-                    backend.name,
+                timed_out = isinstance(e, TimeoutError)
+                error = "idle_timeout" if timed_out else "upstream_stream_error"
+                reason = (
+                    f"no data from {backend.name} for {state.config.timeouts.idle_s:g}s"
+                    if timed_out
+                    else f"{backend.name} broke off the stream: {_describe(e)}"
                 )
-        finally:
-            watcher.cancel()
+                log.warning(
+                    "request %s: %s after the first byte; ending the stream with an error event",
+                    ex.request_id,
+                    reason,
+                )
+                break
+        tail, facts = meter.finish(perf(), error=error, cancelled=ex.client_gone)
+        if facts.error and not error:
+            error = facts.error
+        if not ex.client_gone:
+            if error in ("idle_timeout", "upstream_stream_error"):
+                tail += sse_error_event(reason, "server_error", error)
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+        else:
+            log.info(
+                "request %s: client disconnected mid-stream; closed the upstream on %s",
+                ex.request_id,
+                backend.name,
+            )
         record.finish(
             facts,
             status=499 if ex.client_gone else upstream.status,
@@ -449,15 +465,16 @@ class ProxyEndpoint:
         )
 
 
-async def _watch_disconnect(
-    receive: Receive, ex: Exchange, upstream: aiohttp.ClientResponse
-) -> None:
-    """`send()` does not report a departed client, so wait for http.disconnect ourselves."""
+async def _watch_disconnect(receive: Receive, ex: Exchange, task: asyncio.Task[Any]) -> None:
+    """Wait for http.disconnect; then close the upstream socket so the engine aborts at once."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             ex.client_gone = True
-            upstream.close()  # closes the socket: the engine sees the abort at once
+            if ex.upstream is not None:
+                ex.upstream.close()  # the pending read fails; the forwarder sees client_gone
+            else:
+                task.cancel()  # still connecting or awaiting headers: abandon that await
             return
 
 

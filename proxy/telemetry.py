@@ -712,6 +712,11 @@ class RequestRecord:
             attrs["error.type"] = err
         if facts is not None:
             attrs.update(self._fact_attributes(facts))
+        if facts is None and err is not None:
+            # No response reached the client: still findable by finish reason, like a broken stream.
+            attrs["gen_ai.response.finish_reasons"] = [
+                "cancelled" if err == "cancelled" else "error"
+            ]
         span.set_attributes(attrs)
         if facts is not None and facts.first_output_at is not None:
             self._events(facts)

@@ -79,8 +79,31 @@ class FakeBackend:
         text = _prompt_text(body)
         if "fail500" in text:
             return await self._json(send, 500, {"error": {"message": "engine exploded"}})
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            # Like an engine: notice a departed client even while still "prefilling".
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.rec.disconnects.append(time.monotonic())
+            self.rec.disconnected.set()
+            gone.set()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await self._serve(send, path, body, text, gone)
+        finally:
+            watcher.cancel()
+
+    async def _serve(
+        self, send: Any, path: str, body: dict[str, Any], text: str, gone: asyncio.Event
+    ) -> None:
         if "slowstart" in text:
-            await asyncio.sleep(_opt(text, "slowstart", 0))
+            try:
+                await asyncio.wait_for(gone.wait(), _opt(text, "slowstart", 0))
+                return
+            except TimeoutError:
+                pass
         if path.endswith("/embeddings"):
             return await self._json(
                 send,
@@ -94,7 +117,7 @@ class FakeBackend:
             )
         n = int(_opt(text, "chunks", 5))
         if body.get("stream"):
-            await self._stream(scope, receive, send, path, body, text, n)
+            await self._stream(send, path, body, text, n, gone)
         else:
             await self._whole(send, path, body, n)
 
@@ -158,29 +181,12 @@ class FakeBackend:
         )
 
     async def _stream(
-        self,
-        scope: Any,
-        receive: Any,
-        send: Any,
-        path: str,
-        body: dict[str, Any],
-        text: str,
-        n: int,
+        self, send: Any, path: str, body: dict[str, Any], text: str, n: int, gone: asyncio.Event
     ) -> None:
         chat = path.endswith("/chat/completions")
         delay = _opt(text, "delay", 0)
         cut = int(_opt(text, "cut", -1))
         stall = int(_opt(text, "stall", -1))
-        gone = asyncio.Event()
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            self.rec.disconnects.append(time.monotonic())
-            self.rec.disconnected.set()
-            gone.set()
-
-        watcher = asyncio.ensure_future(watch())
         await send(
             {
                 "type": "http.response.start",
@@ -201,62 +207,59 @@ class FakeBackend:
             "created": 1,
             "model": body["model"],
         }
-        try:
-            if chat:
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "more_body": True,
-                        "body": event(
-                            {
-                                **base,
-                                "choices": [
-                                    {
-                                        "index": 0,
-                                        "delta": {"role": "assistant", "content": ""},
-                                        "finish_reason": None,
-                                    }
-                                ],
-                            }
-                        ),
-                    }
-                )
-            for i, w in enumerate(words(n)):
-                if i == cut:
-                    raise ConnectionAbortedError  # drop the connection mid-stream
-                if i == stall:
-                    await gone.wait()
-                    return
-                if delay:
-                    try:
-                        await asyncio.wait_for(gone.wait(), delay)
-                        return
-                    except TimeoutError:
-                        pass
-                if gone.is_set():
-                    return
-                choice = (
-                    {"index": 0, "delta": {"content": w}, "finish_reason": None}
-                    if chat
-                    else {"index": 0, "text": w, "finish_reason": None, "logprobs": None}
-                )
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": event({**base, "choices": [choice]}),
-                        "more_body": True,
-                    }
-                )
-            final = (
-                {"index": 0, "delta": {}, "finish_reason": "length"}
-                if chat
-                else {"index": 0, "text": "", "finish_reason": "length", "logprobs": None}
+        if chat:
+            await send(
+                {
+                    "type": "http.response.body",
+                    "more_body": True,
+                    "body": event(
+                        {
+                            **base,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    ),
+                }
             )
-            out = event({**base, "choices": [final]})
-            if (body.get("stream_options") or {}).get("include_usage"):
-                out += event({**base, "choices": [], "usage": self._usage(body, n)})
-            out += b"data: [DONE]\n\n"
-            await send({"type": "http.response.body", "body": out, "more_body": False})
-            self.rec.completed += 1
-        finally:
-            watcher.cancel()
+        for i, w in enumerate(words(n)):
+            if i == cut:
+                raise ConnectionAbortedError  # drop the connection mid-stream
+            if i == stall:
+                await gone.wait()
+                return
+            if delay:
+                try:
+                    await asyncio.wait_for(gone.wait(), delay)
+                    return
+                except TimeoutError:
+                    pass
+            if gone.is_set():
+                return
+            choice = (
+                {"index": 0, "delta": {"content": w}, "finish_reason": None}
+                if chat
+                else {"index": 0, "text": w, "finish_reason": None, "logprobs": None}
+            )
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": event({**base, "choices": [choice]}),
+                    "more_body": True,
+                }
+            )
+        final = (
+            {"index": 0, "delta": {}, "finish_reason": "length"}
+            if chat
+            else {"index": 0, "text": "", "finish_reason": "length", "logprobs": None}
+        )
+        out = event({**base, "choices": [final]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            out += event({**base, "choices": [], "usage": self._usage(body, n)})
+        out += b"data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": out, "more_body": False})
+        self.rec.completed += 1

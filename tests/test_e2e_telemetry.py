@@ -590,12 +590,6 @@ def test_client_disconnect_mid_stream_is_recorded_as_cancelled(
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proxy/forward.py watches for the client's disconnect only from the first upstream "
-    "byte on (_stream starts _watch_disconnect after the first readany); while the backend is "
-    "still in queue/prefill, a departed client's request keeps running upstream",
-)
 def test_client_disconnect_before_the_first_byte_closes_upstream_at_once(
     fake_backends: Any, captured: Callable[[dict[str, Any]], Captured]
 ) -> None:
