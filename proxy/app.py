@@ -1,11 +1,12 @@
-"""create_app(config): the Starlette app whose lifespan owns every resource."""
+"""create_app(config): the app whose lifespan owns every resource."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -17,7 +18,10 @@ from proxy import handlers
 from proxy.backends import Backend, BackendRegistry
 from proxy.config import Config, ConfigError
 from proxy.forward import API_PATHS, Exchange, ProxyEndpoint
+from proxy.meter import StreamFacts
 from proxy.routing.router import Router
+from proxy.routing.setup import Routing, build_routing
+from proxy.routing.types import BackendView
 from proxy.telemetry import RequestRecord, Telemetry
 from proxy.upstream import Upstream
 
@@ -31,11 +35,23 @@ class AppState:
     config: Config
     registry: BackendRegistry
     upstream: Upstream
-    router: Router
+    routing: Routing
     http: httpx.AsyncClient
     telemetry: Telemetry
     open_requests: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def router(self) -> Router:
+        return self.routing.router
+
+    def views(self) -> list[BackendView]:
+        """What routing may know of every backend now: health, load, shared in-flight."""
+        now = time.monotonic()
+        board, learner = self.routing.board, self.routing.learner
+        return [
+            b.view(now, board.get(b.name), learner.rate(b.name), learner.mean_prefill_s(b.name))
+            for b in self.registry.backends.values()
+        ]
 
     def start_record(self, ex: Exchange) -> RequestRecord:
         return self.telemetry.start_request(
@@ -49,40 +65,47 @@ class AppState:
         )
 
     def inflight_changed(self, backend: Backend, delta: int) -> None:
+        if delta > 0:
+            self.routing.board.acquire(backend.name)
+        else:
+            self.routing.board.release(backend.name)
         self.telemetry.set_inflight(backend.name, delta)
 
-
-def build_policy(config: Config) -> Router:
-    name = config.routing.policy
-    try:
-        policy = plugins.build(name, config.routing.plugins.get(name, {}))
-    except KeyError:
-        raise ConfigError(
-            f"routing.policy: unknown policy {name!r}; choose one of: "
-            + ", ".join(plugins.policy_names())
-        ) from None
-    return Router(policy)
+    def observe_stream(self, backend: Backend, facts: StreamFacts) -> None:
+        """Teach the prefill-rate learner from a measured upstream TTFT."""
+        if facts.upstream_ttft_s is None or not facts.input_tokens or facts.error:
+            return
+        uncached = facts.input_tokens - (facts.cached_tokens or 0)
+        self.routing.learner.observe(backend.name, uncached, facts.upstream_ttft_s)
 
 
-def check_config(config: Config) -> Router:
-    """The checks that need more than the schema; returns the router they built."""
+def check_config(config: Config) -> None:
+    """The checks that need more than the schema (no I/O)."""
     if not config.backends:
         raise ConfigError(
             "backends: none configured; pass --backend URL (repeatable), set "
             "WARMROUTE_BACKENDS=url1,url2, or list them under `backends:` in the config file"
         )
-    return build_policy(config)
+    if config.routing.policy not in plugins.policy_names():
+        raise ConfigError(
+            f"routing.policy: unknown policy {config.routing.policy!r}; choose one of: "
+            + ", ".join(plugins.policy_names())
+        )
+    try:
+        Router.from_config(config.routing)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(f"routing.plugins: {e}") from None
 
 
 def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteApp:
     """The proxy app; `telemetry` lets tests pass one with in-memory exporters."""
-    router = check_config(config)
+    check_config(config)
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
     state = AppState(
         config=config,
         registry=BackendRegistry(config, http),
         upstream=Upstream(config.timeouts),
-        router=router,
+        routing=build_routing(config),
         http=http,
         telemetry=telemetry or Telemetry(config.telemetry),
     )
@@ -90,17 +113,20 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await state.upstream.start()
+        await state.routing.start()
         await state.registry.start()
         log.info(
-            "warmroute ready: %d backend(s), policy %s",
+            "warmroute ready: %d backend(s), policy %s, prefix index %s",
             len(state.registry.backends),
             config.routing.policy,
+            state.routing.index.info().get("mode", "?"),
         )
         try:
             yield
         finally:
             await state.registry.close()
             await state.upstream.close()
+            await state.routing.close()
             await http.aclose()
             state.telemetry.shutdown()
 

@@ -90,7 +90,6 @@ class Backend:
     failures: int = 0
     down_until: float = 0.0  # passive health: skip after a connect failure until then
     last_error: str | None = None
-    prefill_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
         self.name = self.cfg.key
@@ -105,7 +104,13 @@ class Backend:
     def is_up(self, now: float) -> bool:
         return self.healthy and now >= self.down_until
 
-    def view(self, now: float) -> BackendView:
+    def view(
+        self,
+        now: float,
+        inflight: int | None = None,
+        prefill_tokens_per_s: float | None = None,
+        mean_prefill_s: float | None = None,
+    ) -> BackendView:
         return BackendView(
             name=self.name,
             url=self.url,
@@ -113,10 +118,11 @@ class Backend:
             role=self.cfg.role,
             weight=self.cfg.weight,
             healthy=self.is_up(now),
-            inflight=self.inflight,
+            inflight=self.inflight if inflight is None else inflight,
             load=self.load,
             models=self.models,
-            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            mean_prefill_s=mean_prefill_s,
         )
 
 
@@ -132,10 +138,6 @@ class BackendRegistry:
 
     def __getitem__(self, name: str) -> Backend:
         return self.backends[name]
-
-    def views(self) -> list[BackendView]:
-        now = time.monotonic()
-        return [b.view(now) for b in self.backends.values()]
 
     # -- what the request path asks -------------------------------------------------------
     def may_serve(self, model: str) -> bool:

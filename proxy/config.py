@@ -86,7 +86,7 @@ class HealthConfig(_Model):
 
 
 class RoutingConfig(_Model):
-    policy: str = "least_inflight"
+    policy: str = "prefix_aware"
     # Per-plugin config blocks (weights, thresholds), keyed by plugin name.
     plugins: dict[str, dict[str, Any]] = Field(default_factory=dict)
 

@@ -76,6 +76,7 @@ class Exchange:
     attempts: list[str] = field(default_factory=list)
     client_gone: bool = False
     upstream: aiohttp.ClientResponse | None = None  # the live upstream response, if any
+    ctx: RouteContext | None = None
     started_response: bool = False
 
 
@@ -179,8 +180,9 @@ class ProxyEndpoint:
             now=time.monotonic(),
             session_key=ex.headers.get("x-session-id") or ex.body.get("user"),
         )
-        decision = await state.router.route(ctx, state.registry.views())
+        decision = await state.router.route(ctx, state.views())
         ex.decision = decision
+        ex.ctx = ctx
         state.telemetry.observe_routing(decision.policy, decision.reason, decision.decision_s)
         record = state.start_record(ex)
         record.set_decision(decision)
@@ -244,6 +246,9 @@ class ProxyEndpoint:
                 break
             backend = state.registry[name]
             try:
+                if attempt_no > 1 and ex.ctx is not None:
+                    # The prefix will be cached where the retry lands, not where we aimed.
+                    state.router.record(ex.ctx, backend.name)
                 await self._attempt(ex, backend, attempt_no, record, receive, send)
                 return
             except _Retry as r:
@@ -445,6 +450,7 @@ class ProxyEndpoint:
                 )
                 break
         tail, facts = meter.finish(perf(), error=error, cancelled=ex.client_gone)
+        state.observe_stream(backend, facts)
         if facts.error and not error:
             error = facts.error
         if not ex.client_gone:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+from proxy.errors import RequestError, error_body
+from proxy.routing.types import RouteContext
+from proxy.validate import PROMPT_FIELD, validate
 
 if TYPE_CHECKING:
     from proxy.app import AppState
@@ -52,6 +57,59 @@ def routes(state: AppState) -> list[Route]:
         body, content_type = state.telemetry.prometheus_text()
         return Response(body, 200, headers={"content-type": content_type})
 
+    async def explain(request: Request) -> Response:
+        """Dry-run routing for a request body: candidates, matches, scores, the winner."""
+        api = request.query_params.get("api", "chat")
+        if api not in PROMPT_FIELD:
+            return _json(
+                {
+                    "error": {
+                        "message": f"api must be one of {sorted(PROMPT_FIELD)}",
+                        "type": "invalid_request_error",
+                        "param": "api",
+                        "code": "invalid_value",
+                    }
+                },
+                400,
+            )
+        try:
+            body = orjson.loads(await request.body())
+            validate(api, body)
+        except orjson.JSONDecodeError as e:
+            return Response(
+                error_body(f"invalid JSON: {e}", code="invalid_json"),
+                400,
+                media_type="application/json",
+            )
+        except RequestError as e:
+            return Response(e.body(), e.status, media_type="application/json")
+        ctx = RouteContext(
+            request_id="explain",
+            model=body["model"],
+            api=api,
+            body=body,
+            headers={k.lower(): v for k, v in request.headers.items()},
+            now=time.monotonic(),
+            session_key=request.headers.get("x-session-id") or body.get("user"),
+        )
+        decision = await state.router.route(ctx, state.views(), record=False)
+        out = decision.as_dict()
+        out["candidates"] = [
+            {
+                "name": v.name,
+                "healthy": v.healthy,
+                "inflight": v.inflight,
+                "waiting": v.load.waiting,
+                "kv_usage": v.load.kv_usage,
+                "prefill_tokens_per_s": v.prefill_tokens_per_s,
+            }
+            for v in state.views()
+        ]
+        return _json(out)
+
+    async def routing_info(request: Request) -> Response:
+        return _json(state.routing.info())
+
     async def backends(request: Request) -> Response:
         return _json({"backends": _backends(), "policy": state.router.policy.name})
 
@@ -60,5 +118,7 @@ def routes(state: AppState) -> list[Route]:
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/admin/backends", backends, methods=["GET"]),
+        Route("/admin/route/explain", explain, methods=["POST"]),
+        Route("/admin/routing", routing_info, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

@@ -141,7 +141,7 @@ def uvicorn_config(config: Config, app: Any, **overrides: Any) -> uvicorn.Config
         "loop": "uvloop" if _has("uvloop") else "asyncio",
         "log_level": config.server.log_level,
         "access_log": False,
-        "proxy_headers": False,  # X-Forwarded-* rewriting costs CPU per request; unused here  # a line per request costs CPU; spans and metrics cover it
+        "proxy_headers": False,  # X-Forwarded-* rewriting costs CPU per request; unused here
         "timeout_graceful_shutdown": config.server.shutdown_grace_s,
         "timeout_keep_alive": 30,
         "lifespan": "on",

@@ -19,7 +19,7 @@ def fake_backends() -> Iterator[Callable[..., list[tuple[FakeBackend, ServerThre
 
     def start(n: int = 1, **kwargs: Any) -> list[tuple[FakeBackend, ServerThread]]:
         out = []
-        for i in range(n):
+        for _ in range(n):
             app = FakeBackend(name=f"b{len(started)}", **kwargs)
             server = ServerThread(app).start()
             started.append(server)

@@ -366,7 +366,8 @@ async def test_unreachable_and_remote_targets_raise_a_clean_error(closed_port_ur
 
 RUN_KEYS = {
     "label", "targets", "workload", "model", "endpoint", "concurrency", "rate",
-    "requests_planned", "started_at", "duration", "requests", "not_sent", "client_cpu_s", "server_cpu_s",
+    "requests_planned", "started_at", "duration", "requests", "not_sent", "client_cpu_s",
+    "server_cpu_s",
     "role", "notes", "summary",
 }  # fmt: skip
 REQUEST_KEYS = {

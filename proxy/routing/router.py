@@ -52,7 +52,10 @@ class Router:
         hasher = PrefixHasher.from_config(blocks.get(PREFIX_BLOCK, {}))
         return cls(policy, index=index, hasher=hasher)
 
-    async def route(self, ctx: RouteContext, backends: Sequence[BackendView]) -> Decision:
+    async def route(
+        self, ctx: RouteContext, backends: Sequence[BackendView], *, record: bool = True
+    ) -> Decision:
+        """Decide; `record=False` is a dry run (explain) that leaves the index untouched."""
         started = time.perf_counter()
         dropped: dict[str, str] = {}
         candidates = list(backends)
@@ -62,7 +65,7 @@ class Router:
             await self._match(ctx, candidates)
         decision = self.decide(ctx, candidates, dropped)
         decision.decision_s = time.perf_counter() - started
-        if self.record_on_route and decision.winner is not None:
+        if record and self.record_on_route and decision.winner is not None:
             self.record(ctx, decision.winner)
         return decision
 
