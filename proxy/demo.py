@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 import time
@@ -145,8 +144,7 @@ def proxy_metrics_excerpt(url: str) -> str:
         and (
             "time_to_first_token_seconds_count" in ln
             or "time_to_first_token_seconds_sum" in ln
-            or "proxy_overhead" in ln
-            and "_sum" in ln
+            or ("proxy_overhead" in ln and "_sum" in ln)
             or "route_decisions" in ln
         )
     ]

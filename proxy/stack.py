@@ -65,7 +65,7 @@ class Stack:
         out: int | object = subprocess.DEVNULL
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
-            out = open(os.path.join(self.log_dir, f"{name}.log"), "wb")  # noqa: SIM115
+            out = open(os.path.join(self.log_dir, f"{name}.log"), "wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "proxy", *args],
             stdout=out,

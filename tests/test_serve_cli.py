@@ -42,7 +42,11 @@ def test_config_errors_name_the_key_and_exit_nonzero(tmp_path):
     assert "backends.0.url: must be an http(s) URL" in r.stderr
     assert "timeouts.idle_s" in r.stderr and "timeouts.bogus: unknown key" in r.stderr
     r = _warmroute("serve", "--check", "--backend", "http://127.0.0.1:1", "--policy", "nope")
-    assert r.returncode == 2 and "choose one of: least_inflight" in r.stderr and "round_robin" in r.stderr
+    assert (
+        r.returncode == 2
+        and "choose one of: least_inflight" in r.stderr
+        and "round_robin" in r.stderr
+    )
     r = _warmroute("serve", "--backend", "http://127.0.0.1:1", "--policy", "nope")
     assert r.returncode == 2 and "routing.policy: unknown policy 'nope'" in r.stderr
     bad.write_text("backends: [\n")
