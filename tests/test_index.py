@@ -28,6 +28,7 @@ from tests.routing_support import (
     unique_prefix,
     until,
 )
+from tests.support import free_port
 
 BACKENDS = [f"b{i}" for i in range(8)]
 
@@ -242,9 +243,10 @@ async def test_unreachable_redis_at_startup_does_not_stop_routing() -> None:
 async def test_works_against_a_redis_cluster(tmp_path: Path) -> None:
     if not HAVE_REDIS_SERVER:
         pytest.skip("redis-server binary not installed")
-    server = RedisProcess(
-        tmp_path, "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf")
-    ).start()
+    # The cluster bus port defaults to port + 10000, past 65535 for high ephemeral ports.
+    bus = ("--cluster-port", str(free_port()))
+    conf = ("--cluster-config-file", str(tmp_path / "nodes.conf"))
+    server = RedisProcess(tmp_path, "--cluster-enabled", "yes", *conf, *bus).start()
     try:
         admin = server.client()
         admin.execute_command("CLUSTER", "ADDSLOTSRANGE", "0", "16383")

@@ -51,6 +51,20 @@ REDIS_DOWN_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+def _reraise_if_cancelled() -> None:
+    """Call in an `except` of Redis errors: a cancel that arrived while a Redis call timed out
+    can surface as TimeoutError; swallowing it would leave a task that never stops."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def stop_task(task: asyncio.Task[Any], grace_s: float = 1.0) -> None:
+    """Cancel a background task and wait for it, but never hang shutdown on it."""
+    task.cancel()
+    await asyncio.wait({task}, timeout=grace_s)
+
+
 def capacity_blocks_from_tokens(
     kv_tokens: int, block_chars: int, chars_per_token: float = 4.0
 ) -> int:
@@ -95,9 +109,11 @@ class MemoryPrefixIndex:
         capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
         ttl_s: float | None = DEFAULT_TTL_S,
         clock: Callable[[], float] = time.monotonic,
+        touch_s: float = 1.0,
     ) -> None:
         self.default_capacity = capacity_blocks
         self.ttl_s = ttl_s
+        self.touch_s = touch_s
         self.clock = clock
         self._lru: dict[str, OrderedDict[int, float]] = {}
         self._capacity: dict[str, int] = {}
@@ -143,6 +159,10 @@ class MemoryPrefixIndex:
                 hi = mid - 1
         return lo
 
+    def fresh_prefix(self, backend: str, blocks: Sequence[int], since: float) -> int:
+        """Blocks of `blocks` this index saw on `backend` at or after `since`."""
+        return self._match(self._lru.get(backend), blocks, since)
+
     def record(self, backend: str, blocks: Sequence[int]) -> None:
         self.record_now(backend, blocks)
 
@@ -154,8 +174,12 @@ class MemoryPrefixIndex:
         if lru is None:
             lru = self._lru[backend] = OrderedDict()
         now = self.clock() if now is None else now
+        # A hot prefix is recorded on every request; moving its hundreds of blocks each time was
+        # the largest cost of a decision. Blocks touched within touch_s keep their place: LRU
+        # order at one-second resolution is all an engine's cache estimate needs.
+        fresh = self._match(lru, blocks, now - self.touch_s)
         # Reversed: the first block ends up most recently used, so eviction takes tails first.
-        for h in reversed(blocks):
+        for h in reversed(blocks[fresh:]):
             lru.pop(h, None)
             lru[h] = now
         cap = self._capacity.get(backend, self.default_capacity)
@@ -219,6 +243,39 @@ return out
 """
 
 
+# Writes a batch of records in one call. KEYS: the backend ZSET of each record (all under one
+# hash tag: one slot). ARGV[1..3]: score step per block, key TTL (ms), oldest score to keep; then
+# per record: packed block hashes, record time, index of its first block in the prompt, capacity.
+# Later blocks get slightly older scores so that trimming by rank drops a prompt's tail first.
+# Scores are formatted with %.17g: Lua's default number-to-string keeps 14 digits, too few.
+RECORD_LUA = """
+local step, ttl, oldest = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+local caps = {}
+for j = 1, #KEYS do
+  local base = 3 + (j - 1) * 4
+  local blob, ts, first = ARGV[base + 1], tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+  caps[KEYS[j]] = tonumber(ARGV[base + 4])
+  local args = {}
+  for i = 1, math.floor(#blob / 8) do
+    args[#args + 1] = string.format('%.17g', ts - (first + i - 1) * step)
+    args[#args + 1] = string.sub(blob, (i - 1) * 8 + 1, i * 8)
+    if #args >= 512 then
+      redis.call('ZADD', KEYS[j], unpack(args))
+      args = {}
+    end
+  end
+  if #args > 0 then redis.call('ZADD', KEYS[j], unpack(args)) end
+end
+for key, cap in pairs(caps) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', oldest)
+  redis.call('ZREMRANGEBYRANK', key, 0, -cap - 1)
+  redis.call('PEXPIRE', key, ttl)
+end
+return #KEYS
+"""
+RECORDS_PER_CALL = 64  # one call runs atomically in Redis: keep each one short
+
+
 def _pack(blocks: Sequence[int]) -> bytes:
     return array("Q", blocks).tobytes()
 
@@ -243,6 +300,7 @@ class RedisPrefixIndex:
         flush_interval_s: float = 0.005,
         flush_items: int = 64,
         max_pending: int = 10_000,
+        refresh_s: float = 2.0,
         reconnect_min_s: float = 0.1,
         reconnect_max_s: float = 5.0,
         owns_client: bool = False,
@@ -260,8 +318,11 @@ class RedisPrefixIndex:
         # Wall-clock scores: replicas on different hosts must agree on what "old" means.
         self.local = MemoryPrefixIndex(capacity_blocks, ttl_s, clock=time.time)
         self._capacity: dict[str, int] = {}
-        self._pending: deque[tuple[str, Sequence[int], float]] = deque(maxlen=max_pending)
+        self.refresh_s = refresh_s
+        # (backend, blocks, time, index of the first block): only the part not written lately.
+        self._pending: deque[tuple[str, Sequence[int], float, int]] = deque(maxlen=max_pending)
         self._script = client.register_script(LOOKUP_LUA)
+        self._record_script = client.register_script(RECORD_LUA)
         self._up = True
         self._up_event = asyncio.Event()
         self._up_event.set()
@@ -293,6 +354,7 @@ class RedisPrefixIndex:
         try:
             async with asyncio.timeout(max(self.timeout_s * 20, 1.0)):
                 await self.client.script_load(LOOKUP_LUA)
+                await self.client.script_load(RECORD_LUA)
         except REDIS_DOWN_ERRORS as e:
             self._went_down(e)  # start anyway: a Redis outage must not stop the proxy
         if self._flusher is None:
@@ -308,9 +370,7 @@ class RedisPrefixIndex:
             await asyncio.wait_for(self._flush(), max(self.timeout_s * 10, 0.5))
         for task in (self._flusher, self._reconnector):
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await stop_task(task)
         if self.owns_client:
             with contextlib.suppress(*REDIS_DOWN_ERRORS):
                 await self.client.aclose()
@@ -345,11 +405,19 @@ class RedisPrefixIndex:
         if not blocks:
             return
         self.counters["records"] += 1
+        now = time.time()
+        # A popular prefix is recorded on every request; rewriting its hundreds of blocks each
+        # time is what made Redis (and our event loop) slow. Blocks this replica wrote less than
+        # refresh_s ago are skipped: their Redis score lags by at most refresh_s, which is far
+        # below any useful LRU resolution.
+        skip = self.local.fresh_prefix(backend, blocks, now - self.refresh_s)
         # The local copy is always current, so a fallback starts warm.
-        self.local.record_now(backend, blocks)
+        self.local.record_now(backend, blocks, now)
+        if skip >= len(blocks):
+            return
         if len(self._pending) == self._pending.maxlen:
             self.counters["dropped_records"] += 1  # deque drops the oldest on append
-        self._pending.append((backend, blocks, time.time() - SCORE_EPOCH))
+        self._pending.append((backend, blocks[skip:], now - SCORE_EPOCH, skip))
         self._wake.set()
 
     def set_capacity(self, backend: str, blocks: int) -> None:
@@ -369,43 +437,39 @@ class RedisPrefixIndex:
             if len(self._pending) < self.flush_items:
                 await asyncio.sleep(self.flush_interval_s)  # let a batch gather
             if self._up:
-                with contextlib.suppress(*REDIS_DOWN_ERRORS):
+                try:
                     await self._flush()
+                except REDIS_DOWN_ERRORS:
+                    _reraise_if_cancelled()
 
     async def _flush(self) -> None:
         if not self._pending or not self._up:
             return
         batch = list(self._pending)
         self._pending.clear()
-        # Merge per backend; a block seen twice keeps its latest time. Later blocks of a prompt
-        # get slightly older scores so that trimming by rank drops tails first.
-        merged: dict[str, dict[bytes, float]] = {}
-        for backend, blocks, ts in batch:
-            members = merged.setdefault(backend, {})
-            packed = _pack(blocks)
-            for i in range(len(blocks)):
-                m = packed[i * 8 : i * 8 + 8]
-                score = ts - i * BLOCK_STEP_S
-                if members.get(m, float("-inf")) < score:
-                    members[m] = score
+        # Redis unpacks and scores the blocks, so this loop (which shares the event loop with
+        # every request) costs O(1) per record, not O(blocks). No pipeline: Cluster clients
+        # refuse scripts in pipelines, and one call already carries up to RECORDS_PER_CALL.
         now = time.time() - SCORE_EPOCH
-        ttl_ms = int(self.ttl_s * 1000)
-        pipe = self.client.pipeline(transaction=False)
-        for backend, members in merged.items():
-            key = self.key(backend)
-            cap = self._capacity.get(backend, self.default_capacity)
-            pipe.zadd(key, members)
-            pipe.zremrangebyscore(key, "-inf", now - self.ttl_s)
-            pipe.zremrangebyrank(key, 0, -cap - 1)
-            pipe.pexpire(key, ttl_ms)
+        head = [repr(BLOCK_STEP_S), int(self.ttl_s * 1000), repr(now - self.ttl_s)]
+        done = 0
         try:
             async with asyncio.timeout(max(self.timeout_s * 20, 1.0)):
-                await pipe.execute()
+                for i in range(0, len(batch), RECORDS_PER_CALL):
+                    chunk = batch[i : i + RECORDS_PER_CALL]
+                    keys = [self.key(backend) for backend, _, _, _ in chunk]
+                    args: list[Any] = list(head)
+                    for backend, blocks, ts, first in chunk:
+                        cap = self._capacity.get(backend, self.default_capacity)
+                        args += [_pack(blocks), repr(ts), first, cap]
+                    await self._record_script(keys=keys, args=args)
+                    done = i + len(chunk)
             self.counters["writes"] += 1
         except REDIS_DOWN_ERRORS as e:
             self.counters["write_errors"] += 1
-            # Keep the batch for after the reconnect (bounded: the deque drops the oldest).
-            self._pending.extendleft(reversed(batch))
+            # Keep what was not written for after the reconnect (bounded: the deque drops the
+            # oldest).
+            self._pending.extendleft(reversed(batch[done:]))
             self._went_down(e)
             raise
 
@@ -433,6 +497,7 @@ class RedisPrefixIndex:
                 async with asyncio.timeout(max(self.timeout_s * 10, 0.5)):
                     await self.client.ping()
             except REDIS_DOWN_ERRORS:
+                _reraise_if_cancelled()
                 delay = min(delay * 2, self.reconnect_max_s)
                 continue
             with contextlib.suppress(*REDIS_DOWN_ERRORS):

@@ -22,7 +22,7 @@ import uuid
 from collections import Counter
 from typing import Any
 
-from proxy.routing.index import REDIS_DOWN_ERRORS
+from proxy.routing.index import REDIS_DOWN_ERRORS, _reraise_if_cancelled, stop_task
 
 log = logging.getLogger("warmroute.routing.inflight")
 
@@ -79,6 +79,7 @@ class InflightBoard:
         self.peers: dict[str, int] = {}
         self._script = client.register_script(SYNC_LUA) if client is not None else None
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
         self._up = True
         self.clock = time.time  # wall clock: heartbeats are compared across hosts
         self.synced_at = 0.0
@@ -114,10 +115,9 @@ class InflightBoard:
             self._task = asyncio.create_task(self._loop(), name="inflight-sync")
 
     async def close(self) -> None:
+        self._closed = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task)
             self._task = None
         if self.client is not None:
             # Leave at once rather than after ttl_s: peers stop counting our requests.
@@ -145,13 +145,14 @@ class InflightBoard:
         self.counters["syncs"] += 1
 
     async def _loop(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 await self.sync()
                 if not self._up:
                     self._up = True
                     log.warning("in-flight board: Redis is back; sharing counts again")
             except REDIS_DOWN_ERRORS as e:
+                _reraise_if_cancelled()
                 self.counters["sync_errors"] += 1
                 if self._up:
                     self._up = False

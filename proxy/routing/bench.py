@@ -1,0 +1,109 @@
+"""Routing decision time: `python -m proxy.routing.bench [--redis URL] [--backends 4 8]`.
+
+Each decision is the whole Router.route(): prompt rendering and hashing (4k-token prompts,
+16k chars), the index lookup for every candidate, scoring, picking and recording. Prints
+p50/p99/max per index store and backend count. Not a test: numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+import uuid
+from typing import Any
+
+from proxy.config import RoutingConfig
+from proxy.routing.index import MemoryPrefixIndex, RedisPrefixIndex, open_redis
+from proxy.routing.router import Router
+from proxy.routing.types import BackendView, EngineLoad, RouteContext
+
+
+def _backends(n: int, rng: random.Random) -> list[BackendView]:
+    return [
+        BackendView(
+            name=f"engine-{i}",
+            url=f"http://10.0.0.{i}:8000",
+            engine="vllm",
+            role="mixed",
+            weight=1.0,
+            healthy=True,
+            inflight=rng.randint(0, 8),
+            load=EngineLoad(waiting=rng.randint(0, 3), running=8, kv_usage=rng.random()),
+            models=frozenset({"m"}),
+            prefill_tokens_per_s=8000.0,
+        )
+        for i in range(n)
+    ]
+
+
+def _requests(count: int, rng: random.Random) -> list[dict[str, Any]]:
+    systems = [
+        f"[system prompt {k}] " + "".join(rng.choices("abcdefgh ", k=15_000)) for k in range(32)
+    ]
+    weights = [1 / (k + 1) for k in range(32)]  # Zipf popularity
+    return [
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": rng.choices(systems, weights)[0]},
+                {"role": "user", "content": f"question {i}: " + "x" * rng.randint(200, 1000)},
+            ],
+        }
+        for i in range(count)
+    ]
+
+
+async def measure(router: Router, n_backends: int, count: int, seed: int = 1) -> list[float]:
+    rng = random.Random(seed)
+    bodies = _requests(count, rng)
+    times = []
+    for i, body in enumerate(bodies):
+        backends = _backends(n_backends, rng)
+        ctx = RouteContext(f"r{i}", "m", "chat", body, {}, time.monotonic())
+        start = time.perf_counter()
+        await router.route(ctx, backends)
+        times.append(time.perf_counter() - start)
+        if i % 64 == 0:
+            await asyncio.sleep(0)  # let the batched Redis writes run, as between requests
+    return times[count // 10 :]  # drop warm-up (script load, first connections, cold caches)
+
+
+def _row(label: str, times: list[float]) -> str:
+    times = sorted(times)
+
+    def q(p: float) -> float:
+        return times[min(len(times) - 1, int(p * len(times)))] * 1000
+
+    stats = f"p50={q(0.5):.3f} ms  p99={q(0.99):.3f} ms  max={times[-1] * 1000:.3f} ms"
+    return f"{label:<24} n={len(times):<5} {stats}"
+
+
+async def main(redis_url: str | None, backend_counts: list[int], count: int) -> None:
+    cfg = RoutingConfig(policy="prefix_aware")
+    for n in backend_counts:
+        times = await measure(Router.from_config(cfg, index=MemoryPrefixIndex()), n, count)
+        print(_row(f"memory, {n} backends", times))
+        if redis_url:
+            prefix = f"wrbench-{uuid.uuid4().hex[:8]}"
+            client = open_redis(redis_url)
+            index = RedisPrefixIndex(client, key_prefix=prefix, owns_client=True)
+            await index.start()
+            try:
+                times = await measure(Router.from_config(cfg, index=index), n, count)
+                print(_row(f"redis, {n} backends", times) + f"  mode={index.mode}")
+            finally:
+                keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]
+                if keys:
+                    await client.delete(*keys)
+                await index.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--redis", default=None, help="e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument("--backends", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--requests", type=int, default=3000)
+    args = parser.parse_args()
+    asyncio.run(main(args.redis, args.backends, args.requests))
