@@ -115,6 +115,12 @@ async def test_record_can_be_deferred_to_the_backend_actually_used() -> None:
     assert again.winner == fallback
 
 
+async def test_a_dry_run_records_nothing() -> None:
+    index = MemoryPrefixIndex()
+    decision = await router(index).route(chat(SYSTEM, "q", 1), views(), record=False)
+    assert decision.winner is not None and index.records == 0
+
+
 async def test_non_prefix_policies_do_not_hash_or_look_up() -> None:
     index = MemoryPrefixIndex()
     r = router(index, policy="least_inflight")
