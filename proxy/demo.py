@@ -131,6 +131,26 @@ def format_policy_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def oracle_hit_ratio(workload: Any, n: int) -> float | None:
+    """The best hit ratio any router could reach: every repeat of a system prompt hits it.
+
+    An upper bound (unbounded cache, token ≈ chars/4 on both sides); multi-turn histories
+    depend on the replies, so no bound is computed for them.
+    """
+    if workload.name == "multi-turn":
+        return None
+    seen: set[int] = set()
+    cached = total = 0
+    for spec in workload.plan(n):
+        msgs = workload.messages(spec)
+        total += sum(len(m["content"]) for m in msgs)
+        if spec.kind == "chat" and spec.system_id is not None:
+            if spec.system_id in seen:
+                cached += len(msgs[0]["content"])
+            seen.add(spec.system_id)
+    return cached / total if total else None
+
+
 def proxy_metrics_excerpt(url: str) -> str:
     """The proxy's own view of the same traffic, from its Prometheus endpoint."""
     try:
@@ -247,6 +267,12 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_policy_table(summaries))
     print()
+    oracle = oracle_hit_ratio(workload, args.requests)
+    if oracle is not None:
+        print(
+            f"oracle: the best achievable cache hit ratio for this workload is {oracle:.1%} "
+            "(every repeated system prompt served from cache)."
+        )
     print(
         "TTFT = time to the first content token as the client saw it; ITL = gap between "
         "tokens;\ncache hit = prompt tokens the engines served from their prefix cache."
