@@ -37,7 +37,6 @@ LOAD_METRICS: dict[str, dict[str, str]] = {
     "llamacpp": {
         "llamacpp:requests_deferred": "waiting",
         "llamacpp:requests_processing": "running",
-        "llamacpp:kv_cache_usage_ratio": "kv_usage",
     },
 }
 HEALTH_PATH = {

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 ENV_PREFIX = "WARMROUTE_"
 # Settings of the other subcommands (sim, bench, demo) share the prefix but not this tree.
-OTHER_COMMANDS_ENV = tuple(ENV_PREFIX + p for p in ("SIM_", "BENCH_", "DEMO_", "TEST_"))
+OTHER_COMMANDS_ENV = tuple(ENV_PREFIX + p for p in ("SIM_", "BENCH_", "DEMO_", "TEST_", "CACHE"))
 Engine = Literal["vllm", "sglang", "llamacpp", "openai"]
 Role = Literal["mixed", "prefill", "decode"]
 

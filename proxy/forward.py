@@ -72,6 +72,7 @@ class Exchange:
     raw: bytes  # what we send upstream (the client's bytes unless we had to change them)
     stream: bool
     strip_usage: bool = False
+    client_raw: bytes = b""  # the client's own bytes, for backends we must not inject into
     decision: Decision | None = None
     attempts: list[str] = field(default_factory=list)
     client_gone: bool = False
@@ -164,6 +165,7 @@ class ProxyEndpoint:
                 # We need usage for TPOT and token metrics; the client gets exactly what it
                 # asked for because the meter removes this one chunk again.
                 body["stream_options"] = {**opts, "include_usage": True}
+                ex.client_raw = raw
                 ex.raw = orjson.dumps(body)
                 ex.strip_usage = True
         return ex
@@ -281,6 +283,10 @@ class ProxyEndpoint:
         await _respond(send, status, error_body(message, "server_error", None, code), ex.request_id)
         record.finish(None, status=status, error_type=code)
 
+    @staticmethod
+    def _body_for(ex: Exchange, backend: Backend) -> bytes:
+        return ex.client_raw if ex.strip_usage and _keeps_own_usage(backend) else ex.raw
+
     def _upstream_headers(self, ex: Exchange, backend: Backend) -> dict[str, str]:
         out = {k: v for k, v in ex.headers.items() if k not in NOT_FORWARDED_UPSTREAM}
         out["content-type"] = "application/json"
@@ -325,7 +331,9 @@ class ProxyEndpoint:
         try:
             t_sent = time.perf_counter()
             try:
-                upstream = await state.upstream.post(backend.url + self.path, ex.raw, headers)
+                upstream = await state.upstream.post(
+                    backend.url + self.path, self._body_for(ex, backend), headers
+                )
             except CONNECT_ERRORS as e:
                 raise _Retry(_describe(e), "connect_error", connect=True) from None
             except TimeoutError:
@@ -402,7 +410,8 @@ class ProxyEndpoint:
         send: Send,
     ) -> None:
         state = self.state
-        meter = StreamMeter(self.api, t0=ex.t0, strip_usage=ex.strip_usage)  # type: ignore[arg-type]
+        strip = ex.strip_usage and not _keeps_own_usage(backend)
+        meter = StreamMeter(self.api, t0=ex.t0, strip_usage=strip)  # type: ignore[arg-type]
         meter.upstream_sent(t_sent)
         content = upstream.content
         # The first read decides between "retry elsewhere" and "committed to this backend".
@@ -469,6 +478,13 @@ class ProxyEndpoint:
             error_type="cancelled" if ex.client_gone else error,
             backend=backend.name,
         )
+
+
+def _keeps_own_usage(backend: Backend) -> bool:
+    """llama.cpp moves its `timings` onto the usage chunk when include_usage is set, so
+    stripping that chunk would take them from the client: send such engines the client's
+    own request instead (the meter still reads usage from the finish chunk if present)."""
+    return backend.cfg.engine == "llamacpp"
 
 
 async def _watch_disconnect(receive: Receive, ex: Exchange, task: asyncio.Task[Any]) -> None:

@@ -118,12 +118,6 @@ def test_openai_client_streams_through_proxy_unchanged(
         assert v["usage"]["completion_tokens"] == MAX_TOKENS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the proxy injects include_usage, which makes llama.cpp move `timings` from the "
-    "finish chunk to the usage chunk, and then strips that chunk: clients that did not ask "
-    "for usage lose llama.cpp's timings",
-)
 def test_stream_without_usage_keeps_engine_timings(
     pair: list[LlamaServer], proxy_server: Callable[..., ServerThread]
 ) -> None:
