@@ -23,7 +23,7 @@ class BoundedLoadPicker:
     kind = "picker"
 
     def __init__(
-        self, epsilon: float = 0.25, affinity_blocks: int = 8, warm_blocks: int = 4, slack: int = 1
+        self, epsilon: float = 0.5, affinity_blocks: int = 8, warm_blocks: int = 4, slack: int = 1
     ) -> None:
         self.epsilon = epsilon
         self.slack = slack
@@ -33,7 +33,7 @@ class BoundedLoadPicker:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> BoundedLoadPicker:
         return cls(
-            epsilon=float(cfg.get("epsilon", 0.25)),
+            epsilon=float(cfg.get("epsilon", 0.5)),
             affinity_blocks=int(cfg.get("affinity_blocks", 8)),
             warm_blocks=int(cfg.get("warm_blocks", 4)),
             slack=int(cfg.get("slack", 1)),

@@ -19,6 +19,7 @@ from proxy.backends import Backend, BackendRegistry
 from proxy.config import Config, ConfigError
 from proxy.forward import API_PATHS, Exchange, ProxyEndpoint
 from proxy.meter import StreamFacts
+from proxy.routing.index import capacity_blocks_from_tokens
 from proxy.routing.router import Router
 from proxy.routing.setup import Routing, build_routing
 from proxy.routing.types import BackendView
@@ -109,6 +110,15 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
         http=http,
         telemetry=telemetry or Telemetry(config.telemetry),
     )
+
+    hasher = state.routing.router.hasher
+
+    def kv_capacity(backend: str, tokens: int) -> None:
+        # Remember no more of a backend's prefixes than its KV pool can hold.
+        blocks = capacity_blocks_from_tokens(tokens, hasher.block_chars, hasher.chars_per_token)
+        state.routing.index.set_capacity(backend, blocks)
+
+    state.registry.on_kv_capacity = kv_capacity
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -53,8 +53,12 @@ def parse_load(engine: str, text: str, now: float) -> EngineLoad | None:
     if not wanted:
         return None
     sums: dict[str, float] = {}
+    kv_tokens: int | None = None
     for line in text.splitlines():
         if not line or line[0] == "#":
+            continue
+        if line.startswith("vllm:cache_config_info{"):
+            kv_tokens = _kv_pool_tokens(line) or kv_tokens
             continue
         name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
         if name_end < 0:
@@ -69,14 +73,28 @@ def parse_load(engine: str, text: str, now: float) -> EngineLoad | None:
         except (ValueError, IndexError):
             continue
         sums[attr] = sums.get(attr, 0.0) + value
-    if not sums:
+    if not sums and kv_tokens is None:
         return None
     return EngineLoad(
         waiting=sums.get("waiting"),
         running=sums.get("running"),
         kv_usage=sums.get("kv_usage"),
+        kv_tokens=kv_tokens,
         scraped_at=now,
     )
+
+
+def _kv_pool_tokens(line: str) -> int | None:
+    """num_gpu_blocks x block_size from vLLM's cache_config_info labels."""
+    labels = dict(
+        part.split("=", 1)
+        for part in line[line.index("{") + 1 : line.rindex("}")].split(",")
+        if "=" in part
+    )
+    try:
+        return int(labels["num_gpu_blocks"].strip('"')) * int(labels["block_size"].strip('"'))
+    except (KeyError, ValueError):
+        return None
 
 
 @dataclass
@@ -130,6 +148,8 @@ class BackendRegistry:
         self.config = config
         self.http = http
         self.backends: dict[str, Backend] = {b.key: Backend(b) for b in config.backends}
+        # Called with (backend name, KV pool tokens) when an engine reports its pool size.
+        self.on_kv_capacity: Callable[[str, int], None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     def __iter__(self) -> Iterable[Backend]:  # type: ignore[override]
@@ -238,6 +258,9 @@ class BackendRegistry:
             return
         load = parse_load(b.cfg.engine, r.text, time.monotonic())
         if load is not None:
+            if load.kv_tokens and load.kv_tokens != b.load.kv_tokens and self.on_kv_capacity:
+                log.info("backend %s has a KV pool of %d tokens", b.name, load.kv_tokens)
+                self.on_kv_capacity(b.name, load.kv_tokens)
             b.load = load
 
     async def _poll(self, b: Backend) -> None:

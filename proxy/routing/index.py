@@ -211,6 +211,7 @@ class MemoryPrefixIndex:
             "records": self.records,
             "evictions": self.evictions,
             "blocks": {b: len(lru) for b, lru in self._lru.items()},
+            "capacity": dict(self._capacity),
         }
 
 

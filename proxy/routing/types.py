@@ -19,6 +19,7 @@ class EngineLoad:
     waiting: float | None = None  # queued requests (vllm:num_requests_waiting ...)
     running: float | None = None  # running requests
     kv_usage: float | None = None  # 0..1 KV-cache usage
+    kv_tokens: int | None = None  # KV pool size in tokens (vllm:cache_config_info)
     scraped_at: float = 0.0  # monotonic time of the scrape
 
 

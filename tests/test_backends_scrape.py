@@ -1,0 +1,54 @@
+"""Engine load signals and KV pool size reach routing from the engines' own /metrics."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from proxy.backends import parse_load
+from proxy.sim import SimConfig, create_sim_app
+from tests.support import ServerThread
+
+VLLM = """# HELP vllm:num_requests_waiting x
+vllm:num_requests_waiting{model_name="m"} 3.0
+vllm:num_requests_running{model_name="m"} 5.0
+vllm:kv_cache_usage_perc{model_name="m"} 0.5
+vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_gpu_blocks="2000"} 1.0
+"""
+
+
+def test_vllm_gauges_and_pool_size_are_parsed():
+    load = parse_load("vllm", VLLM, now=1.0)
+    assert load is not None
+    assert (load.waiting, load.running, load.kv_usage, load.kv_tokens) == (3.0, 5.0, 0.5, 32000)
+
+
+def test_sglang_and_llamacpp_names():
+    sg = parse_load("sglang", 'sglang:num_queue_reqs{a="b"} 4\nsglang:token_usage 0.25\n', 0)
+    assert sg is not None and (sg.waiting, sg.kv_usage) == (4.0, 0.25)
+    lc = parse_load("llamacpp", "llamacpp:requests_deferred 1\nllamacpp:requests_processing 2\n", 0)
+    assert lc is not None and (lc.waiting, lc.running) == (1.0, 2.0)
+    assert parse_load("openai", VLLM, 0) is None
+
+
+def test_the_prefix_index_is_bounded_by_the_engines_kv_pool(proxy_server):
+    sim = create_sim_app(SimConfig.from_preset("h100", kv_blocks=512, time_scale=50))
+    with ServerThread(sim, **sim.uvicorn_kwargs()) as engine:
+        proxy = proxy_server([engine.url], config={
+            "backends": [{"url": engine.url, "engine": "vllm"}],
+            "health": {"metrics_scrape_s": 0.1, "interval_s": 0.2},
+        })
+        name = engine.url.removeprefix("http://")
+        deadline = time.monotonic() + 10
+        while True:
+            info = httpx.get(proxy.url + "/admin/routing").json()
+            capacity = info["index"].get("capacity", {}).get(name)
+            if capacity is not None:
+                break
+            assert time.monotonic() < deadline, info
+            time.sleep(0.05)
+        # 512 blocks x 16 tokens x ~4 chars / 64-char index blocks.
+        assert capacity == 512 * 16 * 4 // 64
+        load = httpx.get(proxy.url + "/admin/backends").json()["backends"][0]["load"]
+        assert load["kv_usage"] is not None and load["waiting"] == 0
