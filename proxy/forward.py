@@ -332,7 +332,7 @@ class ProxyEndpoint:
             t_sent = time.perf_counter()
             try:
                 upstream = await state.upstream.post(
-                    backend.url + self.path, self._body_for(ex, backend), headers
+                    state.upstream.url(backend.url, self.path), self._body_for(ex, backend), headers
                 )
             except CONNECT_ERRORS as e:
                 raise _Retry(_describe(e), "connect_error", connect=True) from None

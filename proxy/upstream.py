@@ -7,6 +7,7 @@ aiohttp directly; httpx remains the client for health checks, discovery and scra
 from __future__ import annotations
 
 import aiohttp
+from yarl import URL
 
 from proxy.config import TimeoutsConfig
 
@@ -49,6 +50,7 @@ class Upstream:
     def __init__(self, timeouts: TimeoutsConfig) -> None:
         self.timeouts = timeouts
         self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[tuple[str, str], URL] = {}
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -76,7 +78,15 @@ class Upstream:
             await self._session.close()
             self._session = None
 
-    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+    def url(self, base: str, path: str) -> URL:
+        """A parsed URL per (backend, endpoint), built once: parsing costs ~10 µs a request."""
+        key = (base, path)
+        url = self._urls.get(key)
+        if url is None:
+            url = self._urls[key] = URL(base + path)
+        return url
+
+    async def post(self, url: URL, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
         assert self._session is not None, "Upstream.start() was not awaited"
         return await self._session.post(url, data=body, headers=headers)
 
