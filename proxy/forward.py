@@ -21,7 +21,12 @@ import orjson
 from proxy.errors import RequestError, error_body, sse_error_event
 from proxy.meter import StreamMeter, meter_json
 from proxy.routing.types import Decision, RouteContext
-from proxy.upstream import CONNECT_ERRORS, NOT_FORWARDED_DOWNSTREAM, NOT_FORWARDED_UPSTREAM
+from proxy.upstream import (
+    CONNECT_ERRORS,
+    NOT_FORWARDED_DOWNSTREAM,
+    NOT_FORWARDED_UPSTREAM,
+    REFUSED_ERRORS,
+)
 from proxy.validate import validate
 
 if TYPE_CHECKING:
@@ -335,7 +340,8 @@ class ProxyEndpoint:
                     state.upstream.url(backend.url, self.path), self._body_for(ex, backend), headers
                 )
             except CONNECT_ERRORS as e:
-                raise _Retry(_describe(e), "connect_error", connect=True) from None
+                refused = isinstance(e, REFUSED_ERRORS)
+                raise _Retry(_describe(e), "connect_error", connect=refused) from None
             except TimeoutError:
                 raise _Retry(
                     "no response headers within the first-byte timeout", "timeout"

@@ -41,6 +41,7 @@ def routes(state: AppState) -> list[Route]:
                 "engine": b.cfg.engine,
                 "role": b.cfg.role,
                 "healthy": b.healthy,
+                "up": b.is_up(time.monotonic()),
                 "inflight": b.inflight,
                 "models": sorted(b.models) if b.models is not None else None,
                 "last_error": b.last_error,

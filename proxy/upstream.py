@@ -37,6 +37,9 @@ NOT_FORWARDED_UPSTREAM = HOP_BY_HOP | {
 NOT_FORWARDED_DOWNSTREAM = HOP_BY_HOP | {"content-length", "date", "server"}
 
 # Errors that mean "this backend did not take the request": safe to retry elsewhere.
+# Refused/unreachable marks the backend down for a while; a pooled connection the server had
+# just closed (keep-alive race) says nothing about the backend's health.
+REFUSED_ERRORS = (aiohttp.ClientConnectorError,)
 CONNECT_ERRORS = (
     aiohttp.ClientConnectorError,
     aiohttp.ServerDisconnectedError,
@@ -55,7 +58,9 @@ class Upstream:
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
             limit=0,  # concurrency is the backends' business; don't queue in the proxy
-            keepalive_timeout=30,
+            # Below the engines' own idle timeout (uvicorn, hence vLLM, and llama.cpp: 5 s), so
+            # the pool never hands out a connection the server is closing.
+            keepalive_timeout=4,
             ttl_dns_cache=300,
             enable_cleanup_closed=True,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -234,3 +235,50 @@ def test_client_authorization_is_not_forwarded_without_backend_key(fake_backends
     proxy = proxy_server([backend.url])
     httpx.post(proxy.url + CHAT, json=_chat("hi"), headers={"authorization": "Bearer client-key"})
     assert "authorization" not in backend_app.rec.requests[-1]["headers"]
+
+
+class _DroppingServer:
+    """Answers GETs like a healthy backend; closes every POST's connection without a byte,
+    as a server does when the proxy reuses a keep-alive connection it has just closed."""
+
+    def __init__(self) -> None:
+        import socketserver
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                line = self.rfile.readline()
+                while self.rfile.readline() not in (b"\r\n", b""):
+                    pass
+                if line.startswith(b"GET"):
+                    body = b'{"object": "list", "data": [{"id": "test-model"}]}'
+                    self.wfile.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+                    )
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_dropped_connection_retries_without_marking_the_backend_down(fake_backends, proxy_server):
+    dropping = _DroppingServer()
+    try:
+        [(_, backend)] = fake_backends(1)
+        proxy = proxy_server([dropping.url, backend.url], policy="round_robin")
+        for _ in range(4):  # round robin starts on the dropping one at least once
+            r = httpx.post(proxy.url + CHAT, json=_chat("hi"))
+            assert r.status_code == 200
+            assert r.headers["x-warmroute-backend"] == backend.url.removeprefix("http://")
+        # A server closing a connection says nothing about its health: it stays routable.
+        states = {b["name"]: b for b in httpx.get(proxy.url + "/admin/backends").json()["backends"]}
+        dropped = states[dropping.url.removeprefix("http://")]
+        assert dropped["up"] and dropped["last_error"], dropped
+    finally:
+        dropping.close()
