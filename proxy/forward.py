@@ -464,7 +464,9 @@ class ProxyEndpoint:
                     reason,
                 )
                 break
-        tail, facts = meter.finish(perf(), error=error, cancelled=ex.client_gone)
+        # A client that hangs up right after the last event got everything: not a cancel.
+        cancelled = ex.client_gone and not meter.completed
+        tail, facts = meter.finish(perf(), error=error, cancelled=cancelled)
         state.observe_stream(backend, facts)
         if facts.error and not error:
             error = facts.error
@@ -472,7 +474,7 @@ class ProxyEndpoint:
             if error in ("idle_timeout", "upstream_stream_error"):
                 tail += sse_error_event(reason, "server_error", error)
             await send({"type": "http.response.body", "body": tail, "more_body": False})
-        else:
+        elif cancelled:
             log.info(
                 "request %s: client disconnected mid-stream; closed the upstream on %s",
                 ex.request_id,
@@ -480,8 +482,8 @@ class ProxyEndpoint:
             )
         record.finish(
             facts,
-            status=499 if ex.client_gone else upstream.status,
-            error_type="cancelled" if ex.client_gone else error,
+            status=499 if cancelled else upstream.status,
+            error_type="cancelled" if cancelled else error,
             backend=backend.name,
         )
 

@@ -264,6 +264,11 @@ class StreamMeter:
         self._itl: list[float] = []
         self._forward: list[float] = []
 
+    @property
+    def completed(self) -> bool:
+        """The stream's end was seen: [DONE], a finish reason, or response.completed."""
+        return self._completed
+
     # -- inputs ---------------------------------------------------------------------------------
     def upstream_sent(self, now: float) -> None:
         """The request was written to the upstream (called again for each retry attempt)."""

@@ -103,14 +103,8 @@ def _send(proxy: Proxy, messages: list[dict[str, Any]]) -> tuple[StreamResult, d
     assert span.start_time is not None
     a["test.client_lead_s"] = (span.start_time - sent_ns) / 1e9
     assert r.text and r.chunks[-1].get("usage"), "the client got the whole stream"
-    if span.status.status_code != StatusCode.UNSET:
-        # Known proxy bug: stream_chat closes its socket as soon as it reads `data: [DONE]`,
-        # and when that close reaches the proxy before the engine's end of stream does, the
-        # request is recorded as cancelled (status 499, error.type=cancelled) although the
-        # client received everything. The measurements themselves are unaffected; tolerate
-        # exactly that and nothing else.
-        assert a.get("error.type") == "cancelled", (span.status, a)
-        assert a["gen_ai.response.finish_reasons"][0] == "length", a
+    # The client closes right after `data: [DONE]`; a complete stream is never a cancel.
+    assert span.status.status_code == StatusCode.UNSET, (span.status, a)
     return r, a
 
 
@@ -133,7 +127,7 @@ def test_proxy_measurements_agree_with_the_engine(
 
     rows: list[str] = []
     samples: list[tuple[float, float, float, float]] = []
-    cold_seen = warm_seen = misrecorded = 0
+    cold_seen = warm_seen = 0
     for label, messages in plan:
         before = {s.port: s.metrics() for s in servers}
         r, a = _send(proxy, messages)
@@ -195,8 +189,6 @@ def test_proxy_measurements_agree_with_the_engine(
             expected = [t["prompt_n"], cached, MAX_TOKENS] if port == served else [0, 0, 0]
             assert moved == expected, (label, port, served, moved)
 
-        if a.get("error.type") == "cancelled":
-            misrecorded += 1
         if t["cache_n"] < 32 and t["prompt_n"] > 1000:
             cold_seen += 1
         if t["cache_n"] > 1000:
@@ -204,7 +196,6 @@ def test_proxy_measurements_agree_with_the_engine(
     table = "\n".join(rows)
     # Both regimes were exercised: cold 1.6k-token prefills and warm reuse of the prefix.
     assert cold_seen >= 2 and warm_seen >= 2, table
-    print(f"{misrecorded} of {len(plan)} complete streams recorded as cancelled")
 
     # Agreement, judged on the typical request: another tenant of this 2-core machine can
     # deschedule the proxy or the client for tens of ms in any one stream, which delays a
