@@ -1,0 +1,131 @@
+"""The hand-written OTLP span encoder against the SDK's: the same protobuf, message for message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from proxy.config import TelemetryConfig
+from proxy.routing.types import Decision
+from proxy.telemetry import Telemetry, _otlp_span_exporter, encode_spans_fast
+from tests.test_telemetry import DECISION, facts, start
+
+
+def same_as_sdk(spans: Any) -> ExportTraceServiceRequest:
+    ours = ExportTraceServiceRequest.FromString(encode_spans_fast(spans))
+    assert ours == encode_spans(spans)
+    return ours
+
+
+def proxy_spans(cfg: TelemetryConfig | None = None) -> list[ReadableSpan]:
+    """Spans of a retried request, an error, a cancel and a tracestate-carrying parent."""
+    spans = InMemorySpanExporter()
+    t = Telemetry(cfg or TelemetryConfig(), span_exporter=spans)
+    d = Decision(
+        policy="prefix",
+        ranking=["b1", "b2"],
+        reason="highest score",
+        scores={"b1": {"prefix": 0.9, "queue": -1.5}},
+        totals={"b1": 1.9},
+        matched_blocks={"b1": 3},
+        prefix_blocks=5,
+        prompt_chars=400,
+        filtered_out={"b3": "unhealthy: connect refused ✗"},
+    )
+    rec = start(t, stop=["\n\n", "ünïcödé"], n=2, seed=-7, messages=[{"x": "y" * 300}])
+    rec.set_decision(d)
+    rec.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1).fail("http_503", 503)
+    rec.attempt(backend="b2", address="10.0.0.2", port=8002, attempt=2)
+    rec.finish(facts(chunks=40), status=200)
+
+    broken = start(t, headers={"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"})
+    broken.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1)
+    broken.finish(facts(error="upstream_stream_error", finish_reasons=["error"]), status=200)
+
+    gone = start(
+        t,
+        headers={
+            "traceparent": "00-" + "12" * 16 + "-" + "34" * 8 + "-01",
+            "tracestate": "vendor=abc,other=1",
+        },
+    )
+    gone.set_decision(DECISION)
+    gone.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1)
+    gone.finish(None, status=499, error_type="cancelled")
+
+    root = start(t, headers={})
+    root.finish(None, status=404, error_type="model_not_found")
+    t.shutdown()
+    return list(spans.get_finished_spans())
+
+
+@pytest.mark.parametrize("mode", ["off", "first", "sampled", "all"])
+def test_the_proxys_spans_encode_exactly_as_the_sdk_encodes_them(mode: str) -> None:
+    cfg = TelemetryConfig(chunk_events=mode, capture_content=True)  # type: ignore[arg-type]
+    spans = proxy_spans(cfg)
+    assert len(spans) == 8
+    req = same_as_sdk(spans)
+    encoded = [s for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    assert len(encoded) == 8
+    server = next(s for s in encoded if s.trace_id.hex() == "12" * 16 and s.kind == 2)
+    assert server.trace_state == "vendor=abc,other=1"
+    assert server.flags == 0x300  # parent came over the wire
+    # one export can carry spans of many requests
+    same_as_sdk(spans * 3)
+
+
+def test_sdk_made_spans_with_every_value_type_encode_as_the_sdk_encodes_them() -> None:
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    tracer = provider.get_tracer("other", "1.2.3", schema_url="https://example.com/schema")
+    with tracer.start_as_current_span("outer", kind=SpanKind.INTERNAL) as outer:
+        outer.set_attributes(
+            {
+                "s": "",
+                "t": "x" * 200,
+                "b": False,
+                "i0": 0,
+                "neg": -(2**63),
+                "big": 2**63 - 1,
+                "f": -0.0,
+                "inf": float("inf"),
+                "bools": [True, False],
+                "ints": [1, -2, 300],
+                "floats": [0.5],
+                "strs": ["a", ""],
+                "empty": [],
+            }
+        )
+        outer.add_event("e", {"k": 1.5})
+        outer.add_event("bare")
+        outer.set_status(Status(StatusCode.OK))
+        with tracer.start_as_current_span("inner", kind=SpanKind.PRODUCER) as inner:
+            inner.set_status(Status(StatusCode.ERROR, "went wrong"))
+    provider.shutdown()
+    same_as_sdk(spans.get_finished_spans())
+    same_as_sdk([])
+
+
+def test_the_otlp_http_exporter_uses_the_fast_encoder() -> None:
+    exporter: Any = _otlp_span_exporter(
+        TelemetryConfig(traces_exporter="otlp", otlp_endpoint="http://127.0.0.1:9")
+    )
+    sent: list[bytes] = []
+
+    class Client:
+        def export(self, data: bytes) -> Any:
+            sent.append(data)
+            return type("R", (), {"success": True})()
+
+    exporter._client = Client()
+    spans = proxy_spans()
+    assert exporter.export(spans).name == "SUCCESS"
+    assert sent == [encode_spans_fast(spans)]
