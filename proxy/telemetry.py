@@ -655,12 +655,33 @@ def _key_value(k: str, v: Any) -> bytes:
     return key + _ld(b"\x12", _any_value(v))
 
 
+# Most attribute values repeat from request to request (model, backend, policy, status, token
+# counts...): their encoded fields are cached. Floats (timings) rarely repeat and are not.
+_FIELDS: dict[tuple[Any, ...], bytes] = {}
+_CACHED_TYPES = frozenset((str, int, bool, tuple))
+
+
+def _field(tag: bytes, k: str, v: Any) -> bytes:
+    t = type(v)
+    if t not in _CACHED_TYPES or (t is str and len(v) > 128):
+        return _ld(tag, _key_value(k, v))
+    # the types too: True == 1 == 1.0 and hash alike, but they encode differently
+    ck = (tag, k, t, v, tuple(map(type, v))) if t is tuple else (tag, k, t, v)
+    b = _FIELDS.get(ck)
+    if b is None:
+        b = _ld(tag, _key_value(k, v))
+        if len(_FIELDS) >= 4096:  # unique values (request ids) cycle through it
+            _FIELDS.clear()
+        _FIELDS[ck] = b
+    return b
+
+
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
     """Repeated KeyValue; like the SDK, an attribute that cannot be encoded is left out."""
     if not attributes:
         return b""
     try:
-        return b"".join([_ld(tag, _key_value(k, v)) for k, v in attributes.items()])
+        return b"".join([_field(tag, k, v) for k, v in attributes.items()])
     except (TypeError, ValueError, UnicodeError):
         out = []
         for k, v in attributes.items():
