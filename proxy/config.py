@@ -99,6 +99,7 @@ class RedisConfig(_Model):
 
 
 class TelemetryConfig(_Model):
+    enabled: bool = True  # false: no spans, no metrics (the stream is still metered for routing)
     service_name: str = "warmroute"
     # "otlp" honours the standard OTEL_EXPORTER_OTLP_* variables; "console" prints spans.
     traces_exporter: Literal["none", "otlp", "console"] = "none"
