@@ -790,6 +790,9 @@ def encode_spans_fast(spans: Sequence[ReadableSpan]) -> bytes:
     return b"".join(out)
 
 
+_NO_ATTRS: dict[str, Any] = {}  # a non-recording span's (never written: writers check recording)
+
+
 class _SpanData:
     """A span under construction: plain data until it ends, then one ReadableSpan.
 
@@ -819,21 +822,28 @@ class _SpanData:
         else:
             trace_id = parent.trace_id
             random_flag = parent.trace_flags & _RANDOM_TRACE_ID
-        result = tel._sampler.should_sample(parent_context, trace_id, name, kind, attrs)
-        self.recording = result.decision.is_recording()
-        flags = (_SAMPLED if result.decision.is_sampled() else 0) | random_flag
+        if tel._tracing:
+            result = tel._sampler.should_sample(parent_context, trace_id, name, kind, attrs)
+            self.recording = result.decision.is_recording()
+            flags = (_SAMPLED if result.decision.is_sampled() else 0) | random_flag
+            trace_state = result.trace_state
+            self.attrs = dict(result.attributes) if self.recording else _NO_ATTRS
+        else:  # what the ALWAYS_OFF sampler decides, without asking it (or allocating)
+            self.recording = False
+            flags = random_flag
+            trace_state = parent.trace_state if parent is not None else None
+            self.attrs = _NO_ATTRS
         self.ctx = SpanContext(
             trace_id,
             tel._ids.generate_span_id(),
             is_remote=False,
             trace_flags=TraceFlags(flags),
-            trace_state=result.trace_state,
+            trace_state=trace_state,
         )
         self.name = name
         self.kind = kind
         self.parent = parent
         self.start_ns = start_ns
-        self.attrs: dict[str, Any] = dict(result.attributes) if self.recording else {}
 
     def context(self) -> Context:
         """An OTel Context with this span current (for a child's sampler)."""
@@ -1091,7 +1101,7 @@ class RequestRecord:
             self.name,
             SpanKind.CLIENT,
             server.ctx,
-            server.context(),
+            server.context() if tel._tracing else None,
             attrs,
             time.time_ns(),
         )
