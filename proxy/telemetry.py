@@ -278,7 +278,7 @@ class Telemetry:
         self.cfg = cfg
         # telemetry.enabled: false turns it all off: no spans, no metrics, no /metrics (the
         # stream meter still runs: routing learns from it and it strips the usage chunk).
-        self.enabled = bool(getattr(cfg, "enabled", True))
+        self.enabled = cfg.enabled
         resource = Resource.create({"service.name": cfg.service_name})
         self._tracing = self.enabled and (
             span_exporter is not None or cfg.traces_exporter != "none"

@@ -1,5 +1,4 @@
-"""telemetry.enabled (read with getattr, so it works before config.py has the field), and
-trace context propagation as the SDK's own Tracer would do it."""
+"""telemetry.enabled, and trace context propagation as the SDK's own Tracer would do it."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from tests.test_telemetry import DECISION, facts, start
 
 
 def test_disabled_telemetry_records_nothing_and_propagates_nothing() -> None:
-    cfg = TelemetryConfig()
-    object.__setattr__(cfg, "enabled", False)
+    cfg = TelemetryConfig(enabled=False)
     spans, reader = InMemorySpanExporter(), InMemoryMetricReader()
     t = Telemetry(cfg, span_exporter=spans, metric_readers=[reader])
     t.observe_routing("prefix", "r", 0.001)
