@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import socket
@@ -130,7 +131,20 @@ def app_factory() -> Any:
 
     config = Config.model_validate_json(os.environ[CONFIG_ENV])
     setup_logging(config.server.log_level)
-    return create_app(config)
+    app = create_app(config)
+    freeze_startup_heap()
+    return app
+
+
+def freeze_startup_heap() -> None:
+    """Move everything built at startup out of the GC's reach.
+
+    OpenTelemetry, Prometheus and the imports make a large long-lived heap that every full
+    collection would rescan: measured ~90 µs of GC per request with metrics on, ~58 µs after
+    freezing (docs/telemetry-overhead.md).
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def uvicorn_config(config: Config, app: Any, **overrides: Any) -> uvicorn.Config:
@@ -173,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             server_config = uvicorn_config(config, create_app(config))
+            freeze_startup_heap()
     except ConfigError as e:
         print(f"warmroute: {e}", file=sys.stderr)
         return 2
