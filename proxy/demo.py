@@ -45,9 +45,9 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--kv-blocks",
         type=int,
-        default=1200,
-        help="KV-cache blocks per engine (16 tokens each; default 1200 = 19k tokens, "
-        "small enough that not every prompt fits everywhere)",
+        default=3000,
+        help="KV-cache blocks per engine (16 tokens each; default 3000 = 48k tokens: "
+        "the prompt set fits the fleet only if routing partitions it)",
     )
     p.add_argument(
         "--workload",
