@@ -58,6 +58,9 @@ def register(sub: Any) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
     p.add_argument("--prefixes", type=int, default=16, help="distinct system prompts (default 16)")
     p.add_argument(
+        "--zipf", type=float, default=1.1, help="popularity skew of the prompts (0 = uniform)"
+    )
+    p.add_argument(
         "--system-chars",
         type=int,
         default=8000,
@@ -197,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         args.workload,
         seed=args.seed,
         num_prefixes=args.prefixes,
+        zipf_s=args.zipf,
         system_chars=args.system_chars,
         max_tokens=args.max_tokens,
     )
