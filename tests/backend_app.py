@@ -19,6 +19,8 @@ from typing import Any
 
 import orjson
 
+from tests.support import serve_lifespan
+
 
 class Recorder:
     def __init__(self) -> None:
@@ -52,13 +54,7 @@ class FakeBackend:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await serve_lifespan(receive, send)
         path = scope["path"]
         if scope["method"] == "GET":
             if path == "/v1/models":

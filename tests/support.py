@@ -61,3 +61,14 @@ class ServerThread:
 def serving(app: Any, **kwargs: Any) -> Iterator[ServerThread]:
     with ServerThread(app, **kwargs) as server:
         yield server
+
+
+async def serve_lifespan(receive: Any, send: Any) -> None:
+    """Answer an ASGI lifespan scope for a test app that owns no resources."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -31,7 +31,7 @@ from proxy.bench import (
 from proxy.bench.client import poisson_arrivals
 from proxy.bench.metrics import distribution
 from proxy.cli import main as warmroute
-from tests.support import ServerThread
+from tests.support import ServerThread, serve_lifespan
 
 
 class TimedServer:
@@ -62,13 +62,7 @@ class TimedServer:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await serve_lifespan(receive, send)
         path = scope["path"]
         if scope["method"] == "GET" and path == "/v1/models":
             await _json(send, 200, {"object": "list", "data": [{"id": self.model}]})

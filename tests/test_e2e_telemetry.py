@@ -33,7 +33,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from proxy.app import create_app
 from proxy.config import Config
 from proxy.telemetry import Telemetry
-from tests.support import ServerThread
+from tests.support import ServerThread, serve_lifespan
 
 MODEL = "test-model"
 CHAT = "/v1/chat/completions"
@@ -427,13 +427,7 @@ class ErrorMidStream:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await serve_lifespan(receive, send)
         if scope["method"] == "POST":
             while (await receive()).get("more_body"):
                 pass
