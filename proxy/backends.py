@@ -102,7 +102,6 @@ class Backend:
     cfg: BackendConfig
     models: frozenset[str] | None = None
     healthy: bool = True  # optimistic until the first check says otherwise
-    inflight: int = 0
     load: EngineLoad = field(default_factory=EngineLoad)
     failures: int = 0
     down_until: float = 0.0  # passive health: skip after a connect failure until then
@@ -124,7 +123,7 @@ class Backend:
     def view(
         self,
         now: float,
-        inflight: int | None = None,
+        inflight: int,
         prefill_tokens_per_s: float | None = None,
         mean_prefill_s: float | None = None,
     ) -> BackendView:
@@ -135,7 +134,7 @@ class Backend:
             role=self.cfg.role,
             weight=self.cfg.weight,
             healthy=self.is_up(now),
-            inflight=self.inflight if inflight is None else inflight,
+            inflight=inflight,
             load=self.load,
             models=self.models,
             prefill_tokens_per_s=prefill_tokens_per_s,

@@ -331,7 +331,6 @@ class ProxyEndpoint:
         )
         attempt.inject_headers(headers)
         ex.attempts.append(backend.name)
-        backend.inflight += 1
         state.inflight_changed(backend, +1)
         try:
             t_sent = time.perf_counter()
@@ -367,7 +366,6 @@ class ProxyEndpoint:
             attempt.fail(r.error_type, r.status)
             raise
         finally:
-            backend.inflight -= 1
             state.inflight_changed(backend, -1)
 
     # -- response relay -------------------------------------------------------------------

@@ -42,7 +42,7 @@ def routes(state: AppState) -> list[Route]:
                 "role": b.cfg.role,
                 "healthy": b.healthy,
                 "up": b.is_up(time.monotonic()),
-                "inflight": b.inflight,
+                "inflight": state.routing.board.get(b.name),  # all replicas' open requests
                 "models": sorted(b.models) if b.models is not None else None,
                 "last_error": b.last_error,
                 "load": {
