@@ -35,10 +35,13 @@ def test_sglang_and_llamacpp_names():
 def test_the_prefix_index_is_bounded_by_the_engines_kv_pool(proxy_server):
     sim = create_sim_app(SimConfig.from_preset("h100", kv_blocks=512, time_scale=50))
     with ServerThread(sim, **sim.uvicorn_kwargs()) as engine:
-        proxy = proxy_server([engine.url], config={
-            "backends": [{"url": engine.url, "engine": "vllm"}],
-            "health": {"metrics_scrape_s": 0.1, "interval_s": 0.2},
-        })
+        proxy = proxy_server(
+            [engine.url],
+            config={
+                "backends": [{"url": engine.url, "engine": "vllm"}],
+                "health": {"metrics_scrape_s": 0.1, "interval_s": 0.2},
+            },
+        )
         name = engine.url.removeprefix("http://")
         deadline = time.monotonic() + 10
         while True:

@@ -33,11 +33,27 @@ def _wait(url: str, timeout: float = 20.0) -> None:
 def private_redis(port: int) -> Iterator[subprocess.Popen[bytes]]:
     """A Redis of this test's own (the shared one on 6379 must never be stopped)."""
     proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
-    while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True,
-                         text=True).stdout.strip() != "PONG":
+    while (
+        subprocess.run(
+            ["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True
+        ).stdout.strip()
+        != "PONG"
+    ):
         assert time.monotonic() < deadline, "redis did not start"
         time.sleep(0.05)
     try:
@@ -53,12 +69,27 @@ def proxies(n: int, backends: list[str], redis_url: str) -> Iterator[list[str]]:
     try:
         for _ in range(n):
             port = free_port()
-            args = [sys.executable, "-m", "proxy", "serve", "--port", str(port), "--policy",
-                    "prefix_aware", "--redis", redis_url, "--log-level", "warning"]
+            args = [
+                sys.executable,
+                "-m",
+                "proxy",
+                "serve",
+                "--port",
+                str(port),
+                "--policy",
+                "prefix_aware",
+                "--redis",
+                redis_url,
+                "--log-level",
+                "warning",
+            ]
             for b in backends:
                 args += ["--backend", b]
-            procs.append(subprocess.Popen(args, stderr=subprocess.DEVNULL,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+            procs.append(
+                subprocess.Popen(
+                    args, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+                )
+            )
             urls.append(f"http://127.0.0.1:{port}")
         for u in urls:
             _wait(u + "/ready")
@@ -78,8 +109,11 @@ def _system(i: int) -> str:
 
 
 def _chat(system: str, user: str) -> dict:
-    return {"model": "test-model", "max_tokens": 4,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    return {
+        "model": "test-model",
+        "max_tokens": 4,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
 
 
 def _explain(proxy: str, body: dict) -> dict:
@@ -96,8 +130,11 @@ def test_same_prefix_same_backend_across_three_proxies_sharing_redis(fake_backen
         for round_ in range(3):
             for i in range(4):
                 proxy = urls[(round_ + i) % 3]  # each prompt reaches every replica
-                r = httpx.post(proxy + "/v1/chat/completions",
-                               json=_chat(_system(i), f"question {round_}"), timeout=10)
+                r = httpx.post(
+                    proxy + "/v1/chat/completions",
+                    json=_chat(_system(i), f"question {round_}"),
+                    timeout=10,
+                )
                 assert r.status_code == 200
                 served.setdefault(i, set()).add(r.headers["x-warmroute-backend"])
         assert all(len(b) == 1 for b in served.values()), served
@@ -122,16 +159,18 @@ def test_redis_outage_fails_no_request_and_sharing_resumes(fake_backends):
         [a, b] = stack.enter_context(proxies(2, backends, redis_url))
         ok = 0
         for i in range(10):
-            r = httpx.post(a + "/v1/chat/completions", json=_chat(_system(i % 3), f"q{i}"),
-                           timeout=10)
+            r = httpx.post(
+                a + "/v1/chat/completions", json=_chat(_system(i % 3), f"q{i}"), timeout=10
+            )
             ok += r.status_code == 200
             if i == 4:
                 redis.kill()
                 redis.wait()
         assert ok == 10  # not one request failed because Redis went away
         t = time.monotonic()
-        r = httpx.post(a + "/v1/chat/completions", json=_chat(_system(9), "during outage"),
-                       timeout=10)
+        r = httpx.post(
+            a + "/v1/chat/completions", json=_chat(_system(9), "during outage"), timeout=10
+        )
         assert r.status_code == 200 and time.monotonic() - t < 2
         assert httpx.get(a + "/admin/routing").json()["index"]["mode"] == "memory-fallback"
         stack.enter_context(private_redis(port))  # Redis is back (empty)
