@@ -11,12 +11,14 @@ import asyncio
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 import plugins
+from proxy.bench.results import RequestResult
 from proxy.stack import Stack, StackError
 
 EPILOG = """\
@@ -65,6 +67,17 @@ def register(sub: Any) -> None:
         type=int,
         default=8000,
         help="system prompt length in characters (default 8000, ~2k tokens)",
+    )
+    p.add_argument(
+        "--system-chars-min",
+        type=int,
+        help="vary the system prompts' lengths uniformly between this and --system-chars",
+    )
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=4,
+        help="multi-turn workload: turns per conversation (default 4)",
     )
     p.add_argument("--max-tokens", type=int, default=48, help="output tokens per chat (default 48)")
     p.add_argument(
@@ -134,23 +147,36 @@ def format_policy_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def oracle_hit_ratio(workload: Any, n: int) -> float | None:
-    """The best hit ratio any router could reach: every repeat of a system prompt hits it.
+def oracle_hit_ratio(workload: Any, requests: Sequence[RequestResult]) -> float | None:
+    """The best hit ratio any router could reach on these requests (an upper bound).
 
-    An upper bound (unbounded cache, token ≈ chars/4 on both sides); multi-turn histories
-    depend on the replies, so no bound is computed for them.
+    Every prefix seen before is cached somewhere and every request finds it: a repeated system
+    prompt hits, and a conversation's later turn hits everything before its new user message
+    (the earlier turns and the replies the engine generated). The cache is unbounded and a
+    token is ~4 characters on both sides. Requests count in the order they were issued.
     """
-    if workload.name == "multi-turn":
-        return None
+    plan = {s.index: s for s in workload.plan(max((r.index for r in requests), default=-1) + 1)}
     seen: set[int] = set()
+    context: dict[int, int] = {}  # conversation -> chars of everything sent and generated so far
     cached = total = 0
-    for spec in workload.plan(n):
-        msgs = workload.messages(spec)
-        total += sum(len(m["content"]) for m in msgs)
-        if spec.kind == "chat" and spec.system_id is not None:
-            if spec.system_id in seen:
-                cached += len(msgs[0]["content"])
+    for r in sorted(requests, key=lambda r: r.start):
+        spec = plan.get(r.index)
+        if spec is None or not r.ok:
+            continue
+        has_system = spec.kind == "chat" and spec.system_id is not None
+        system = len(workload.system_prompts[spec.system_id]) if has_system else 0
+        conv = spec.conversation
+        if conv is not None and spec.turn > 0 and conv in context:
+            before = hit = context[conv]
+        else:
+            before, hit = system, (system if spec.system_id in seen else 0)
+        user = len(workload.user_text(spec)) if spec.kind == "chat" else spec.user_chars
+        total += before + user
+        cached += hit
+        if has_system:
             seen.add(spec.system_id)
+        if conv is not None:
+            context[conv] = before + user + r.output_chars
     return cached / total if total else None
 
 
@@ -202,7 +228,11 @@ def run(args: argparse.Namespace) -> int:
         num_prefixes=args.prefixes,
         zipf_s=args.zipf,
         system_chars=args.system_chars,
+        system_chars_min=args.system_chars_min,
         max_tokens=args.max_tokens,
+        turns=args.turns,
+        # Every worker can hold a conversation: fewer would idle workers waiting on turns.
+        active_conversations=args.concurrency,
     )
     sim_args = [
         "--device",
@@ -271,11 +301,11 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_policy_table(summaries))
     print()
-    oracle = oracle_hit_ratio(workload, args.requests)
+    oracle = oracle_hit_ratio(workload, runs[0].requests) if runs else None
     if oracle is not None:
         print(
             f"oracle: the best achievable cache hit ratio for this workload is {oracle:.1%} "
-            "(every repeated system prompt served from cache)."
+            "(every repeated system prompt and every earlier turn served from cache)."
         )
     print(
         "TTFT = time to the first content token as the client saw it; ITL = gap between "

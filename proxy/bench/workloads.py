@@ -63,6 +63,7 @@ class Workload:
     name: str = "shared-prefix"
     seed: int = 0
     system_chars: int = 2000
+    system_chars_min: int | None = None  # each prompt's length uniform in [min, system_chars]
     num_prefixes: int = 8  # K distinct system prompts (shared-prefix, multi-turn, mixed)
     zipf_s: float = 1.1  # popularity exponent over the K prompts; 0 = uniform
     user_chars: int = 200
@@ -83,6 +84,10 @@ class Workload:
         for key in ("system_chars", "user_chars", "doc_chars", "max_tokens", "doc_max_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"workload {key} must be >= 1")
+        if self.system_chars_min is not None and not 1 <= self.system_chars_min <= (
+            self.system_chars
+        ):
+            raise ValueError("workload system_chars_min must be between 1 and system_chars")
         if self.num_prefixes < 1 or self.turns < 1 or self.active_conversations < 1:
             raise ValueError("workload num_prefixes, turns and active_conversations must be >= 1")
         if not 0.0 <= self.doc_fraction <= 1.0:
@@ -92,13 +97,22 @@ class Workload:
         k = 1 if self.name == "hot-prompt" else self.num_prefixes
         # A distinct head per prompt: prefix caches and the router must tell them apart from
         # the first block, as with real system prompts that differ in their opening lines.
+        lengths = [self._system_length(i) for i in range(k)]
         systems = tuple(
-            f"System prompt {i} ({self.name}, seed {self.seed}). You are assistant number {i}. "
-            + _words(random.Random(f"{self.seed}:system:{i}"), self.system_chars)
-            for i in range(k)
+            (
+                f"System prompt {i} ({self.name}, seed {self.seed}). You are assistant number {i}. "
+                + _words(random.Random(f"{self.seed}:system:{i}"), n)
+            )[:n]
+            for i, n in enumerate(lengths)
         )
         object.__setattr__(self, "_corpus", corpus)
-        object.__setattr__(self, "_systems", tuple(s[: max(self.system_chars, 1)] for s in systems))
+        object.__setattr__(self, "_systems", systems)
+
+    def _system_length(self, i: int) -> int:
+        low = self.system_chars_min
+        if low is None or low >= self.system_chars:
+            return self.system_chars
+        return random.Random(f"{self.seed}:system-length:{i}").randint(low, self.system_chars)
 
     def params(self) -> dict[str, Any]:
         """The knobs that define this workload, for results files."""

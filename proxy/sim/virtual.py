@@ -1,0 +1,294 @@
+"""Routing policies on a simulated fleet in virtual time: exact, reproducible, seconds to run.
+
+The same pieces as `warmroute demo`, minus sockets and the wall clock: the real Router (policy,
+prefix hasher, memory index sized from the engines' KV pools, prefill learner, in-flight
+counts) decides, the simulator's scheduler core (proxy/sim/engine.py: continuous batching,
+chunked prefill, the block pool with its prefix cache) serves, and a discrete-event loop
+advances time from one engine step to the next. Closed-loop clients replay a bench Workload
+exactly as `warmroute bench` would (later turns of a conversation wait for, and carry, the
+earlier replies), and the run comes back as a bench RunResult, so the demo's tables, the
+oracle and the plots apply unchanged.
+
+What the model leaves out: network and proxy latency (zero here), CPU contention between
+processes (which on a small box inflates every latency in the socket demo), scrape jitter.
+Engine gauges are sampled every `scrape_s` like the proxy's background scrape.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from proxy.bench.results import RequestResult, RunResult
+from proxy.bench.workloads import Message, RequestSpec, Workload
+from proxy.routing.index import MemoryPrefixIndex, capacity_blocks_from_tokens
+from proxy.routing.learn import PrefillLearner
+from proxy.routing.router import Router
+from proxy.routing.types import BackendView, EngineLoad, RouteContext
+from proxy.sim import tokens
+from proxy.sim.config import SimConfig
+from proxy.sim.engine import Scheduler, StepPlan, make_seq
+
+
+@dataclass
+class _Open:
+    """A request in flight on an engine."""
+
+    spec: RequestSpec
+    result: RequestResult
+    engine: int
+    start: float
+    last: float = 0.0
+    reply: list[str] = field(default_factory=list)
+    history: list[Message] = field(default_factory=list)
+
+
+class VirtualFleet:
+    """`engines` schedulers behind one Router, stepped by a discrete-event clock."""
+
+    def __init__(
+        self,
+        sim: SimConfig,
+        engines: int,
+        policy: str,
+        plugins: Mapping[str, Any] | None = None,
+        scrape_s: float = 2.0,
+    ) -> None:
+        self.cfgs = [sim.replace() for _ in range(engines)]
+        self.scheds = [Scheduler(c) for c in self.cfgs]
+        # Names like real backends' (host:port): rendezvous placement hashes them.
+        self.names = [f"10.0.0.{i + 1}:8000" for i in range(engines)]
+        self.now = 0.0
+        # The index ages entries on the virtual clock, not the wall clock.
+        self.index = MemoryPrefixIndex(clock=lambda: self.now)
+        self.router = Router.from_config(
+            {"policy": policy, "plugins": dict(plugins or {})}, index=self.index
+        )
+        hasher = self.router.hasher
+        for name, cfg in zip(self.names, self.cfgs, strict=True):
+            self.index.set_capacity(
+                name,
+                capacity_blocks_from_tokens(
+                    cfg.kv_pool_tokens, hasher.block_chars, hasher.chars_per_token
+                ),
+            )
+        self.learner = PrefillLearner()
+        self.inflight = [0] * engines
+        self.loads = [EngineLoad(kv_tokens=c.kv_pool_tokens) for c in self.cfgs]
+        self.scrape_s = scrape_s
+        self._busy = [False] * engines
+        self._events: list[tuple[float, int, int, StepPlan]] = []
+        self._tie = itertools.count()
+        self.decisions: dict[str, int] = {}
+
+    def views(self) -> list[BackendView]:
+        return [
+            BackendView(
+                name=name,
+                url=f"http://{name}",
+                engine="vllm",
+                role="mixed",
+                weight=1.0,
+                healthy=True,
+                inflight=self.inflight[i],
+                load=self.loads[i],
+                models=frozenset({cfg.model}),
+                prefill_tokens_per_s=self.learner.rate(name),
+                mean_prefill_s=self.learner.mean_prefill_s(name),
+            )
+            for i, (name, cfg) in enumerate(zip(self.names, self.cfgs, strict=True))
+        ]
+
+    def scrape(self) -> None:
+        for i, s in enumerate(self.scheds):
+            self.loads[i] = EngineLoad(
+                waiting=float(len(s.waiting)),
+                running=float(len(s.running)),
+                kv_usage=s.pool.usage,
+                kv_tokens=self.cfgs[i].kv_pool_tokens,
+                scraped_at=self.now,
+            )
+
+    async def route(self, request_id: str, body: dict[str, Any]) -> int:
+        ctx = RouteContext(
+            request_id=request_id,
+            model=body["model"],
+            api="chat",
+            body=body,
+            headers={},
+            now=self.now,
+        )
+        decision = await self.router.route(ctx, self.views())
+        reason = decision.reason.split(";")[0]
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        winner = decision.winner
+        assert winner is not None, decision.reason
+        return self.names.index(winner)
+
+    def kick(self, i: int) -> None:
+        """Start engine i's next step if it is idle and has work."""
+        if self._busy[i]:
+            return
+        sched = self.scheds[i]
+        sched.now = self.now
+        plan = sched.schedule()
+        if plan is None:
+            return
+        self._busy[i] = True
+        heapq.heappush(self._events, (self.now + plan.duration, next(self._tie), i, plan))
+
+    def next_step(self) -> tuple[int, StepPlan] | None:
+        if not self._events:
+            return None
+        at, _, i, plan = heapq.heappop(self._events)
+        self.now = at
+        self._busy[i] = False
+        return i, plan
+
+
+async def run_virtual(
+    workload: Workload,
+    *,
+    policy: str,
+    sim: SimConfig,
+    engines: int = 4,
+    requests: int = 1000,
+    concurrency: int = 32,
+    plugins: Mapping[str, Any] | None = None,
+    scrape_s: float = 2.0,
+) -> tuple[RunResult, VirtualFleet]:
+    """Replay `workload` through `policy` on `engines` simulated engines; virtual seconds."""
+    fleet = VirtualFleet(sim, engines, policy, plugins, scrape_s)
+    plan = workload.plan(requests)
+    queue: deque[RequestSpec] = deque(plan)
+    history: dict[int, list[Message]] = {}
+    done_turns: set[tuple[int, int]] = set()
+    # A worker whose next request is a later turn waits for the earlier one (as the bench does).
+    pending: dict[tuple[int | None, int], list[RequestSpec]] = {}
+    open_: dict[str, _Open] = {}
+    results: list[RequestResult] = []
+    idle_workers = min(concurrency, requests)
+    next_scrape = 0.0
+
+    async def issue(spec: RequestSpec) -> None:
+        conv = spec.conversation
+        past = history.get(conv, []) if conv is not None else []
+        messages = workload.messages(spec, past)
+        body = {"model": sim.model, "messages": messages, "max_tokens": spec.max_tokens}
+        rid = f"req-{spec.index}"
+        i = await fleet.route(rid, body)
+        prompt = tokens.tokenize(tokens.render_chat(messages), sim.chars_per_token)
+        seq = make_seq(fleet.cfgs[i], rid, prompt, spec.max_tokens)
+        fleet.scheds[i].now = fleet.now
+        fleet.scheds[i].add(seq)
+        fleet.inflight[i] += 1
+        r = RequestResult(
+            index=spec.index,
+            target=fleet.names[i],
+            kind=spec.kind,
+            conversation=conv,
+            turn=spec.turn,
+            system_id=spec.system_id,
+            start=fleet.now,
+            prompt_tokens=len(prompt),
+        )
+        results.append(r)
+        open_[rid] = _Open(spec, r, i, fleet.now, history=past)
+        fleet.kick(i)
+
+    async def fill() -> None:
+        """Hand queued requests to idle workers; a later turn blocks its worker until ready."""
+        nonlocal idle_workers
+        while idle_workers and queue:
+            spec = queue.popleft()
+            idle_workers -= 1
+            key = (spec.conversation, spec.turn - 1)
+            if spec.conversation is not None and spec.turn > 0 and key not in done_turns:
+                pending.setdefault(key, []).append(spec)
+                continue
+            await issue(spec)
+
+    await fill()
+    while True:
+        if fleet.now >= next_scrape:
+            fleet.scrape()
+            next_scrape = fleet.now + scrape_s
+        step = fleet.next_step()
+        if step is None:
+            break
+        i, plan = step
+        for out in fleet.scheds[i].complete(plan):
+            o = open_.get(out.seq.seq_id)
+            if o is None:
+                continue
+            r = o.result
+            now = fleet.now
+            if r.output_chunks == 0:
+                r.ttft = now - o.start
+                r.cached_tokens = max(out.seq.num_cached, 0)
+                fleet.learner.observe(
+                    fleet.names[i], (r.prompt_tokens or 0) - r.cached_tokens, r.ttft
+                )
+            else:
+                r.itl.append(now - o.last)
+            o.last = now
+            r.output_chunks += 1
+            r.output_chars += len(out.text)
+            o.reply.append(out.text)
+            if out.finish_reason is None:
+                continue
+            del open_[out.seq.seq_id]
+            fleet.inflight[i] -= 1
+            r.ok, r.e2e, r.finish_reason = True, now - o.start, out.finish_reason
+            r.completion_tokens = r.output_chunks
+            conv = o.spec.conversation
+            if conv is not None:
+                history[conv] = [
+                    *o.history,
+                    {"role": "user", "content": workload.user_text(o.spec)},
+                    {"role": "assistant", "content": "".join(o.reply)},
+                ]
+                done_turns.add((conv, o.spec.turn))
+                for spec in pending.pop((conv, o.spec.turn), []):
+                    await issue(spec)
+            idle_workers += 1
+        await fill()
+        fleet.kick(i)
+    results.sort(key=lambda r: r.index)
+    run = RunResult(
+        label=policy,
+        targets=list(fleet.names),
+        workload=workload.params(),
+        model=sim.model,
+        endpoint="chat",
+        concurrency=concurrency,
+        rate=None,
+        requests_planned=requests,
+        started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        duration=fleet.now,
+        requests=results,
+        notes=[f"virtual time: {engines} x {sim.device} engines, {sim.kv_pool_tokens} KV tokens"],
+    )
+    return run, fleet
+
+
+def engine_stats(fleet: VirtualFleet) -> list[dict[str, Any]]:
+    """Per engine: requests served, prefix hits, evictions, busy share (for the demo)."""
+    out = []
+    for name, s in zip(fleet.names, fleet.scheds, strict=True):
+        out.append(
+            {
+                "engine": name,
+                "prompt_tokens": s.prefix_queries,
+                "hit_tokens": s.prefix_hits,
+                "evictions": s.pool.evictions,
+                "preemptions": s.preemptions,
+                "busy_s": s.busy_seconds,
+            }
+        )
+    return out
