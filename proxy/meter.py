@@ -21,6 +21,8 @@ API = Literal["chat", "completions", "responses"]
 _WS = b" \t\r\n"
 _QUOTE = 0x22
 _DONE = b"[DONE]"
+_FINISH = b'"finish_reason":'
+_FINISH_NULL = b'"finish_reason":null'
 
 # Chat delta keys whose non-empty string value is model output.
 
@@ -97,6 +99,20 @@ def _value_starts(p: bytes, key: bytes, first: int) -> bool:
         if j < n and p[j] == first:
             return True
         i = p.rfind(key, 0, i)
+    return False
+
+
+def _string_follows(buf: bytes, s: int, e: int) -> bool:
+    """_value_starts(buf[s:e], b'"finish_reason":', _QUOTE) without slicing buf."""
+    key = _FINISH
+    i = buf.rfind(key, s, e)
+    while i >= 0:
+        j = i + 16
+        while j < e and buf[j] in _WS:
+            j += 1
+        if j < e and buf[j] == _QUOTE:
+            return True
+        i = buf.rfind(key, s, i)
     return False
 
 
@@ -300,13 +316,40 @@ class StreamMeter:
             search = 0
         start = 0
         cut: list[tuple[int, int]] | None = None
+        # The common event (chat, compact JSON, one data line, non-empty content, no finish
+        # reason) is classified inline, by searches on buf itself (no slice, no method call):
+        # the same tests _event() makes, which still decides everything else.
+        fast = self.api == "chat" and self._parsed_first
+        # One pass over the whole read instead of one search per event: when every
+        # finish_reason key in it is null, no event finishes.
+        nofin = self.api == "chat" and buf.count(_FINISH) == buf.count(_FINISH_NULL)
+        events = chunks = 0
+        strip = self.strip_usage
         while True:
             end = buf.find(sep, search)
             if end < 0:
                 break
-            if self._event(buf, start, end, now) == USAGE_ONLY and self.strip_usage:
+            if fast and buf.startswith(b"data: ", start, end):
+                i = buf.find(b'"content":"', start + 6, end)
+                if (
+                    i >= 0
+                    and buf[i + 11] != _QUOTE
+                    and (nofin or not _string_follows(buf, start + 6, end))
+                ):
+                    events += 1
+                    chunks += 1
+                    start = search = end + seplen
+                    continue
+            if self._event(buf, start, end, now) == USAGE_ONLY and strip:
                 cut = [*(cut or ()), (start, end + seplen)]
+            fast = self.api == "chat" and self._parsed_first
             start = search = end + seplen
+        if chunks:
+            self._events += events
+            self._chunks += chunks
+            self._pending += chunks
+            if self._upstream_first is None:
+                self._upstream_first = now
         self._tail = buf[start:] if start < len(buf) else b""
         if not self.strip_usage:
             return data
