@@ -23,7 +23,7 @@ class BoundedLoadPicker:
     kind = "picker"
 
     def __init__(
-        self, epsilon: float = 0.5, affinity_blocks: int = 8, warm_blocks: int = 4, slack: int = 1
+        self, epsilon: float = 1.0, affinity_blocks: int = 8, warm_blocks: int = 4, slack: int = 4
     ) -> None:
         self.epsilon = epsilon
         self.slack = slack
@@ -33,10 +33,10 @@ class BoundedLoadPicker:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> BoundedLoadPicker:
         return cls(
-            epsilon=float(cfg.get("epsilon", 0.5)),
+            epsilon=float(cfg.get("epsilon", 1.0)),
             affinity_blocks=int(cfg.get("affinity_blocks", 8)),
             warm_blocks=int(cfg.get("warm_blocks", 4)),
-            slack=int(cfg.get("slack", 1)),
+            slack=int(cfg.get("slack", 4)),
         )
 
     def pick(
@@ -57,12 +57,27 @@ class BoundedLoadPicker:
         if blocks and best_match < self.warm_blocks:
             order = hrw_order(key, within)
             reason = f"cold prefix: rendezvous on the first blocks{spill}"
+        elif blocks:
+            # Warm prefix: best total score first, so a long queue on the warm backend can
+            # still lose to a cold idle one. But whichever places go to backends that do not
+            # hold the prefix go in this prefix's rendezvous order, not to whichever is least
+            # loaded: spills of one prefix build one stable second copy instead of a copy on
+            # every backend (each copy evicts other prefixes from a full KV pool).
+            tie_order = hrw_order(key_of(ctx.request_id), within)
+            order = sorted(tie_order, key=lambda b: -round(totals.get(b.name, 0.0), 9))
+            cold = iter(
+                [b for b in hrw_order(key, within) if ctx.matched_blocks.get(b.name, 0) == 0]
+            )
+            order = [b if ctx.matched_blocks.get(b.name, 0) else next(cold) for b in order]
+            reason = "highest score (warm prefix)" + spill
+            if not ctx.matched_blocks.get(order[0].name, 0):
+                reason = f"warm backends loaded: next in the prefix's rendezvous order{spill}"
         else:
             # Ties (say, every backend warm and equally loaded) are broken per request: a fixed
             # order would hand the first backend in it the odd extra request every time.
             tie_order = hrw_order(key_of(ctx.request_id), within)
             order = sorted(tie_order, key=lambda b: -round(totals.get(b.name, 0.0), 9))
-            reason = "highest score" + (" (warm prefix)" if blocks else "") + spill
+            reason = "highest score" + spill
         rest = sorted(
             over, key=lambda b: (b.inflight / max(b.weight, 1e-9), -totals.get(b.name, 0))
         )

@@ -27,6 +27,9 @@ examples:
   warmroute demo --policies round_robin,prefix_aware --requests 400
   warmroute demo --workload multi-turn --engines 3 --device h100
   warmroute demo --keep-running                    # leave the last stack up to explore
+  warmroute demo --virtual --workload multi-turn --prefixes 32 --system-chars 16000 \
+      --system-chars-min 4000 --requests 2000 --concurrency 32 --kv-blocks 2000
+                                                   # issue-5 benchmark in simulated time
 """
 
 
@@ -89,6 +92,13 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default="warmroute-demo", help="directory for results and plots")
     p.add_argument(
+        "--virtual",
+        action="store_true",
+        help="no sockets, no wall clock: the same router and engine physics in simulated time "
+        "(exact and reproducible, seconds to run; latencies are the device's, without the "
+        "CPU contention of running every process on this machine)",
+    )
+    p.add_argument(
         "--keep-running",
         action="store_true",
         help="after the last policy, keep its proxy and engines up until Ctrl-C",
@@ -147,17 +157,21 @@ def format_policy_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def oracle_hit_ratio(workload: Any, requests: Sequence[RequestResult]) -> float | None:
+def oracle_hit_ratio(
+    workload: Any, requests: Sequence[RequestResult], replies_cached: bool = False
+) -> float | None:
     """The best hit ratio any router could reach on these requests (an upper bound).
 
     Every prefix seen before is cached somewhere and every request finds it: a repeated system
-    prompt hits, and a conversation's later turn hits everything before its new user message
-    (the earlier turns and the replies the engine generated). The cache is unbounded and a
+    prompt hits, and a conversation's later turn hits its previous prompt, plus the previous
+    reply when the engine caches generated tokens (vLLM does; the simulator, whose output
+    tokens are not the reply's re-tokenized text, does not). The cache is unbounded and a
     token is ~4 characters on both sides. Requests count in the order they were issued.
     """
     plan = {s.index: s for s in workload.plan(max((r.index for r in requests), default=-1) + 1)}
     seen: set[int] = set()
-    context: dict[int, int] = {}  # conversation -> chars of everything sent and generated so far
+    # conversation -> (chars sent and generated so far, of which a later turn can find cached)
+    context: dict[int, tuple[int, int]] = {}
     cached = total = 0
     for r in sorted(requests, key=lambda r: r.start):
         spec = plan.get(r.index)
@@ -167,7 +181,7 @@ def oracle_hit_ratio(workload: Any, requests: Sequence[RequestResult]) -> float 
         system = len(workload.system_prompts[spec.system_id]) if has_system else 0
         conv = spec.conversation
         if conv is not None and spec.turn > 0 and conv in context:
-            before = hit = context[conv]
+            before, hit = context[conv]
         else:
             before, hit = system, (system if spec.system_id in seen else 0)
         user = len(workload.user_text(spec)) if spec.kind == "chat" else spec.user_chars
@@ -176,7 +190,11 @@ def oracle_hit_ratio(workload: Any, requests: Sequence[RequestResult]) -> float 
         if has_system:
             seen.add(spec.system_id)
         if conv is not None:
-            context[conv] = before + user + r.output_chars
+            reply = r.output_chars
+            context[conv] = (
+                before + user + reply,
+                before + user + (reply if replies_cached else 0),
+            )
     return cached / total if total else None
 
 
@@ -201,14 +219,9 @@ def proxy_metrics_excerpt(url: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from proxy.bench import (
-        make_workload,
-        plot_cdfs,
-        results_document,
-        run_bench,
-        summarize,
-        write_json,
-    )
+    from proxy.bench import make_workload, run_bench, summarize
+    from proxy.sim.config import SimConfig
+    from proxy.sim.virtual import engine_stats, run_virtual
 
     available = plugins.policy_names()
     policies = args.policies.split(",") if args.policies else available
@@ -244,18 +257,38 @@ def run(args: argparse.Namespace) -> int:
         "--seed",
         str(args.seed),
     ]
+    low = args.system_chars_min
+    tokens = f"{low // 4}-{args.system_chars // 4}" if low else f"{args.system_chars // 4}"
     # SIGTERM gets the same cleanup as Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     print(
         f"warmroute demo: {args.engines} simulated {args.device} engines "
         f"({args.kv_blocks * 16} KV tokens each), workload {args.workload!r} "
-        f"({args.prefixes} system prompts of ~{args.system_chars // 4} tokens, Zipf popularity), "
+        f"({args.prefixes} system prompts of ~{tokens} tokens, Zipf popularity), "
         f"{args.requests} requests at concurrency {args.concurrency}, per policy: "
         f"{', '.join(policies)}\n",
         file=sys.stderr,
     )
-    runs = []
-    summaries = []
+    runs: list[Any] = []
+    summaries: list[dict[str, Any]] = []
+    excerpt = ""
+    if args.virtual:
+        sim = SimConfig.from_preset(args.device, kv_blocks=args.kv_blocks, seed=args.seed)
+        for policy in policies:
+            run, fleet = asyncio.run(
+                run_virtual(
+                    workload,
+                    policy=policy,
+                    sim=sim,
+                    engines=args.engines,
+                    requests=args.requests,
+                    concurrency=args.concurrency,
+                )
+            )
+            runs.append(run)
+            summaries.append(summarize(run))
+            print(f"  {policy}: {format_engine_balance(engine_stats(fleet))}", file=sys.stderr)
+        return _report(args, out, workload, runs, summaries, excerpt)
     try:
         with Stack(log_dir=str(out / "logs")) as stack:
             for n, policy in enumerate(policies):
@@ -295,6 +328,27 @@ def run(args: argparse.Namespace) -> int:
             "\nwarmroute demo: interrupted; every process it started was stopped.", file=sys.stderr
         )
         return 130
+    return _report(args, out, workload, runs, summaries, excerpt)
+
+
+def format_engine_balance(stats: Sequence[dict[str, Any]]) -> str:
+    """Mean in-flight per engine and the max/min ratio (hotspots show here)."""
+    loads = [s["mean_inflight"] for s in stats]
+    ratio = max(loads) / min(loads) if loads and min(loads) > 0 else float("inf")
+    shares = " / ".join(f"{x:.1f}" for x in loads)
+    return f"mean in-flight per engine {shares} (max/min {ratio:.2f})"
+
+
+def _report(
+    args: argparse.Namespace,
+    out: Path,
+    workload: Any,
+    runs: list[Any],
+    summaries: list[dict[str, Any]],
+    excerpt: str,
+) -> int:
+    from proxy.bench import plot_cdfs, results_document, write_json
+
     doc = results_document(runs, command=["warmroute", "demo", *sys.argv[2:]])
     write_json(out / "results.json", doc)
     plots = plot_cdfs(runs, out)
@@ -311,6 +365,8 @@ def run(args: argparse.Namespace) -> int:
         "TTFT = time to the first content token as the client saw it; ITL = gap between "
         "tokens;\ncache hit = prompt tokens the engines served from their prefix cache."
     )
+    if args.virtual:
+        print("(virtual time: the simulated device's latencies; no network, no proxy CPU)")
     if excerpt:
         print("\nThe proxy measured the same requests itself (its GET /metrics, last policy):")
         print(excerpt)
