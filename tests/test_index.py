@@ -120,6 +120,7 @@ async def test_capacity_bound_holds_and_evicts_oldest_prompts_tails_first(
     shared: RedisPrefixIndex,
 ) -> None:
     shared.set_capacity("b0", 50)
+    assert shared.info()["capacity"] == {"b0": 50}  # what /admin/routing shows
     chains = [[1000 * p + i for i in range(1, 21)] for p in range(10)]  # 10 prompts x 20 blocks
     for chain in chains:
         shared.record("b0", chain)

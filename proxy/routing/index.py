@@ -212,6 +212,7 @@ class MemoryPrefixIndex:
             "evictions": self.evictions,
             "blocks": {b: len(lru) for b, lru in self._lru.items()},
             "capacity": dict(self._capacity),
+            "default_capacity": self.default_capacity,
         }
 
 
@@ -537,6 +538,9 @@ class RedisPrefixIndex:
             "mode": self.mode,
             "pending": len(self._pending),
             **self.counters,
+            # Learned from the engines' KV pools (see set_capacity); others use the default.
+            "capacity": dict(self._capacity),
+            "default_capacity": self.default_capacity,
         }
 
 
