@@ -23,6 +23,7 @@ _QUOTE = 0x22
 _DONE = b"[DONE]"
 _FINISH = b'"finish_reason":'
 _FINISH_NULL = b'"finish_reason":null'
+_FINISH_STRING = b'"finish_reason":"'
 
 # Chat delta keys whose non-empty string value is model output.
 
@@ -320,9 +321,15 @@ class StreamMeter:
         # reason) is classified inline, by searches on buf itself (no slice, no method call):
         # the same tests _event() makes, which still decides everything else.
         fast = self.api == "chat" and self._parsed_first
-        # One pass over the whole read instead of one search per event: when every
-        # finish_reason key in it is null, no event finishes.
-        nofin = self.api == "chat" and buf.count(_FINISH) == buf.count(_FINISH_NULL)
+        # Searches over the whole read instead of one per event: no event that ends before
+        # `clear` has a finish reason (every finish_reason key before it is null).
+        clear = -1
+        if self.api == "chat":
+            clear = buf.find(_FINISH_STRING)
+            if clear < 0:
+                clear = len(buf)
+            if buf.count(_FINISH, 0, clear) != buf.count(_FINISH_NULL, 0, clear):
+                clear = -1
         events = chunks = 0
         strip = self.strip_usage
         while True:
@@ -334,7 +341,7 @@ class StreamMeter:
                 if (
                     i >= 0
                     and buf[i + 11] != _QUOTE
-                    and (nofin or not _string_follows(buf, start + 6, end))
+                    and (end <= clear or not _string_follows(buf, start + 6, end))
                 ):
                     events += 1
                     chunks += 1
