@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 
 from proxy.errors import RequestError, error_body, sse_error_event
@@ -23,9 +22,11 @@ from proxy.meter import StreamMeter, meter_json
 from proxy.routing.types import Decision, RouteContext
 from proxy.upstream import (
     CONNECT_ERRORS,
-    NOT_FORWARDED_DOWNSTREAM,
+    NOT_FORWARDED_DOWNSTREAM_B,
     NOT_FORWARDED_UPSTREAM,
+    READ_ERRORS,
     REFUSED_ERRORS,
+    UpstreamResponse,
 )
 from proxy.validate import validate
 
@@ -81,7 +82,7 @@ class Exchange:
     decision: Decision | None = None
     attempts: list[str] = field(default_factory=list)
     client_gone: bool = False
-    upstream: aiohttp.ClientResponse | None = None  # the live upstream response, if any
+    upstream: UpstreamResponse | None = None  # the live upstream response, if any
     ctx: RouteContext | None = None
     started_response: bool = False
 
@@ -302,12 +303,12 @@ class ProxyEndpoint:
         return out
 
     def _response_headers(
-        self, ex: Exchange, backend: Backend, upstream: aiohttp.ClientResponse
+        self, ex: Exchange, backend: Backend, upstream: UpstreamResponse
     ) -> list[tuple[bytes, bytes]]:
         out = [
-            (k.lower().encode("latin-1"), v.encode("latin-1"))
-            for k, v in upstream.headers.items()
-            if k.lower() not in NOT_FORWARDED_DOWNSTREAM and k.lower() != "x-request-id"
+            (k, v)
+            for k, v in upstream.headers
+            if k not in NOT_FORWARDED_DOWNSTREAM_B and k != b"x-request-id"
         ]
         out.append((b"x-request-id", ex.request_id.encode("latin-1")))
         out.append((b"x-warmroute-backend", backend.name.encode("latin-1")))
@@ -373,13 +374,13 @@ class ProxyEndpoint:
         self,
         ex: Exchange,
         backend: Backend,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         record: RequestRecord,
         send: Send,
     ) -> None:
         try:
             payload = await upstream.read()
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except READ_ERRORS as e:
             raise _Retry(f"response body broke off: {_describe(e)}", "body_error") from None
         await send(
             {
@@ -407,7 +408,7 @@ class ProxyEndpoint:
         self,
         ex: Exchange,
         backend: Backend,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         t_sent: float,
         record: RequestRecord,
         receive: Receive,
@@ -417,11 +418,11 @@ class ProxyEndpoint:
         strip = ex.strip_usage and not _keeps_own_usage(backend)
         meter = StreamMeter(self.api, t0=ex.t0, strip_usage=strip)  # type: ignore[arg-type]
         meter.upstream_sent(t_sent)
-        content = upstream.content
+        content = upstream
         # The first read decides between "retry elsewhere" and "committed to this backend".
         try:
             data = await content.readany()
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except READ_ERRORS as e:
             kind = "timeout" if isinstance(e, TimeoutError) else "stream_error"
             raise _Retry(f"no first byte: {_describe(e)}", kind) from None
         if not data:
@@ -446,7 +447,7 @@ class ProxyEndpoint:
                 meter.mark_sent(perf())
             try:
                 data = await content.readany()
-            except (aiohttp.ClientError, TimeoutError) as e:
+            except READ_ERRORS as e:
                 if ex.client_gone:
                     break
                 timed_out = isinstance(e, TimeoutError)
@@ -506,9 +507,9 @@ async def _watch_disconnect(receive: Receive, ex: Exchange, task: asyncio.Task[A
             return
 
 
-async def _read_error_detail(upstream: aiohttp.ClientResponse) -> str:
+async def _read_error_detail(upstream: UpstreamResponse) -> str:
     try:
-        body = await asyncio.wait_for(upstream.content.read(2048), 1.0)
+        body = await asyncio.wait_for(upstream.read(2048), 1.0)
         message = orjson.loads(body).get("error", {}).get("message") if body else None
         return (
             f" ({message})"
