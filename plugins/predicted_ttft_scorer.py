@@ -2,7 +2,9 @@
 
 Predicted TTFT = queue wait + uncached prompt tokens / that backend's prefill rate, where the
 rate is learned from our own TTFT measurements (proxy.routing.learn) and the queue wait is the
-engine's waiting requests * its typical prefill time. This folds cache affinity and load into
+larger of the prefill backlog this proxy sent there (proxy.routing.backlog, fresh at every
+decision) and the engine's waiting requests * its typical prefill time (as of the last scrape;
+it covers what other proxy replicas sent). This folds cache affinity and load into
 one physical number, so a cached prefix on a busy backend and a cold prompt on an idle one
 are compared in seconds. Score = (best + tau) / (this + tau): 1 for the best, tau keeps
 millisecond differences between near-idle backends from looking large.
@@ -46,7 +48,9 @@ class PredictedTtftScorer:
         uncached = max(prompt_tokens - cached, 0.0)
         rate = b.prefill_tokens_per_s or fallback_rate
         per_item = b.mean_prefill_s if b.mean_prefill_s is not None else self.default_queue_item_s
-        queue_s = max(b.load.waiting or 0.0, 0.0) * per_item
+        queue_s = max(
+            max(b.load.waiting or 0.0, 0.0) * per_item, b.backlog_tokens / max(rate, 1e-9)
+        )
         return queue_s + uncached / max(rate, 1e-9)
 
     def score(self, ctx: RouteContext, candidates: list[BackendView]) -> dict[str, float]:

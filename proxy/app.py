@@ -48,9 +48,15 @@ class AppState:
     def views(self) -> list[BackendView]:
         """What routing may know of every backend now: health, load, shared in-flight."""
         now = time.monotonic()
-        board, learner = self.routing.board, self.routing.learner
+        board, learner, router = self.routing.board, self.routing.learner, self.routing.router
         return [
-            b.view(now, board.get(b.name), learner.rate(b.name), learner.mean_prefill_s(b.name))
+            b.view(
+                now,
+                board.get(b.name),
+                learner.rate(b.name),
+                learner.mean_prefill_s(b.name),
+                router.backlog_tokens(b.name),
+            )
             for b in self.registry.backends.values()
         ]
 

@@ -126,6 +126,7 @@ class Backend:
         inflight: int,
         prefill_tokens_per_s: float | None = None,
         mean_prefill_s: float | None = None,
+        backlog_tokens: float = 0.0,
     ) -> BackendView:
         return BackendView(
             name=self.name,
@@ -139,6 +140,7 @@ class Backend:
             models=self.models,
             prefill_tokens_per_s=prefill_tokens_per_s,
             mean_prefill_s=mean_prefill_s,
+            backlog_tokens=backlog_tokens,
         )
 
 

@@ -8,9 +8,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plugins.predicted_ttft_scorer import PredictedTtftScorer
+from proxy.config import RoutingConfig
+from proxy.routing.backlog import PrefillBacklog
+from proxy.routing.index import MemoryPrefixIndex
 from proxy.routing.learn import PrefillLearner, PrefillRate
+from proxy.routing.router import Router
 from proxy.routing.types import EngineLoad, RouteContext
-from tests.test_router import view
+from tests.test_router import SYSTEM, chat, view, views
 
 
 def test_rate_and_overhead_are_recovered_from_noisy_samples() -> None:
@@ -99,3 +103,40 @@ def test_predicted_ttft_uses_each_backends_learned_rate() -> None:
     fast, slow = view("fast", prefill_tokens_per_s=20_000), view("slow", prefill_tokens_per_s=2000)
     scores = scorer.score(c, [fast, slow])
     assert scores["fast"] == 1.0 and scores["slow"] < 0.2
+
+
+def test_backlog_drains_at_the_prefill_rate() -> None:
+    now = [0.0]
+    backlog = PrefillBacklog(clock=lambda: now[0])
+    backlog.add("a", 4000, tokens_per_s=8000)
+    assert backlog.level("a", 8000) == 4000 and backlog.level("b", 8000) == 0
+    now[0] = 0.25
+    assert backlog.level("a", 8000) == 2000
+    backlog.add("a", 1000, tokens_per_s=8000)  # on top of what is left, not of the total
+    assert backlog.level("a", 8000) == 3000
+    now[0] = 10.0
+    assert backlog.level("a", 8000) == 0  # an idle backend's backlog never goes negative
+
+
+def test_predicted_ttft_counts_the_backlog_this_proxy_sent() -> None:
+    scorer = PredictedTtftScorer()
+    c = ctx(16_000, {"warm": 250})
+    # No engine queue scraped yet, but 24k tokens were just sent to the warm backend: ~3 s.
+    warm = view("warm", prefill_tokens_per_s=8000, backlog_tokens=24_000)
+    cold = view("cold", prefill_tokens_per_s=8000)
+    scores = scorer.score(c, [warm, cold])
+    assert scores["cold"] == 1.0 and scores["warm"] < 0.6
+
+
+async def test_the_router_adds_each_decisions_uncached_tokens_to_the_backlog() -> None:
+    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    now = [0.0]
+    r.backlog = PrefillBacklog(clock=lambda: now[0])
+    first = await r.route(chat(SYSTEM * 4, "q1", 1), views())
+    home = first.winner
+    assert home is not None
+    assert r.backlog_tokens(home) == first.prompt_chars / 4  # all of it was cold
+    second = await r.route(chat(SYSTEM * 4, "q2", 2), views())
+    assert second.winner == home
+    added = r.backlog_tokens(home) - first.prompt_chars / 4
+    assert 0 < added < 64  # only the part after the cached prefix

@@ -12,11 +12,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.index import PrefixIndex
+from proxy.routing.learn import PrefillLearner
 from proxy.routing.prefix import PrefixHasher
 from proxy.routing.types import BackendView, Decision, Policy, RouteContext
 
 PREFIX_BLOCK = "prefix"  # RoutingConfig.plugins key for hashing settings (shared with the scorer)
+DEFAULT_PREFILL_TOKENS_PER_S = 5000.0  # until the learner has measured a backend
 
 
 class Router:
@@ -28,10 +31,14 @@ class Router:
         index: PrefixIndex | None = None,
         hasher: PrefixHasher | None = None,
         record_on_route: bool = True,
+        learner: PrefillLearner | None = None,
+        backlog: PrefillBacklog | None = None,
     ) -> None:
         self.policy = policy
         self.index = index
         self.hasher = hasher or PrefixHasher()
+        self.learner = learner or PrefillLearner()
+        self.backlog = backlog or PrefillBacklog()
         # True: the winner's blocks are recorded inside route(). Set False to record only once
         # the upstream accepted the request (call record() with the backend actually used).
         self.record_on_route = record_on_route
@@ -81,9 +88,20 @@ class Router:
             )
 
     def record(self, ctx: RouteContext, backend: str) -> None:
-        """Note that `backend` is about to hold ctx's prefix (non-blocking)."""
+        """Note that `backend` is about to hold ctx's prefix and prefill the rest of it."""
         if self.index is not None and ctx.prefix_blocks:
             self.index.record(backend, ctx.prefix_blocks)
+        if ctx.prompt_chars:
+            cached = ctx.matched_blocks.get(backend, 0) * ctx.block_chars
+            uncached = max(ctx.prompt_chars - cached, 0) / self.hasher.chars_per_token
+            self.backlog.add(backend, uncached, self.prefill_rate(backend))
+
+    def prefill_rate(self, backend: str) -> float:
+        """Learned prompt tokens/s of `backend` (a default before the first measurements)."""
+        return self.learner.rate(backend) or DEFAULT_PREFILL_TOKENS_PER_S
+
+    def backlog_tokens(self, backend: str) -> float:
+        return self.backlog.level(backend, self.prefill_rate(backend))
 
     def decide(
         self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]

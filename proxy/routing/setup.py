@@ -58,6 +58,7 @@ class Routing:
             "index": self.index.info(),
             "inflight": self.board.info(),
             "prefill": self.learner.snapshot(),
+            "backlog_tokens": {b: round(self.router.backlog_tokens(b)) for b in self.learner.rates},
         }
 
 
@@ -85,4 +86,4 @@ def build_routing(config: Any, replica_id: str | None = None) -> Routing:
         index = MemoryPrefixIndex(capacity, ttl_s)
         board = InflightBoard()
     router = Router.from_config(config.routing, index=index)
-    return Routing(router=router, index=index, board=board, learner=PrefillLearner(), redis=client)
+    return Routing(router=router, index=index, board=board, learner=router.learner, redis=client)

@@ -37,6 +37,7 @@ class BackendView:
     load: EngineLoad
     models: frozenset[str] | None  # None = not discovered yet
     prefill_tokens_per_s: float | None = None  # learned online from measured TTFT
+    backlog_tokens: float = 0.0  # prompt tokens sent here, likely still being prefilled
     mean_prefill_s: float | None = None  # typical prefill of one request here (queue -> seconds)
 
     def serves(self, model: str) -> bool:

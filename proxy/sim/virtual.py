@@ -26,8 +26,8 @@ from typing import Any
 
 from proxy.bench.results import RequestResult, RunResult
 from proxy.bench.workloads import Message, RequestSpec, Workload
+from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.index import MemoryPrefixIndex, capacity_blocks_from_tokens
-from proxy.routing.learn import PrefillLearner
 from proxy.routing.router import Router
 from proxy.routing.types import BackendView, EngineLoad, RouteContext
 from proxy.sim import tokens
@@ -69,6 +69,7 @@ class VirtualFleet:
         self.router = Router.from_config(
             {"policy": policy, "plugins": dict(plugins or {})}, index=self.index
         )
+        self.router.backlog = PrefillBacklog(clock=lambda: self.now)
         hasher = self.router.hasher
         for name, cfg in zip(self.names, self.cfgs, strict=True):
             self.index.set_capacity(
@@ -77,8 +78,10 @@ class VirtualFleet:
                     cfg.kv_pool_tokens, hasher.block_chars, hasher.chars_per_token
                 ),
             )
-        self.learner = PrefillLearner()
+        self.learner = self.router.learner
         self.inflight = [0] * engines
+        self.inflight_area = [0.0] * engines  # integral of in-flight over time: mean load
+        self.served = [0] * engines
         self.loads = [EngineLoad(kv_tokens=c.kv_pool_tokens) for c in self.cfgs]
         self.scrape_s = scrape_s
         self._busy = [False] * engines
@@ -100,6 +103,7 @@ class VirtualFleet:
                 models=frozenset({cfg.model}),
                 prefill_tokens_per_s=self.learner.rate(name),
                 mean_prefill_s=self.learner.mean_prefill_s(name),
+                backlog_tokens=self.router.backlog_tokens(name),
             )
             for i, (name, cfg) in enumerate(zip(self.names, self.cfgs, strict=True))
         ]
@@ -146,6 +150,8 @@ class VirtualFleet:
         if not self._events:
             return None
         at, _, i, plan = heapq.heappop(self._events)
+        for e, n in enumerate(self.inflight):
+            self.inflight_area[e] += n * (at - self.now)
         self.now = at
         self._busy[i] = False
         return i, plan
@@ -187,6 +193,7 @@ async def run_virtual(
         fleet.scheds[i].now = fleet.now
         fleet.scheds[i].add(seq)
         fleet.inflight[i] += 1
+        fleet.served[i] += 1
         r = RequestResult(
             index=spec.index,
             target=fleet.names[i],
@@ -278,12 +285,14 @@ async def run_virtual(
 
 
 def engine_stats(fleet: VirtualFleet) -> list[dict[str, Any]]:
-    """Per engine: requests served, prefix hits, evictions, busy share (for the demo)."""
+    """Per engine: requests, mean in-flight, prefix hits, evictions, busy time (for the demo)."""
     out = []
-    for name, s in zip(fleet.names, fleet.scheds, strict=True):
+    for i, (name, s) in enumerate(zip(fleet.names, fleet.scheds, strict=True)):
         out.append(
             {
                 "engine": name,
+                "requests": fleet.served[i],
+                "mean_inflight": fleet.inflight_area[i] / fleet.now if fleet.now else 0.0,
                 "prompt_tokens": s.prefix_queries,
                 "hit_tokens": s.prefix_hits,
                 "evictions": s.pool.evictions,

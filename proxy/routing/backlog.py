@@ -1,0 +1,37 @@
+"""Prefill backlog per backend: prompt tokens sent there that are probably still being prefilled.
+
+A fluid queue, updated only by routing decisions (no hot-path hook): each request adds the
+tokens its backend must prefill (prompt minus the predicted cached prefix), and the level
+drains at the backend's prefill rate as learned from our own TTFT measurements. It answers
+"how long until a new prefill could start here" at decision time, where the engine's own
+queue gauge is a scrape old (seconds, an eternity at hundreds of requests per second) and
+counts requests, not tokens: one waiting 8k-token prompt is worse than ten short ones.
+
+Per proxy replica; the scraped gauges carry what the other replicas sent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class PrefillBacklog:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._level: dict[str, tuple[float, float]] = {}  # backend -> (tokens, as of)
+
+    def level(self, backend: str, tokens_per_s: float) -> float:
+        """Tokens still to prefill on `backend` now, draining at `tokens_per_s`."""
+        tokens, at = self._level.get(backend, (0.0, 0.0))
+        if tokens <= 0.0:
+            return 0.0
+        return max(tokens - (self.clock() - at) * max(tokens_per_s, 0.0), 0.0)
+
+    def add(self, backend: str, tokens: float, tokens_per_s: float) -> None:
+        """`backend` was just handed a prompt with `tokens` uncached tokens."""
+        now = self.clock()
+        self._level[backend] = (self.level(backend, tokens_per_s) + max(tokens, 0.0), now)
+
+    def snapshot(self, rates: dict[str, float]) -> dict[str, float]:
+        return {b: round(self.level(b, rates.get(b, 0.0))) for b in self._level}
