@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -99,7 +99,7 @@ class ProxyEndpoint:
         if scope["type"] != "http":
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = headers.get("x-request-id") or os.urandom(16).hex()  # uuid4().hex: 3x the CPU
         state = self.state
         state.open_requests += 1
         try:
@@ -213,7 +213,7 @@ class ProxyEndpoint:
         # an engine must hear of the abort even while it is still queueing or prefilling.
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, ex, task))
+        watcher = task.get_loop().create_task(_watch_disconnect(receive, ex, task))
         try:
             await self._attempts(ex, ranking, record, receive, send)
         except asyncio.CancelledError:
