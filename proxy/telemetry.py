@@ -41,6 +41,7 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import sampling as _sampling
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
@@ -48,7 +49,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Sampler
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
     NonRecordingSpan,
@@ -304,6 +305,10 @@ class Telemetry:
             self.tracer_provider.add_span_processor(processor)
         self.tracer = self.tracer_provider.get_tracer(SCOPE)
         self._sampler = self.tracer_provider.sampler
+        # The SDK's own samplers (every OTEL_TRACES_SAMPLER value but a plugin) as a plain
+        # function of (parent, trace id): no Context, no SamplingResult, and attributes built
+        # only for sampled requests (these samplers never read them). None: ask the sampler.
+        self._decide = _compile_sampler(self._sampler) if self._tracing else None
         self._ids = self.tracer_provider.id_generator
         is_random = getattr(self._ids, "is_trace_id_random", None)
         self._random_flag = _RANDOM_TRACE_ID if is_random is not None and is_random() else 0
@@ -790,6 +795,63 @@ def encode_spans_fast(spans: Sequence[ReadableSpan]) -> bytes:
     return b"".join(out)
 
 
+Decide = Callable[[SpanContext | None, int], tuple[bool, Any]]
+
+
+def _compile_sampler(sampler: Sampler) -> Decide | None:
+    """The decision of one of the SDK's samplers as a function of (parent, trace id).
+
+    Returns (sampled, trace_state): what `should_sample` answers for a valid parent span
+    context (or none), read off the sampler's own fields; None for any other sampler, which
+    is then asked as usual. tests/test_telemetry_switch.py checks it against should_sample().
+    """
+    t = type(sampler)
+    if t.__module__ != _sampling.__name__:
+        return None  # a plugin: it may read the name, kind or attributes
+    if isinstance(sampler, _sampling.StaticSampler):
+        if sampler._decision is _sampling.Decision.RECORD_ONLY:
+            return None
+        on = sampler._decision is _sampling.Decision.RECORD_AND_SAMPLE
+
+        def static(parent: SpanContext | None, trace_id: int) -> tuple[bool, Any]:
+            return on, None if parent is None else parent.trace_state
+
+        return static
+    if isinstance(sampler, _sampling.TraceIdRatioBased):
+        bound, mask = sampler.bound, sampler.TRACE_ID_LIMIT
+
+        def ratio(parent: SpanContext | None, trace_id: int) -> tuple[bool, Any]:
+            return trace_id & mask < bound, None if parent is None else parent.trace_state
+
+        return ratio
+    if isinstance(sampler, _sampling.ParentBased):
+        parts = [
+            _compile_sampler(x)
+            for x in (
+                sampler._root,
+                sampler._remote_parent_sampled,
+                sampler._remote_parent_not_sampled,
+                sampler._local_parent_sampled,
+                sampler._local_parent_not_sampled,
+            )
+        ]
+        if any(p is None for p in parts):
+            return None
+        root, remote_on, remote_off, local_on, local_off = parts
+
+        def parent_based(parent: SpanContext | None, trace_id: int) -> tuple[bool, Any]:
+            if parent is None:
+                return root(None, trace_id)  # type: ignore[misc]
+            if parent.is_remote:
+                d = remote_on if parent.trace_flags.sampled else remote_off
+            else:
+                d = local_on if parent.trace_flags.sampled else local_off
+            return d(parent, trace_id)  # type: ignore[misc]
+
+        return parent_based
+    return None
+
+
 _NO_ATTRS: dict[str, Any] = {}  # a non-recording span's (never written: writers check recording)
 
 
@@ -822,7 +884,12 @@ class _SpanData:
         else:
             trace_id = parent.trace_id
             random_flag = parent.trace_flags & _RANDOM_TRACE_ID
-        if tel._tracing:
+        decide = tel._decide
+        if decide is not None:
+            self.recording, trace_state = decide(parent, trace_id)
+            flags = (_SAMPLED if self.recording else 0) | random_flag
+            self.attrs = (attrs if attrs is not None else {}) if self.recording else _NO_ATTRS
+        elif tel._tracing:
             result = tel._sampler.should_sample(parent_context, trace_id, name, kind, attrs)
             self.recording = result.decision.is_recording()
             flags = (_SAMPLED if result.decision.is_sampled() else 0) | random_flag
@@ -1003,7 +1070,8 @@ class RequestRecord:
         self.attempts: list[AttemptRecord] = []
         self.backend: tuple[str, str, int] | None = None  # name, address, port
         self.decision: Decision | None = None
-        attrs = self._request_attributes(request_id, params) if tel._tracing else None
+        lazy = tel._decide is not None  # attributes only once we know the span records
+        attrs = self._request_attributes(request_id, params) if tel._tracing and not lazy else None
         parent_context = parent = None
         if "traceparent" in headers:
             parent_context = _propagator.extract(headers)
@@ -1019,6 +1087,8 @@ class RequestRecord:
             attrs,
             _epoch_ns(t0, self.anchor),
         )
+        if lazy and self.span.recording:
+            self.span.attrs = self._request_attributes(request_id, params)
 
     def _base(self) -> dict[str, Any]:
         base: dict[str, Any] = {"gen_ai.operation.name": self.op, "gen_ai.provider.name": PROVIDER}
@@ -1101,7 +1171,7 @@ class RequestRecord:
             self.name,
             SpanKind.CLIENT,
             server.ctx,
-            server.context() if tel._tracing else None,
+            server.context() if tel._tracing and tel._decide is None else None,
             attrs,
             time.time_ns(),
         )

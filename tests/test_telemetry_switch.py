@@ -76,3 +76,50 @@ def test_propagation_is_what_the_sdks_tracer_would_send(
 
     assert parts(ours) == parts(sdk)
     assert len(spans.get_finished_spans()) == (2 if tracing and parts(sdk)[2] != "00" else 0)
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        "always_on",
+        "always_off",
+        "traceidratio",
+        "parentbased_always_on",
+        "parentbased_always_off",
+        "parentbased_traceidratio",
+    ],
+)
+def test_compiled_samplers_decide_as_the_sdk_samplers(
+    sampler: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import random
+
+    from opentelemetry.sdk.trace.sampling import Decision, _get_from_env_or_default
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+    from opentelemetry.trace.span import TraceState
+
+    from proxy.telemetry import _compile_sampler
+
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.3")
+    sdk = _get_from_env_or_default()
+    decide = _compile_sampler(sdk)
+    assert decide is not None
+    rng = random.Random(7)
+    state = TraceState([("vendor", "x")])
+    for _ in range(400):
+        trace_id = rng.getrandbits(128) or 1
+        parent = None
+        if rng.random() < 0.7:
+            parent = SpanContext(
+                trace_id,
+                rng.getrandbits(64) or 1,
+                is_remote=rng.random() < 0.5,
+                trace_flags=TraceFlags(rng.choice([0, 1])),
+                trace_state=rng.choice([None, state]),
+            )
+        ctx = None if parent is None else trace.set_span_in_context(NonRecordingSpan(parent))
+        want = sdk.should_sample(ctx, trace_id, "chat m", SpanKind.SERVER, None)
+        sampled, trace_state = decide(parent, trace_id)
+        assert sampled == (want.decision is Decision.RECORD_AND_SAMPLE)
+        assert trace_state == want.trace_state
