@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import logging
 import os
 import socket
@@ -195,7 +196,12 @@ def run(args: argparse.Namespace) -> int:
         sock = server_config.bind_socket()
         from uvicorn.supervisors import Multiprocess
 
-        Multiprocess(server_config, target=uvicorn.Server(server_config).run, sockets=[sock]).run()
+        if "target" in inspect.signature(Multiprocess.__init__).parameters:  # uvicorn < 0.36
+            Multiprocess(
+                server_config, target=uvicorn.Server(server_config).run, sockets=[sock]
+            ).run()
+        else:  # the supervisor builds each worker's Server itself
+            Multiprocess(server_config, sockets=[sock]).run()
         return 0
     server = uvicorn.Server(server_config)
     server.run()
