@@ -9,7 +9,7 @@ thresholds from its own config block (routing.plugins.<name>), e.g.
       plugins:
         prefix_aware: {weights: {prefix: 3, predicted_ttft: 2, queue: 1, kv_usage: 1, inflight: 1}}
         prefix: {block_chars: 64, half_tokens: 256}
-        bounded_load: {epsilon: 1.0, slack: 4, affinity_blocks: 8}
+        bounded_load: {epsilon: 1.0, slack: 8, choices: 2, affinity_blocks: 8}
 """
 
 from __future__ import annotations

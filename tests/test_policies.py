@@ -151,3 +151,37 @@ async def test_session_header_name_is_configurable() -> None:
     r = session_router(header="X-Conversation")
     a = {(await r.route(ctx(i, {"x-conversation": "c1"}), views())).winner for i in range(8)}
     assert len(a) == 1
+
+
+async def test_spills_of_one_prefix_build_one_second_copy() -> None:
+    targets = set()
+    for i in range(12):
+        r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+        home = (await r.route(chat(SYSTEM * 4, "q0", 0), views())).winner
+        # The home is far over the bound; which other backend is least loaded varies.
+        loads = [40 if n == home else (i * 7 + k) % 3 for k, n in enumerate(NAMES)]
+        backends = [view(n, x) for n, x in zip(NAMES, loads, strict=True)]
+        d = await r.route(chat(SYSTEM * 4, f"q{i}", i), backends)
+        assert d.winner != home and "rendezvous order" in d.reason
+        targets.add(d.winner)
+    # Every replica, whatever the loads, spills this prefix to the same second backend: one
+    # extra copy in the fleet's KV pools, not one on every backend.
+    assert len(targets) == 1
+
+
+async def test_cold_prefixes_take_the_less_loaded_of_two_rendezvous_choices() -> None:
+    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    homes: dict[int, set[str]] = {}
+    for k in range(40):
+        system = f"system prompt {k}: " + "policy text " * 200
+        for loads in ((0, 0, 0, 0), (3, 3, 3, 3), (0, 5, 0, 5), (5, 0, 5, 0)):
+            probe = Router.from_config(
+                RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex()
+            )
+            d = await probe.route(chat(system, "q", k), views(loads))
+            homes.setdefault(k, set()).add(d.winner or "")
+        await r.route(chat(system, "q", k), views())
+    # Whatever the load, a prompt has at most two possible homes (same on every replica) ...
+    assert all(1 <= len(h) <= 2 for h in homes.values())
+    # ... and load decides between them when they differ.
+    assert any(len(h) == 2 for h in homes.values())
