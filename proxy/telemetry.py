@@ -14,11 +14,13 @@ as ordinary OTel histogram metrics, so Prometheus and OTLP see them like any oth
 from __future__ import annotations
 
 import logging
+import os
 import re
 import struct
 import threading
 import time
 from bisect import bisect_left, bisect_right
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -295,12 +297,19 @@ class Telemetry:
         elif span_exporter is not None:
             processor = SimpleSpanProcessor(span_exporter)
         elif cfg.traces_exporter == "otlp":
-            processor = BatchSpanProcessor(_otlp_span_exporter(cfg))
+            exporter = _otlp_span_exporter(cfg)
+            if _EncodedBatcher.can_use(exporter):
+                processor = _EncodedBatcher(exporter, resource, InstrumentationScope(SCOPE))
+            else:  # gRPC, or an SDK whose HTTP exporter we do not know
+                processor = BatchSpanProcessor(exporter)
         elif cfg.traces_exporter == "console":
             processor = BatchSpanProcessor(ConsoleSpanExporter())
         # Finished spans go straight to our processor (see _SpanData); the provider still owns
         # it so that shutdown() and force_flush() drain it.
         self._processors: tuple[SpanProcessor, ...] = () if processor is None else (processor,)
+        # With the OTLP/HTTP exporter, a span is encoded when it ends and only its bytes wait
+        # for the export thread: no ReadableSpan, no object graph kept alive for the GC to scan.
+        self._sink = processor if isinstance(processor, _EncodedBatcher) else None
         if processor is not None:
             self.tracer_provider.add_span_processor(processor)
         self.tracer = self.tracer_provider.get_tracer(SCOPE)
@@ -576,6 +585,16 @@ def _fast_http_span_exporter(**kwargs: Any) -> SpanExporter:
             ok = getattr(result, "success", False)
             return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
+        def export_encoded(self, data: bytes) -> bool:
+            """Send one serialized ExportTraceServiceRequest (see _EncodedBatcher)."""
+            if self._shutdown:
+                return False
+            limit = getattr(self, "_max_request_size", None)
+            if limit and len(data) > limit:
+                log.error("span export of %d bytes exceeds the %d byte limit", len(data), limit)
+                return False
+            return bool(getattr(self._client.export(data), "success", False))
+
     return FastOTLPSpanExporter(**kwargs)
 
 
@@ -666,8 +685,26 @@ _FIELDS: dict[tuple[Any, ...], bytes] = {}
 _CACHED_TYPES = frozenset((str, int, bool, tuple))
 
 
+# A float field is a fixed-length message: everything but its 8 value bytes depends only on
+# (tag, key), so that prefix is built once per key and the value packed onto it.
+_FLOAT_PREFIX: dict[tuple[bytes, str], bytes] = {}
+
+
+def _float_field(tag: bytes, k: str, v: float) -> bytes:
+    prefix = _FLOAT_PREFIX.get((tag, k))
+    if prefix is None:
+        key = _ld(b"\x0a", k.encode())
+        # KeyValue: key, then value = AnyValue{double_value} (tag 0x21, 8 bytes): 11 bytes
+        prefix = tag + _varint(len(key) + 11) + key + b"\x12\x09\x21"
+        if len(_FLOAT_PREFIX) < 4096:
+            _FLOAT_PREFIX[(tag, k)] = prefix
+    return prefix + _pack_d(v)
+
+
 def _field(tag: bytes, k: str, v: Any) -> bytes:
     t = type(v)
+    if t is float:
+        return _float_field(tag, k, v)
     if t not in _CACHED_TYPES or (t is str and len(v) > 128):
         return _ld(tag, _key_value(k, v))
     # the types too: True == 1 == 1.0 and hash alike, but they encode differently
@@ -685,8 +722,23 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
     """Repeated KeyValue; like the SDK, an attribute that cannot be encoded is left out."""
     if not attributes:
         return b""
+    # _field, inlined for the two common cases (a float; a cached str, int or bool field):
+    # ~45 attributes a request made the call itself a large share of the encoding time.
+    out: list[bytes] = []
+    append = out.append
+    fields, floats = _FIELDS, _FLOAT_PREFIX
     try:
-        return b"".join([_field(tag, k, v) for k, v in attributes.items()])
+        for k, v in attributes.items():
+            t = type(v)
+            if t is float:
+                prefix = floats.get((tag, k))
+                append(_float_field(tag, k, v) if prefix is None else prefix + _pack_d(v))
+            elif t is str or t is int or t is bool:
+                b = fields.get((tag, k, t, v))
+                append(_field(tag, k, v) if b is None else b)
+            else:
+                append(_field(tag, k, v))
+        return b"".join(out)
     except (TypeError, ValueError, UnicodeError):
         out = []
         for k, v in attributes.items():
@@ -701,8 +753,39 @@ def _span_bytes(span: ReadableSpan) -> bytes:
     """opentelemetry.proto.trace.v1.Span, field for field what the SDK's encoder writes."""
     if span.links:
         raise ValueError("links are not encoded here")
-    ctx = span.context
-    parent = span.parent
+    status = span.status
+    return _span_message(
+        span.context,
+        span.parent,
+        span.name,
+        span.kind,
+        span.start_time,
+        span.end_time,
+        span.attributes,
+        span.events,
+        status.status_code.value,
+        status.description,
+        span.dropped_attributes,
+        span.dropped_events,
+        span.dropped_links,
+    )
+
+
+def _span_message(
+    ctx: SpanContext,
+    parent: SpanContext | None,
+    name: str,
+    kind: SpanKind,
+    start_time: int | None,
+    end_time: int | None,
+    attributes: Mapping[str, Any] | None,
+    events: Sequence[Event],
+    status_code: int,
+    description: str | None,
+    dropped_attributes: int = 0,
+    dropped_events: int = 0,
+    dropped_links: int = 0,
+) -> bytes:
     parts = [
         b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big"),
         b"\x12\x08" + ctx.span_id.to_bytes(8, "big"),
@@ -713,33 +796,32 @@ def _span_bytes(span: ReadableSpan) -> bytes:
         )
     if parent is not None:
         parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
-    parts.append(_ld(b"\x2a", span.name.encode()))
-    kind = _PB_KIND[span.kind]
-    if kind:
-        parts.append(b"\x30" + _SMALL[kind])
-    if span.start_time:
-        parts.append(b"\x39" + _pack_q(span.start_time))
-    if span.end_time:
-        parts.append(b"\x41" + _pack_q(span.end_time))
-    parts.append(_attributes(b"\x4a", span.attributes))
-    if span.dropped_attributes:
-        parts.append(b"\x50" + _varint(span.dropped_attributes))
-    for e in span.events:
+    parts.append(_ld(b"\x2a", name.encode()))
+    pb_kind = _PB_KIND[kind]
+    if pb_kind:
+        parts.append(b"\x30" + _SMALL[pb_kind])
+    if start_time:
+        parts.append(b"\x39" + _pack_q(start_time))
+    if end_time:
+        parts.append(b"\x41" + _pack_q(end_time))
+    parts.append(_attributes(b"\x4a", attributes))
+    if dropped_attributes:
+        parts.append(b"\x50" + _varint(dropped_attributes))
+    for e in events:
         ev = [b"\x09" + _pack_q(e.timestamp), _ld(b"\x12", e.name.encode())]
         ev.append(_attributes(b"\x1a", e.attributes))
         if e.dropped_attributes:
             ev.append(b"\x20" + _varint(e.dropped_attributes))
         parts.append(_ld(b"\x5a", b"".join(ev)))
-    if span.dropped_events:
-        parts.append(b"\x60" + _varint(span.dropped_events))
-    if span.dropped_links:
-        parts.append(b"\x70" + _varint(span.dropped_links))
-    status = span.status
+    if dropped_events:
+        parts.append(b"\x60" + _varint(dropped_events))
+    if dropped_links:
+        parts.append(b"\x70" + _varint(dropped_links))
     st = b""
-    if status.description:
-        st = _ld(b"\x12", status.description.encode())
-    if status.status_code.value:
-        st += b"\x18" + _SMALL[status.status_code.value]
+    if description:
+        st = _ld(b"\x12", description.encode())
+    if status_code:
+        st += b"\x18" + _SMALL[status_code]
     parts.append(_ld(b"\x7a", st))
     # flags: the context-has-is-remote bit, and is-remote when the parent came over the wire
     remote = parent is not None and parent.is_remote
@@ -852,6 +934,114 @@ def _compile_sampler(sampler: Sampler) -> Decide | None:
     return None
 
 
+def _envelope(resource: Resource, scope: InstrumentationScope) -> tuple[bytes, ...]:
+    """What goes around the spans of one export, as encode_spans_fast writes it: the resource
+    field, the resource's schema_url field, the scope field, the scope's schema_url field."""
+    return (
+        _ld(b"\x0a", _resource_bytes(resource)),
+        _ld(b"\x1a", resource.schema_url.encode()) if resource.schema_url else b"",
+        _ld(b"\x0a", _scope_bytes(scope)),
+        _ld(b"\x1a", scope.schema_url.encode()) if scope.schema_url else b"",
+    )
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        value = int(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+class _EncodedBatcher(SpanProcessor):
+    """The BatchSpanProcessor's job for spans that arrive already encoded (see _SpanData.end).
+
+    The same OTEL_BSP_* settings and defaults (export every 5 s or at 512 spans, at most 2048
+    waiting, older ones kept when full), one daemon thread, and the export itself through the
+    SDK exporter's own HTTP client (its endpoint, headers, compression, timeout and retries).
+    """
+
+    def __init__(
+        self, exporter: SpanExporter, resource: Resource, scope: InstrumentationScope
+    ) -> None:
+        self._exporter: Any = exporter
+        self._delay_s = _env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
+        self._max_queue = _env_int("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
+        self._max_batch = min(_env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512), self._max_queue)
+        self._res, self._res_tail, self._sc, self._sc_tail = _envelope(resource, scope)
+        self._queue: deque[bytes] = deque()
+        self._dropped = 0
+        self._wake = threading.Condition()
+        self._export_lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="warmroute-span-export", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def can_use(exporter: SpanExporter) -> bool:
+        return (
+            hasattr(exporter, "export_encoded") and getattr(exporter, "_client", None) is not None
+        )
+
+    def add(self, span: bytes) -> None:
+        """One encoded Span (its bytes as a ScopeSpans.spans field); never blocks."""
+        queue = self._queue
+        if len(queue) >= self._max_queue or self._stopped:
+            self._dropped += 1
+            return
+        queue.append(span)
+        if len(queue) == self._max_batch:
+            with self._wake:
+                self._wake.notify()
+
+    def on_end(self, span: ReadableSpan) -> None:  # spans the SDK made, should any arrive
+        if span.context.trace_flags.sampled:
+            self.add(_ld(b"\x12", _span_bytes(span)))
+
+    def _run(self) -> None:
+        while not self._stopped:
+            with self._wake:
+                if len(self._queue) < self._max_batch and not self._stopped:
+                    self._wake.wait(self._delay_s)
+            self._drain()
+
+    def _drain(self) -> bool:
+        ok = True
+        with self._export_lock:
+            queue = self._queue
+            while queue:
+                n = min(len(queue), self._max_batch)
+                batch = [queue.popleft() for _ in range(n)]
+                ok = self._export(batch) and ok
+            if self._dropped:
+                log.warning("dropped %d spans: the export queue was full", self._dropped)
+                self._dropped = 0
+        return ok
+
+    def _export(self, batch: list[bytes]) -> bool:
+        scope_spans = _ld(b"\x12", self._sc + b"".join(batch) + self._sc_tail)
+        data = _ld(b"\x0a", self._res + scope_spans + self._res_tail)
+        try:
+            return bool(self._exporter.export_encoded(data))
+        except Exception:
+            log.exception("span export failed")
+            return False
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self._drain()
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        with self._wake:
+            self._wake.notify()
+        self._thread.join()
+        self._drain()
+        self._exporter.shutdown()
+
+
+_FLAGS = [TraceFlags(f) for f in range(4)]  # sampled x random-trace-id: built once
 _NO_ATTRS: dict[str, Any] = {}  # a non-recording span's (never written: writers check recording)
 
 
@@ -904,7 +1094,7 @@ class _SpanData:
             trace_id,
             tel._ids.generate_span_id(),
             is_remote=False,
-            trace_flags=TraceFlags(flags),
+            trace_flags=_FLAGS[flags] if flags < 4 else TraceFlags(flags),
             trace_state=trace_state,
         )
         self.name = name
@@ -924,6 +1114,23 @@ class _SpanData:
         events: Sequence[Event] = (),
     ) -> None:
         if not self.recording:
+            return
+        sink = tel._sink
+        if sink is not None:
+            code = 0 if error is None else StatusCode.ERROR.value
+            body = _span_message(
+                self.ctx,
+                self.parent,
+                self.name,
+                self.kind,
+                self.start_ns,
+                end_ns,
+                self.attrs,
+                events,
+                code,
+                error,
+            )
+            sink.add(_ld(b"\x12", body))
             return
         status = _UNSET if error is None else Status(StatusCode.ERROR, error)
         span = ReadableSpan(

@@ -134,3 +134,69 @@ def test_the_otlp_http_exporter_uses_the_fast_encoder() -> None:
     spans = proxy_spans()
     assert exporter.export(spans).name == "SUCCESS"
     assert sent == [encode_spans_fast(spans)]
+
+
+def test_spans_encoded_as_they_end_match_the_sdk_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OTLP/HTTP path encodes spans in _SpanData.end (no ReadableSpan): the same bytes."""
+    import types
+
+    from proxy import telemetry as tm
+
+    clock = types.SimpleNamespace(
+        time_ns=lambda: 1_700_000_000_000_000_000, perf_counter=lambda: 5.0
+    )
+    monkeypatch.setattr(tm, "time", clock)
+
+    class Ids:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def generate_trace_id(self) -> int:
+            self.n += 1
+            return 0xABC0000 + self.n
+
+        def generate_span_id(self) -> int:
+            self.n += 1
+            return 0xDE00 + self.n
+
+    sent: list[bytes] = []
+
+    class Exporter:
+        def export_encoded(self, data: bytes) -> bool:
+            sent.append(data)
+            return True
+
+        def shutdown(self) -> None:
+            pass
+
+    def telemetry(direct: bool) -> tuple[Telemetry, InMemorySpanExporter]:
+        mem = InMemorySpanExporter()
+        t = Telemetry(TelemetryConfig(chunk_events="sampled"), span_exporter=mem)
+        t._ids = Ids()  # type: ignore[assignment]
+        if direct:
+            sink = tm._EncodedBatcher(Exporter(), t._resource, t._scope)  # type: ignore[arg-type]
+            t._sink = sink
+            t._processors = (sink,)
+        return t, mem
+
+    runs = []
+    for direct in (False, True):
+        t, mem = telemetry(direct)
+        rec = start(t, headers={"traceparent": "00-" + "12" * 16 + "-" + "34" * 8 + "-01"})
+        rec.set_decision(DECISION)
+        rec.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1).fail("http_503", 503)
+        rec.attempt(backend="b2", address="10.0.0.2", port=8002, attempt=2)
+        rec.finish(facts(chunks=40), status=200)
+        other = start(t, headers={})
+        other.finish(None, status=499, error_type="cancelled")
+        if direct:
+            t._sink.shutdown()  # type: ignore[union-attr]
+            runs.append(b"".join(sent))
+        else:
+            runs.append(encode_spans_fast(mem.get_finished_spans()))
+    sdk, direct_bytes = runs
+    assert len(sent) == 1
+    assert ExportTraceServiceRequest.FromString(direct_bytes) == (
+        ExportTraceServiceRequest.FromString(sdk)
+    )
+    assert direct_bytes == sdk
