@@ -20,6 +20,7 @@ the hit ratio from 85% to 94% of a 97% oracle on tight pools, with hot-prompt lo
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from proxy.routing.rendezvous import hrw_order, key_of, split_by_load
@@ -37,8 +38,11 @@ class BoundedLoadPicker:
         warm_blocks: int = 4,
         slack: int = 8,
         choices: int = 2,
+        copy_load: float = 0.8,
     ) -> None:
         self.choices = max(1, choices)
+        # A copy should carry at most this fraction of one backend's fair share of traffic.
+        self.copy_load = max(copy_load, 0.05)
         self.epsilon = epsilon
         self.slack = slack
         self.affinity_blocks = max(1, affinity_blocks)
@@ -52,6 +56,7 @@ class BoundedLoadPicker:
             warm_blocks=int(cfg.get("warm_blocks", 4)),
             slack=int(cfg.get("slack", 8)),
             choices=int(cfg.get("choices", 2)),
+            copy_load=float(cfg.get("copy_load", 0.8)),
         )
 
     def pick(
@@ -67,6 +72,12 @@ class BoundedLoadPicker:
         else:
             key = key_of(ctx.request_id)
         within, over = split_by_load(candidates, self.epsilon, self.slack)
+        queued = _long_queues(within, self.epsilon, self.slack)
+        if queued and len(queued) < len(within):
+            # The engine itself reports a queue far longer than the others' (traffic from
+            # elsewhere: other clients, proxies that share no state): as good as over the bound.
+            within = [b for b in within if b not in queued]
+            over = queued + over
         best_match = max((ctx.matched_blocks.get(b.name, 0) for b in candidates), default=0)
         spill = f"; {len(over)} over the load bound" if over else ""
         if blocks and best_match < self.warm_blocks:
@@ -82,19 +93,37 @@ class BoundedLoadPicker:
                     order.insert(0, best)
                     reason = f"cold prefix: less loaded of its first rendezvous choices{spill}"
         elif blocks:
-            # Warm prefix: best total score first, so a long queue on the warm backend can
-            # still lose to a cold idle one. But whichever places go to backends that do not
-            # hold the prefix go in this prefix's rendezvous order, not to whichever is least
-            # loaded: spills of one prefix build one stable second copy instead of a copy on
-            # every backend (each copy evicts other prefixes from a full KV pool).
-            tie_order = hrw_order(key_of(ctx.request_id), within)
-            order = sorted(tie_order, key=lambda b: -round(totals.get(b.name, 0.0), 9))
-            cold = iter(
-                [b for b in hrw_order(key, within) if ctx.matched_blocks.get(b.name, 0) == 0]
+            holders = [b for b in within if ctx.matched_blocks.get(b.name, 0) >= self.warm_blocks]
+            copies = sum(
+                1 for b in candidates if ctx.matched_blocks.get(b.name, 0) >= self.warm_blocks
             )
-            order = [b if ctx.matched_blocks.get(b.name, 0) else next(cold) for b in order]
-            reason = "highest score (warm prefix)" + spill
-            if not ctx.matched_blocks.get(order[0].name, 0):
+            wanted = max(1, math.ceil(ctx.prefix_share * len(candidates) / self.copy_load))
+            if holders and copies >= wanted:
+                # As many copies as its share of the traffic needs: stay on them (best score
+                # first). A backend without the prefix comes only after them, when every copy
+                # is over the bound; a copy made for a passing burst would evict other
+                # prefixes from a full KV pool and split this one's traffic for good.
+                tie_order = hrw_order(key_of(ctx.request_id), holders)
+                order = sorted(tie_order, key=lambda b: -round(totals.get(b.name, 0.0), 9))
+                order += [b for b in hrw_order(key, within) if b not in holders]
+                reason = f"warm prefix: best of its {copies} cached copies{spill}"
+            elif holders:
+                # A hot prefix: its traffic wants more copies than it has. The least loaded of
+                # its copies and the next backend in its rendezvous order (a new copy, the same
+                # one whichever replica makes it) takes it; ties stay on a copy.
+                nxt = [b for b in hrw_order(key, within) if b not in holders][:1]
+                rank = {b.name: i for i, b in enumerate(hrw_order(key_of(ctx.request_id), within))}
+                pool = sorted(holders + nxt, key=lambda b: (_load(b), b in nxt, rank[b.name]))
+                order = pool + [b for b in within if b not in pool]
+                reason = f"hot prefix ({ctx.prefix_share:.0%} of traffic): least loaded copy{spill}"
+                if order[0] in nxt:
+                    reason = (
+                        f"hot prefix ({ctx.prefix_share:.0%} of traffic): a new copy, next in "
+                        f"its rendezvous order{spill}"
+                    )
+            else:
+                # Every copy is over the bound: the others in the prefix's rendezvous order.
+                order = hrw_order(key, within)
                 reason = f"warm backends loaded: next in the prefix's rendezvous order{spill}"
         else:
             # Ties (say, every backend warm and equally loaded) are broken per request: a fixed
@@ -104,6 +133,15 @@ class BoundedLoadPicker:
             reason = "highest score" + spill
         rest = sorted(over, key=lambda b: (_load(b), -totals.get(b.name, 0)))
         return [b.name for b in order + rest], reason
+
+
+def _long_queues(backends: list[BackendView], epsilon: float, slack: int) -> list[BackendView]:
+    """Backends whose engine-reported waiting queue exceeds slack + (1 + epsilon) x average."""
+    waiting = [max(b.load.waiting or 0.0, 0.0) for b in backends]
+    if len(backends) < 2 or not any(waiting):
+        return []
+    limit = slack + (1.0 + epsilon) * sum(waiting) / len(waiting)
+    return [b for b, w in zip(backends, waiting, strict=True) if w > limit]
 
 
 def _load(b: BackendView) -> float:

@@ -9,6 +9,7 @@ from typing import Any
 import plugins
 from proxy.config import RoutingConfig
 from proxy.routing.index import MemoryPrefixIndex
+from proxy.routing.popularity import PrefixPopularity
 from proxy.routing.router import Router
 from proxy.routing.types import EngineLoad, RouteContext
 from tests.test_router import NAMES, SYSTEM, chat, view, views
@@ -185,3 +186,35 @@ async def test_cold_prefixes_take_the_less_loaded_of_two_rendezvous_choices() ->
     assert all(1 <= len(h) <= 2 for h in homes.values())
     # ... and load decides between them when they differ.
     assert any(len(h) == 2 for h in homes.values())
+
+
+def test_popularity_shares() -> None:
+    pop = PrefixPopularity(half_life=64, warmup=16)
+    pop.observe(1)
+    assert pop.share(1) == 0.0  # too few requests to tell
+    for i in range(400):
+        pop.observe(7 if i % 2 else 100 + i % 8)
+    assert 0.45 < pop.share(7) < 0.55
+    assert 0.09 < pop.share(100) < 0.16  # 4 keys share the other half
+    assert pop.share(1) < 0.01  # seen once, long ago
+    for _ in range(400):
+        pop.observe(9)
+    assert pop.share(9) > 0.95 and pop.share(7) < 0.05  # shares follow the traffic
+
+
+async def test_a_cool_prefix_stays_on_its_copy_and_a_hot_one_spreads() -> None:
+    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    cool = "cool system prompt: " + "policy text " * 200
+    home = (await r.route(chat(cool, "q", 0), views())).winner
+    for i in range(60):  # other traffic: the cool prompt is ~2% of it
+        await r.route(chat(f"other prompt {i % 20}: " + "text " * 300, "q", i + 1), views())
+    busy_home = [view(n, 6 if n == home else 0) for n in NAMES]
+    d = await r.route(chat(cool, "q2", 99), busy_home)
+    # Idle backends elsewhere, but within the bound: a second copy would only evict others.
+    assert d.winner == home and "cached copies" in d.reason
+    hot = "hot system prompt: " + "policy text " * 200
+    homes = set()
+    for i in range(80):
+        loads = [view(n, 6 if n in homes else 0) for n in NAMES]
+        homes.add((await r.route(chat(hot, f"h{i}", 200 + i), loads)).winner)
+    assert len(homes) >= 3  # the hot prompt (most of the traffic now) gets copies

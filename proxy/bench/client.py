@@ -190,6 +190,8 @@ class _Run:
         else:
             body["messages"] = self.workload.messages(spec, history)
             path = "/v1/chat/completions"
+        if (user := self.workload.user(spec)) is not None:
+            body["user"] = user  # what session-sticky routing keys on
         body.update(self.extra_body)
         return path, orjson.dumps(body)
 

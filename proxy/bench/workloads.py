@@ -185,6 +185,12 @@ class Workload:
         )
         return tag + _slice(self._corpus, spec.user_offset, max(spec.user_chars - len(tag), 1))
 
+    def user(self, spec: RequestSpec) -> str | None:
+        """The OpenAI `user` field a chat app would send: one per conversation, else none."""
+        if spec.conversation is None:
+            return None
+        return f"seed{self.seed}-conversation-{spec.conversation}"
+
     def messages(self, spec: RequestSpec, history: Sequence[Message] = ()) -> list[Message]:
         """Chat messages for `spec`; `history` holds earlier turns (user and assistant replies)."""
         msgs: list[Message] = []

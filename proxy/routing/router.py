@@ -15,6 +15,7 @@ from typing import Any
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.index import PrefixIndex
 from proxy.routing.learn import PrefillLearner
+from proxy.routing.popularity import PrefixPopularity
 from proxy.routing.prefix import PrefixHasher
 from proxy.routing.types import BackendView, Decision, Policy, RouteContext
 
@@ -39,6 +40,9 @@ class Router:
         self.hasher = hasher or PrefixHasher()
         self.learner = learner or PrefillLearner()
         self.backlog = backlog or PrefillBacklog()
+        self.popularity = PrefixPopularity()
+        # The prompt head whose popularity counts: the picker's affinity key, where it has one.
+        self.head_blocks = int(getattr(policy.picker, "affinity_blocks", 8))
         # True: the winner's blocks are recorded inside route(). Set False to record only once
         # the upstream accepted the request (call record() with the backend actually used).
         self.record_on_route = record_on_route
@@ -70,6 +74,11 @@ class Router:
             candidates = f.filter(ctx, candidates, dropped)
         if self.policy.uses_prefix:
             await self._match(ctx, candidates)
+            if ctx.prefix_blocks:
+                head = ctx.prefix_blocks[min(self.head_blocks, len(ctx.prefix_blocks)) - 1]
+                if record:
+                    self.popularity.observe(head)
+                ctx.prefix_share = self.popularity.share(head)
         decision = self.decide(ctx, candidates, dropped)
         decision.decision_s = time.perf_counter() - started
         if record and self.record_on_route and decision.winner is not None:

@@ -58,6 +58,7 @@ class RouteContext:
     prompt_chars: int = 0
     # Filled by the router before scoring when a policy uses prefix matching (prompt_chars too):
     prefix_blocks: Sequence[int] = ()
+    prefix_share: float = 0.0  # share of recent requests that began with this prompt's head
     block_chars: int = 64
     matched_blocks: dict[str, int] = field(default_factory=dict)  # backend name -> blocks
 

@@ -126,6 +126,7 @@ class VirtualFleet:
             body=body,
             headers={},
             now=self.now,
+            session_key=body.get("user"),  # as the proxy does (or the x-session-id header)
         )
         decision = await self.router.route(ctx, self.views())
         reason = decision.reason.split(";")[0]
@@ -185,7 +186,10 @@ async def run_virtual(
         conv = spec.conversation
         past = history.get(conv, []) if conv is not None else []
         messages = workload.messages(spec, past)
-        body = {"model": sim.model, "messages": messages, "max_tokens": spec.max_tokens}
+        body: dict[str, Any] = {"model": sim.model, "messages": messages}
+        body["max_tokens"] = spec.max_tokens
+        if (user := workload.user(spec)) is not None:
+            body["user"] = user
         rid = f"req-{spec.index}"
         i = await fleet.route(rid, body)
         prompt = tokens.tokenize(tokens.render_chat(messages), sim.chars_per_token)

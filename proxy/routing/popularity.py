@@ -1,0 +1,46 @@
+"""How much of the recent traffic each prompt head carries (pure).
+
+A prefix that carries more than one backend's share of the traffic needs copies on several
+backends; one that carries less is best kept on one, where its copy does not evict others
+from a full KV pool. The picker asks for the share of the prompt it is placing.
+
+Counts decay per request, not per second (a half-life of `half_life` requests), so the share
+means the same at 5 and at 500 requests/s. At most `max_keys` heads are tracked; the least
+recently seen go first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class PrefixPopularity:
+    def __init__(self, half_life: float = 256.0, max_keys: int = 4096, warmup: int = 16) -> None:
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.warmup = warmup  # requests seen before a share means anything
+        self.max_keys = max_keys
+        self.tick = 0
+        self.total = 0.0
+        self._counts: OrderedDict[int, tuple[float, int]] = OrderedDict()
+
+    def _value(self, key: int) -> float:
+        entry = self._counts.get(key)
+        if entry is None:
+            return 0.0
+        value, at = entry
+        return value * self.decay ** (self.tick - at)
+
+    def observe(self, key: int) -> None:
+        self.tick += 1
+        self.total = self.total * self.decay + 1.0
+        self._counts[key] = (self._value(key) + 1.0, self.tick)
+        self._counts.move_to_end(key)
+        while len(self._counts) > self.max_keys:
+            self._counts.popitem(last=False)
+
+    def share(self, key: int) -> float:
+        """Fraction of recent requests (decayed) that started with this head, 0..1; 0 while
+        fewer than `warmup` requests were seen (the first few would all look hot)."""
+        if self.tick < self.warmup or self.total <= 0:
+            return 0.0
+        return self._value(key) / self.total
