@@ -61,3 +61,25 @@ def test_demo_compares_policies_and_cleans_up(tmp_path):
     for port in ports:
         with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
             pass
+
+
+def test_virtual_demo_runs_the_multi_turn_benchmark_without_processes(tmp_path):
+    out = tmp_path / "virtual"
+    args = "--virtual --workload multi-turn --policies round_robin,prefix_aware --engines 2 "
+    args += "--requests 60 --concurrency 6 --prefixes 4 --system-chars 4000 "
+    args += f"--system-chars-min 1000 --turns 3 --max-tokens 8 --kv-blocks 400 --out {out}"
+    r = subprocess.run(
+        [sys.executable, "-m", "proxy", "demo", *args.split()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {ln.split()[0]: ln.split() for ln in r.stdout.splitlines() if "60/60" in ln}
+    assert set(rows) == {"round_robin", "prefix_aware"}
+    assert "virtual time" in r.stdout and "oracle" in r.stdout
+    assert "mean in-flight per engine" in r.stderr
+    assert not (out / "logs").exists()  # no child process was started
+    doc = orjson.loads((out / "results.json").read_bytes())
+    turns = {req["turn"] for run in doc["runs"] for req in run["requests"]}
+    assert turns == {0, 1, 2}
