@@ -20,9 +20,17 @@ _h64 = xxhash.xxh3_64_intdigest
 _SCALE = 1.0 / 18446744073709551616.0  # 2**-64
 
 
+_NAMES: dict[str, bytes] = {}  # backend name -> its UTF-8 bytes (names are few and long-lived)
+
+
 def weight_for(key: int, backend: BackendView) -> float:
     """Weighted HRW score: -w / ln(u), u uniform in (0, 1) from hash(key, backend)."""
-    u = (_h64(backend.name.encode(), key & 0xFFFFFFFFFFFFFFFF) + 0.5) * _SCALE
+    name = _NAMES.get(backend.name)
+    if name is None:
+        if len(_NAMES) > 4096:
+            _NAMES.clear()
+        name = _NAMES[backend.name] = backend.name.encode()
+    u = (_h64(name, key & 0xFFFFFFFFFFFFFFFF) + 0.5) * _SCALE
     return -max(backend.weight, 1e-9) / math.log(u)
 
 
@@ -50,18 +58,23 @@ def split_by_load(
     """
     if not candidates:
         return [], []
-    mean_w = sum(max(b.weight, 1e-9) for b in candidates) / len(candidates)
-    rel = {b.name: max(b.weight, 1e-9) / mean_w for b in candidates}
-    norm = {b.name: max(b.inflight, 0) / rel[b.name] for b in candidates}
-    average = (sum(norm.values()) + 1) / len(candidates)
-    least = min(norm.values())
+    n = len(candidates)
+    weights = [b.weight if b.weight > 1e-9 else 1e-9 for b in candidates]
+    mean_w = sum(weights) / n
+    # In-flight in units of an average-weight backend, and what one more request adds.
+    norm = [
+        (b.inflight if b.inflight > 0 else 0) * mean_w / w
+        for b, w in zip(candidates, weights, strict=True)
+    ]
+    average = (sum(norm) + 1) / n
+    least = min(norm)
     above = max(math.ceil((1.0 + epsilon) * average), math.ceil(average) + slack)
-    below = least + 1 + max(slack, epsilon * (least + 1))
+    below = least + 1 + max(slack, epsilon * (least + 1)) + 1e-9
+    limit = min(above, below)
     within: list[BackendView] = []
     over: list[BackendView] = []
-    for b in candidates:
-        after = norm[b.name] + 1 / rel[b.name]
-        (within if after <= above and after <= below + 1e-9 else over).append(b)
+    for b, w, load in zip(candidates, weights, norm, strict=True):
+        (within if load + mean_w / w <= limit else over).append(b)
     if not within:  # unreachable by construction; never return an empty choice
         return list(candidates), []
     return within, over
