@@ -29,6 +29,9 @@ class PrefillRate:
     sxx: float = 0.0
     sxy: float = 0.0
     tokens_ewma: float = 0.0  # mean uncached tokens per request (for queue-wait estimates)
+    # The last fit, until the next sample: routing reads the rate several times per request.
+    _fit_cache: tuple[float, float] | None = None
+    _fit_valid: bool = False
 
     def observe(self, uncached_tokens: float, ttft_s: float, queue_s: float = 0.0) -> None:
         """Add one sample; `queue_s` (time known to be spent queued) is taken off the TTFT."""
@@ -45,11 +48,18 @@ class PrefillRate:
         self.sxx = self.sxx * decay + x * x
         self.sxy = self.sxy * decay + x * y
         self.n += 1
+        self._fit_valid = False
         alpha = 1.0 - decay
         self.tokens_ewma = x if self.n == 1 else (1 - alpha) * self.tokens_ewma + alpha * x
 
     def _fit(self) -> tuple[float, float] | None:
         """(seconds per token, overhead seconds), or None before enough samples."""
+        if not self._fit_valid:
+            self._fit_cache = self._solve()
+            self._fit_valid = True
+        return self._fit_cache
+
+    def _solve(self) -> tuple[float, float] | None:
         if self.n < self.min_samples or self.sx <= 0:
             return None
         mx, my = self.sx / self.sw, self.sy / self.sw
