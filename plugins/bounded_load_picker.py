@@ -1,21 +1,25 @@
-"""Picker ``bounded_load``: best weighted score, rendezvous for cold prefixes, under a load bound.
+"""Picker ``bounded_load``: a prompt stays on the copies of its prefix, within a load bound.
 
-Every pick first sets aside backends whose in-flight count would exceed the load bound (2x
-the weighted average, or `slack` more than the least loaded backend; proxy.routing.rendezvous);
-they stay in the ranking, last, as retry targets.
-- Warm prefix (some backend matches at least `warm_blocks`): highest total score wins, so a
-  long prefill queue on the warm backend can still lose to an idle one (predicted TTFT). Places
-  that go to backends without the prefix follow the prefix's rendezvous order.
-- Cold prefix (a prompt of at least `warm_blocks` that no backend holds): rendezvous hashing
-  on the hash of the first `affinity_blocks` blocks, the less loaded of its first `choices`
-  backends, so a new system prompt lands on one of two backends - the same two on every
-  replica, whatever arrives first - and spills further only when both are loaded.
+Every pick first sets aside backends over the load bound (2x the weighted average in-flight,
+or `slack` above the least loaded; proxy.routing.rendezvous) and those whose engine reports a
+queue far longer than the others'; they stay in the ranking, last, as retry targets.
+- Warm prefix (backends holding at least `warm_blocks` of it): it stays on those copies, best
+  total score first (prefix match, predicted TTFT with the prefill backlog, load), as long as
+  their number covers its share of the traffic (share x backends / `copy_load`). A hot prefix
+  that needs more copies goes to the least loaded of its copies or to the next backend in its
+  rendezvous order (a new copy, the same one on every replica). When every copy is over the
+  bound, the others follow in the prefix's rendezvous order: one stable second copy, not one
+  on whichever backend happens to be least loaded.
+- Cold prefix (a prompt of at least `warm_blocks` that no backend holds): the less loaded of
+  its first `choices` rendezvous backends (hashed on the first `affinity_blocks` blocks), so a
+  new system prompt has at most two possible homes, the same on every replica, whatever
+  arrives first.
 - Short prompts: highest total score (they save too little prefill to be sticky).
 
-Why a loose bound: with prompts of a few thousand tokens, a cold prefill costs more than
-queueing behind several decoding requests, and every spill leaves a copy that evicts other
-prefixes from a full KV pool. Measured in virtual time (README, Benchmarks): slack 1 -> 8 took
-the hit ratio from 85% to 94% of a 97% oracle on tight pools, with hot-prompt load still even.
+Why stay on copies: with prompts of a few thousand tokens, a cold prefill costs more than
+queueing behind several decoding requests, and every extra copy evicts other prefixes from a
+full KV pool. Measured in virtual time (README, Benchmarks): on tight pools this took the hit
+ratio from 71-74% to 90-96% of the oracle's, with hot-prompt load still even.
 """
 
 from __future__ import annotations
