@@ -55,3 +55,14 @@ def test_the_prefix_index_is_bounded_by_the_engines_kv_pool(proxy_server):
         assert capacity == 512 * 16 * 4 // 64
         load = httpx.get(proxy.url + "/admin/backends").json()["backends"][0]["load"]
         assert load["kv_usage"] is not None and load["waiting"] == 0
+        # A routed request leaves its prompt in the router's prefill backlog for that engine.
+        body = {
+            "model": "sim-8b",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "x" * 4000}],
+        }
+        assert (
+            httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=10).status_code == 200
+        )
+        routing = httpx.get(proxy.url + "/admin/routing").json()
+        assert name in routing["backlog_tokens"] and routing["backlog_tokens"][name] >= 0

@@ -33,5 +33,6 @@ class PrefillBacklog:
         now = self.clock()
         self._level[backend] = (self.level(backend, tokens_per_s) + max(tokens, 0.0), now)
 
-    def snapshot(self, rates: dict[str, float]) -> dict[str, float]:
-        return {b: round(self.level(b, rates.get(b, 0.0))) for b in self._level}
+    def snapshot(self, rate_of: Callable[[str], float]) -> dict[str, int]:
+        """Every backend's level now, for /admin/routing."""
+        return {b: round(self.level(b, rate_of(b))) for b in sorted(self._level)}

@@ -58,7 +58,7 @@ class Routing:
             "index": self.index.info(),
             "inflight": self.board.info(),
             "prefill": self.learner.snapshot(),
-            "backlog_tokens": {b: round(self.router.backlog_tokens(b)) for b in self.learner.rates},
+            "backlog_tokens": self.router.backlog.snapshot(self.router.prefill_rate),
         }
 
 
