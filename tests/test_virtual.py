@@ -123,3 +123,16 @@ def test_oracle_counts_repeated_systems_and_earlier_turns() -> None:
     assert oracle_hit_ratio(wl, results) == cached / total
     with_replies = oracle_hit_ratio(wl, results, replies_cached=True)
     assert with_replies is not None and with_replies > cached / total
+
+
+async def test_prompts_longer_than_the_kv_pool_fail_like_a_400_and_nothing_hangs() -> None:
+    wl = tight_workload("multi-turn", turns=2, active_conversations=3)
+    tiny = SimConfig.from_preset("l40s", kv_blocks=40)  # 640 tokens: the prompts do not fit
+    run, fleet = await run_virtual(
+        wl, policy="prefix_aware", sim=tiny, engines=2, requests=12, concurrency=3
+    )
+    assert len(run.requests) == 12 and not any(r.ok for r in run.requests)
+    first = [r for r in run.requests if r.turn == 0]
+    assert all(r.http_status == 400 and "KV blocks" in (r.error or "") for r in first)
+    assert all(r.error_kind == "dependency" for r in run.requests if r.turn == 1)
+    assert fleet.inflight == [0, 0]

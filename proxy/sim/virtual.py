@@ -177,6 +177,7 @@ async def run_virtual(
     done_turns: set[tuple[int, int]] = set()
     # A worker whose next request is a later turn waits for the earlier one (as the bench does).
     pending: dict[tuple[int | None, int], list[RequestSpec]] = {}
+    failed: set[int] = set()  # conversations whose earlier turn failed
     open_: dict[str, _Open] = {}
     results: list[RequestResult] = []
     idle_workers = min(concurrency, requests)
@@ -195,9 +196,6 @@ async def run_virtual(
         prompt = tokens.tokenize(tokens.render_chat(messages), sim.chars_per_token)
         seq = make_seq(fleet.cfgs[i], rid, prompt, spec.max_tokens)
         fleet.scheds[i].now = fleet.now
-        fleet.scheds[i].add(seq)
-        fleet.inflight[i] += 1
-        fleet.served[i] += 1
         r = RequestResult(
             index=spec.index,
             target=fleet.names[i],
@@ -209,8 +207,50 @@ async def run_virtual(
             prompt_tokens=len(prompt),
         )
         results.append(r)
+        try:
+            fleet.scheds[i].add(seq)
+        except ValueError as e:  # the engine refuses it (longer than its KV pool): a 400
+            r.http_status, r.error_kind, r.error = 400, "http_400", str(e)
+            await turn_over(spec, ok=False)
+            return
+        fleet.inflight[i] += 1
+        fleet.served[i] += 1
         open_[rid] = _Open(spec, r, i, fleet.now, history=past)
         fleet.kick(i)
+
+    async def start(spec: RequestSpec) -> None:
+        """A worker takes `spec`: send it, or fail it if its conversation already failed."""
+        conv = spec.conversation
+        if conv is not None and conv in failed:
+            results.append(
+                RequestResult(
+                    index=spec.index,
+                    target="",
+                    kind=spec.kind,
+                    conversation=conv,
+                    turn=spec.turn,
+                    system_id=spec.system_id,
+                    start=fleet.now,
+                    error_kind="dependency",
+                    error="an earlier turn of this conversation failed",
+                )
+            )
+            await turn_over(spec, ok=False)
+            return
+        await issue(spec)
+
+    async def turn_over(spec: RequestSpec, ok: bool) -> None:
+        """`spec` is done: its worker is free, and the conversation's next turn may go."""
+        nonlocal idle_workers
+        idle_workers += 1
+        conv = spec.conversation
+        if conv is None:
+            return
+        if not ok:
+            failed.add(conv)
+        done_turns.add((conv, spec.turn))
+        for nxt in pending.pop((conv, spec.turn), []):
+            await start(nxt)  # on the worker that has been holding it since it was queued
 
     async def fill() -> None:
         """Hand queued requests to idle workers; a later turn blocks its worker until ready."""
@@ -222,7 +262,7 @@ async def run_virtual(
             if spec.conversation is not None and spec.turn > 0 and key not in done_turns:
                 pending.setdefault(key, []).append(spec)
                 continue
-            await issue(spec)
+            await start(spec)
 
     await fill()
     while True:
@@ -264,10 +304,7 @@ async def run_virtual(
                     {"role": "user", "content": workload.user_text(o.spec)},
                     {"role": "assistant", "content": "".join(o.reply)},
                 ]
-                done_turns.add((conv, o.spec.turn))
-                for spec in pending.pop((conv, o.spec.turn), []):
-                    await issue(spec)
-            idle_workers += 1
+            await turn_over(o.spec, ok=True)
         await fill()
         fleet.kick(i)
     results.sort(key=lambda r: r.index)
