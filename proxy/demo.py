@@ -33,6 +33,16 @@ examples:
 """
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
@@ -45,11 +55,11 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--policies", help="comma-separated policies (default: all installed)")
-    p.add_argument("--engines", type=int, default=4, help="simulated engines (default 4)")
+    p.add_argument("--engines", type=_positive, default=4, help="simulated engines (default 4)")
     p.add_argument("--device", default="l40s", help="simulated GPU preset (default l40s)")
     p.add_argument(
         "--kv-blocks",
-        type=int,
+        type=_positive,
         default=3000,
         help="KV-cache blocks per engine (16 tokens each; default 3000 = 48k tokens: "
         "the prompt set fits the fleet only if routing partitions it)",
@@ -59,30 +69,38 @@ def register(sub: Any) -> None:
         default="mixed",
         help="bench workload (default mixed: shared prompts + long documents)",
     )
-    p.add_argument("--requests", type=int, default=240, help="requests per policy (default 240)")
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
-    p.add_argument("--prefixes", type=int, default=16, help="distinct system prompts (default 16)")
+    p.add_argument(
+        "--requests", type=_positive, default=240, help="requests per policy (default 240)"
+    )
+    p.add_argument(
+        "--concurrency", type=_positive, default=16, help="requests in flight (default 16)"
+    )
+    p.add_argument(
+        "--prefixes", type=_positive, default=16, help="distinct system prompts (default 16)"
+    )
     p.add_argument(
         "--zipf", type=float, default=1.1, help="popularity skew of the prompts (0 = uniform)"
     )
     p.add_argument(
         "--system-chars",
-        type=int,
+        type=_positive,
         default=8000,
         help="system prompt length in characters (default 8000, ~2k tokens)",
     )
     p.add_argument(
         "--system-chars-min",
-        type=int,
+        type=_positive,
         help="vary the system prompts' lengths uniformly between this and --system-chars",
     )
     p.add_argument(
         "--turns",
-        type=int,
+        type=_positive,
         default=4,
         help="multi-turn workload: turns per conversation (default 4)",
     )
-    p.add_argument("--max-tokens", type=int, default=48, help="output tokens per chat (default 48)")
+    p.add_argument(
+        "--max-tokens", type=_positive, default=48, help="output tokens per chat (default 48)"
+    )
     p.add_argument(
         "--time-scale",
         type=float,
@@ -233,20 +251,27 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        # Checked here, not in a child process's log: an unknown device, a pool too small,
+        # an unknown workload, a minimum prompt length above the maximum...
+        sim = SimConfig.from_preset(args.device, kv_blocks=args.kv_blocks, seed=args.seed)
+        workload = make_workload(
+            args.workload,
+            seed=args.seed,
+            num_prefixes=args.prefixes,
+            zipf_s=args.zipf,
+            system_chars=args.system_chars,
+            system_chars_min=args.system_chars_min,
+            max_tokens=args.max_tokens,
+            turns=args.turns,
+            # Every worker can hold a conversation: fewer would idle workers waiting on turns.
+            active_conversations=args.concurrency,
+        )
+    except ValueError as e:
+        print(f"warmroute demo: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    workload = make_workload(
-        args.workload,
-        seed=args.seed,
-        num_prefixes=args.prefixes,
-        zipf_s=args.zipf,
-        system_chars=args.system_chars,
-        system_chars_min=args.system_chars_min,
-        max_tokens=args.max_tokens,
-        turns=args.turns,
-        # Every worker can hold a conversation: fewer would idle workers waiting on turns.
-        active_conversations=args.concurrency,
-    )
     sim_args = [
         "--device",
         args.device,
@@ -273,7 +298,6 @@ def run(args: argparse.Namespace) -> int:
     summaries: list[dict[str, Any]] = []
     excerpt = ""
     if args.virtual:
-        sim = SimConfig.from_preset(args.device, kv_blocks=args.kv_blocks, seed=args.seed)
         for policy in policies:
             run, fleet = asyncio.run(
                 run_virtual(

@@ -83,3 +83,26 @@ def test_virtual_demo_runs_the_multi_turn_benchmark_without_processes(tmp_path):
     doc = orjson.loads((out / "results.json").read_bytes())
     turns = {req["turn"] for run in doc["runs"] for req in run["requests"]}
     assert turns == {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ("--engines 0", "--engines: must be at least 1"),
+        ("--device nosuch", "unknown device 'nosuch'"),
+        (
+            "--kv-blocks 1 --device l40s --system-chars 9000 --system-chars-min 9500",
+            "system_chars_min",
+        ),
+        ("--workload nope", "unknown workload 'nope'"),
+    ],
+)
+def test_demo_rejects_bad_arguments_before_starting_anything(tmp_path, args, message):
+    r = subprocess.run(
+        [sys.executable, "-m", "proxy", "demo", "--virtual", "--out", str(tmp_path), *args.split()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, r.stderr[-1000:]
+    assert message in r.stderr and "Traceback" not in r.stderr
