@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import signal
 import sys
 import time
@@ -216,6 +217,9 @@ def oracle_hit_ratio(
     return cached / total if total else None
 
 
+_SCOPE_LABELS = re.compile(r'otel_scope_[a-z_]+="[^"]*",?')
+
+
 def proxy_metrics_excerpt(url: str) -> str:
     """The proxy's own view of the same traffic, from its Prometheus endpoint."""
     try:
@@ -223,7 +227,8 @@ def proxy_metrics_excerpt(url: str) -> str:
     except httpx.HTTPError:
         return ""
     keep = [
-        ln
+        # The exporter's scope labels are the same on every line: noise on a terminal.
+        _SCOPE_LABELS.sub("", ln).replace(",}", "}")
         for ln in text.splitlines()
         if not ln.startswith("#")
         and (
