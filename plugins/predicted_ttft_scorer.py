@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S
 from proxy.routing.types import BackendView, RouteContext
 
 
@@ -23,7 +24,7 @@ class PredictedTtftScorer:
 
     def __init__(
         self,
-        default_tokens_per_s: float = 5000.0,
+        default_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
         default_queue_item_s: float = 0.1,
         chars_per_token: float = 4.0,
         tau_s: float = 0.02,
@@ -36,7 +37,9 @@ class PredictedTtftScorer:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> PredictedTtftScorer:
         return cls(
-            default_tokens_per_s=float(cfg.get("default_tokens_per_s", 5000.0)),
+            default_tokens_per_s=float(
+                cfg.get("default_tokens_per_s", DEFAULT_PREFILL_TOKENS_PER_S)
+            ),
             default_queue_item_s=float(cfg.get("default_queue_item_s", 0.1)),
             chars_per_token=float(cfg.get("chars_per_token", 4.0)),
             tau_s=float(cfg.get("tau_s", 0.02)),

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Prompt tokens/s assumed for a backend the learner has not measured yet.
+DEFAULT_PREFILL_TOKENS_PER_S = 5000.0
+
 
 @dataclass(slots=True)
 class PrefillRate:

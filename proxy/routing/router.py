@@ -14,13 +14,12 @@ from typing import Any
 
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.index import PrefixIndex
-from proxy.routing.learn import PrefillLearner
+from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S, PrefillLearner
 from proxy.routing.popularity import PrefixPopularity
 from proxy.routing.prefix import PrefixHasher
 from proxy.routing.types import BackendView, Decision, Policy, RouteContext
 
 PREFIX_BLOCK = "prefix"  # RoutingConfig.plugins key for hashing settings (shared with the scorer)
-DEFAULT_PREFILL_TOKENS_PER_S = 5000.0  # until the learner has measured a backend
 
 
 class Router:

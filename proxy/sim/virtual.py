@@ -87,7 +87,6 @@ class VirtualFleet:
         self._busy = [False] * engines
         self._events: list[tuple[float, int, int, StepPlan]] = []
         self._tie = itertools.count()
-        self.decisions: dict[str, int] = {}
 
     def views(self) -> list[BackendView]:
         return [
@@ -129,8 +128,6 @@ class VirtualFleet:
             session_key=body.get("user"),  # as the proxy does (or the x-session-id header)
         )
         decision = await self.router.route(ctx, self.views())
-        reason = decision.reason.split(";")[0]
-        self.decisions[reason] = self.decisions.get(reason, 0) + 1
         winner = decision.winner
         assert winner is not None, decision.reason
         return self.names.index(winner)
