@@ -82,9 +82,11 @@ class BoundedLoadPicker:
             # elsewhere: other clients, proxies that share no state): as good as over the bound.
             within = [b for b in within if b not in queued]
             over = queued + over
-        best_match = max((ctx.matched_blocks.get(b.name, 0) for b in candidates), default=0)
+        matched = ctx.matched_blocks
+        warm = self.warm_blocks
+        best_match = max([matched.get(b.name, 0) for b in candidates]) if matched else 0
         spill = f"; {len(over)} over the load bound" if over else ""
-        if blocks and best_match < self.warm_blocks:
+        if blocks and best_match < warm:
             order = hrw_order(key, within)
             reason = f"cold prefix: rendezvous on the first blocks{spill}"
             if self.choices > 1 and len(order) > 1:
@@ -97,10 +99,8 @@ class BoundedLoadPicker:
                     order.insert(0, best)
                     reason = f"cold prefix: less loaded of its first rendezvous choices{spill}"
         elif blocks:
-            holders = [b for b in within if ctx.matched_blocks.get(b.name, 0) >= self.warm_blocks]
-            copies = sum(
-                1 for b in candidates if ctx.matched_blocks.get(b.name, 0) >= self.warm_blocks
-            )
+            holders = [b for b in within if matched.get(b.name, 0) >= warm]
+            copies = sum(1 for b in candidates if matched.get(b.name, 0) >= warm)
             wanted = max(1, math.ceil(ctx.prefix_share * len(candidates) / self.copy_load))
             if holders and copies >= wanted:
                 # As many copies as its share of the traffic needs: stay on them (best score
@@ -116,8 +116,8 @@ class BoundedLoadPicker:
                 # its copies and the next backend in its rendezvous order (a new copy, the same
                 # one whichever replica makes it) takes it; ties stay on a copy.
                 nxt = [b for b in hrw_order(key, within) if b not in holders][:1]
-                rank = {b.name: i for i, b in enumerate(hrw_order(key_of(ctx.request_id), within))}
-                pool = sorted(holders + nxt, key=lambda b: (_load(b), b in nxt, rank[b.name]))
+                rank = {id(b): i for i, b in enumerate(hrw_order(key_of(ctx.request_id), within))}
+                pool = sorted(holders + nxt, key=lambda b: (_load(b), b in nxt, rank[id(b)]))
                 order = pool + [b for b in within if b not in pool]
                 reason = f"hot prefix ({ctx.prefix_share:.0%} of traffic): least loaded copy{spill}"
                 if order[0] in nxt:
@@ -135,21 +135,25 @@ class BoundedLoadPicker:
             tie_order = hrw_order(key_of(ctx.request_id), within)
             order = sorted(tie_order, key=lambda b: -round(totals.get(b.name, 0.0), 9))
             reason = "highest score" + spill
-        rest = sorted(over, key=lambda b: (_load(b), -totals.get(b.name, 0)))
-        return [b.name for b in order + rest], reason
+        if over:
+            order += sorted(over, key=lambda b: (_load(b), -totals.get(b.name, 0)))
+        return [b.name for b in order], reason
 
 
 def _long_queues(backends: list[BackendView], epsilon: float, slack: int) -> list[BackendView]:
     """Backends whose engine-reported waiting queue exceeds slack + (1 + epsilon) x average."""
-    waiting = [max(b.load.waiting or 0.0, 0.0) for b in backends]
-    if len(backends) < 2 or not any(waiting):
+    if len(backends) < 2:
+        return []
+    waiting = [w if (w := b.load.waiting) and w > 0.0 else 0.0 for b in backends]
+    if not any(waiting):
         return []
     limit = slack + (1.0 + epsilon) * sum(waiting) / len(waiting)
     return [b for b, w in zip(backends, waiting, strict=True) if w > limit]
 
 
 def _load(b: BackendView) -> float:
-    return b.inflight / max(b.weight, 1e-9)
+    w = b.weight
+    return b.inflight / (w if w > 1e-9 else 1e-9)
 
 
 PLUGINS = [BoundedLoadPicker]

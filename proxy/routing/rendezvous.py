@@ -21,17 +21,23 @@ _SCALE = 1.0 / 18446744073709551616.0  # 2**-64
 
 
 _NAMES: dict[str, bytes] = {}  # backend name -> its UTF-8 bytes (names are few and long-lived)
+_log = math.log
+
+
+def _name_bytes(name: str) -> bytes:
+    b = _NAMES.get(name)
+    if b is None:
+        if len(_NAMES) > 4096:
+            _NAMES.clear()
+        b = _NAMES[name] = name.encode()
+    return b
 
 
 def weight_for(key: int, backend: BackendView) -> float:
     """Weighted HRW score: -w / ln(u), u uniform in (0, 1) from hash(key, backend)."""
-    name = _NAMES.get(backend.name)
-    if name is None:
-        if len(_NAMES) > 4096:
-            _NAMES.clear()
-        name = _NAMES[backend.name] = backend.name.encode()
-    u = (_h64(name, key & 0xFFFFFFFFFFFFFFFF) + 0.5) * _SCALE
-    return -max(backend.weight, 1e-9) / math.log(u)
+    u = (_h64(_name_bytes(backend.name), key & 0xFFFFFFFFFFFFFFFF) + 0.5) * _SCALE
+    w = backend.weight
+    return -(w if w > 1e-9 else 1e-9) / _log(u)
 
 
 def key_of(text: str) -> int:
@@ -40,7 +46,17 @@ def key_of(text: str) -> int:
 
 def hrw_order(key: int, candidates: Sequence[BackendView]) -> list[BackendView]:
     """Candidates in rendezvous order for `key` (same order on every replica)."""
-    return sorted(candidates, key=lambda b: -weight_for(key, b))
+    if len(candidates) < 2:
+        return list(candidates)
+    seed = key & 0xFFFFFFFFFFFFFFFF
+    scored = []
+    for i, b in enumerate(candidates):  # weight_for, inlined: this runs several times a pick
+        name = _NAMES.get(b.name) or _name_bytes(b.name)
+        w = b.weight
+        u = (_h64(name, seed) + 0.5) * _SCALE
+        scored.append(((w if w > 1e-9 else 1e-9) / _log(u), i))  # -weight: best first
+    scored.sort()
+    return [candidates[i] for _, i in scored]
 
 
 def split_by_load(

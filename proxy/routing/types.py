@@ -23,9 +23,13 @@ class EngineLoad:
     scraped_at: float = 0.0  # monotonic time of the scrape
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class BackendView:
-    """What routing may know about one backend at decision time (a read-only snapshot)."""
+    """What routing may know about one backend at decision time (a read-only snapshot).
+
+    Compared by identity: pickers test membership (`b in holders`) on lists of the same
+    views, and a field-by-field __eq__ made that the single largest cost of a pick.
+    """
 
     name: str
     url: str
