@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -254,9 +255,6 @@ class ProxyEndpoint:
                 break
             backend = state.registry[name]
             try:
-                if attempt_no > 1 and ex.ctx is not None:
-                    # The prefix will be cached where the retry lands, not where we aimed.
-                    state.router.record(ex.ctx, backend.name)
                 await self._attempt(ex, backend, attempt_no, record, receive, send)
                 return
             except _Retry as r:
@@ -337,7 +335,10 @@ class ProxyEndpoint:
             t_sent = time.perf_counter()
             try:
                 upstream = await state.upstream.post(
-                    state.upstream.url(backend.url, self.path), self._body_for(ex, backend), headers
+                    state.upstream.url(backend.url, self.path),
+                    self._body_for(ex, backend),
+                    headers,
+                    partial(_sent, state, ex, backend.name),
                 )
             except CONNECT_ERRORS as e:
                 refused = isinstance(e, REFUSED_ERRORS)
@@ -441,10 +442,18 @@ class ProxyEndpoint:
         ex.started_response = True
         perf = time.perf_counter
         while data:
-            data = meter.feed(data, perf())
-            if data:
+            received = perf()
+            if meter.passes_through(data):
+                # The common case: write first, meter after (off the client's TTFT and ITL).
                 await send({"type": "http.response.body", "body": data, "more_body": True})
-                meter.mark_sent(perf())
+                sent = perf()
+                meter.feed(data, received)
+                meter.mark_sent(sent)
+            else:
+                data = meter.feed(data, received)
+                if data:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                    meter.mark_sent(perf())
             try:
                 data = await content.readany()
             except READ_ERRORS as e:
@@ -485,6 +494,13 @@ class ProxyEndpoint:
             error_type="cancelled" if cancelled else error,
             backend=backend.name,
         )
+
+
+def _sent(state: AppState, ex: Exchange, backend: str) -> None:
+    """The request is on the wire to `backend`: note its prefix there (the engine caches it
+    where the request lands, which a retry may have moved) while the backend works on it."""
+    if ex.ctx is not None:
+        state.router.record(ex.ctx, backend)
 
 
 def _keeps_own_usage(backend: Backend) -> bool:

@@ -291,6 +291,26 @@ class StreamMeter:
         """The request was written to the upstream (called again for each retry attempt)."""
         self._t_up = now
 
+    def passes_through(self, data: bytes) -> bool:
+        """True if feed(data) would return `data` unchanged.
+
+        Then the client's bytes do not depend on metering them, and the forwarder writes them
+        first and meters them after (with the receive time it took before writing): the
+        meter's work stays off the client's TTFT and ITL. Only usage stripping changes bytes,
+        and it can only cut a complete event that carries a "usage" key.
+        """
+        if not self.strip_usage:
+            return True
+        if self._tail or b'"usage"' in data:
+            return False
+        sep = self._sep
+        if not sep:
+            k = data.find(b"\n")
+            if k < 0:
+                return False
+            sep = b"\r\n\r\n" if k > 0 and data[k - 1] == 0x0D else b"\n\n"
+        return data.endswith(sep)
+
     def feed(self, data: bytes, now: float) -> bytes:
         """Meter one upstream read; return the bytes to write to the client now."""
         if not data:

@@ -527,7 +527,11 @@ def run_meter(api: API, stream: bytes, cuts: list[int], strip: bool) -> tuple[by
     bounds = [0, *cuts, len(stream)]
     client = b""
     for i in range(len(bounds) - 1):
-        out = m.feed(stream[bounds[i] : bounds[i + 1]], recv_time(i))
+        read = stream[bounds[i] : bounds[i + 1]]
+        passes = m.passes_through(read)
+        out = m.feed(read, recv_time(i))
+        # The forwarder writes such reads before metering them: that must change nothing.
+        assert out == read or not passes
         client += out
         m.mark_sent(sent_time(i))
     rest, facts = m.finish(1000.0)
@@ -630,6 +634,16 @@ def test_without_strip_feed_forwards_each_read_immediately_and_unchanged() -> No
     for i in range(0, len(VLLM_CHAT), 7):
         piece = VLLM_CHAT[i : i + 7]
         assert m.feed(piece, 1.0) is piece
+
+
+def test_whole_events_without_usage_pass_through_so_they_are_written_before_metering() -> None:
+    events = sse(chunk("c1", "m", [delta(content="hi")]), done=False)
+    m = StreamMeter("chat", t0=T0, strip_usage=True)
+    assert m.passes_through(events)
+    assert not m.passes_through(events[:-1])  # an incomplete event may be the usage chunk
+    usage = sse(chunk("c1", "m", [], usage={"prompt_tokens": 1, "completion_tokens": 1}))
+    assert not m.passes_through(usage)
+    assert StreamMeter("chat", t0=T0, strip_usage=False).passes_through(usage)
 
 
 def test_strip_mode_holds_back_only_the_incomplete_trailing_event() -> None:

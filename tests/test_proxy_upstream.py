@@ -202,6 +202,43 @@ def test_refused_and_dropped_connections() -> None:
     asyncio.run(refused())
 
 
+def test_on_sent_runs_once_the_request_is_written_and_never_for_a_refused_one() -> None:
+    """The forwarder's deferred bookkeeping (prefix recording) must see a sent request only."""
+    log: list[str] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await asyncio.sleep(0.05)
+        log.append("response")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    async def body(url: str, client: Upstream) -> None:
+        resp = await client.post(client.url(url, "/x"), b"{}", {}, lambda: log.append("sent"))
+        assert await resp.read() == b"ok"
+        resp.release()
+
+    asyncio.run(_with_server(handler, body))
+    assert log == ["sent", "response"]
+
+    async def refused() -> None:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        client = Upstream(TimeoutsConfig())
+        await client.start()
+        with pytest.raises(UpstreamConnectError):
+            await client.post(
+                client.url(f"http://127.0.0.1:{port}", "/x"), b"{}", {}, lambda: log.append("no")
+            )
+        await client.close()
+
+    asyncio.run(refused())
+    assert "no" not in log
+
+
 def test_stale_pooled_connections_are_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(up, "KEEPALIVE_S", 0.05)
     connections: list[int] = []

@@ -86,4 +86,8 @@ def build_routing(config: Any, replica_id: str | None = None) -> Routing:
         index = MemoryPrefixIndex(capacity, ttl_s)
         board = InflightBoard()
     router = Router.from_config(config.routing, index=index)
+    # The proxy records the prefix once the request is on the wire to the backend that got it
+    # (forward.py): off the critical path before the upstream write, and never for a backend
+    # that refused the connection.
+    router.record_on_route = False
     return Routing(router=router, index=index, board=board, learner=router.learner, redis=client)
