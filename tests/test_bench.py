@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -443,6 +444,33 @@ def test_direct_run_reports_the_proxy_added_ttft_and_report_merges_files(
     assert warmroute(["bench", "report", str(out), str(out), "--out-md", str(merged_md)]) == 0
     header = merged_md.read_text().splitlines()[0]
     assert header.count("direct") == 2 and "direct#2" in header  # labels kept apart
+
+
+def test_interleave_pairs_each_request_across_runs_taking_turns_to_go_first(
+    timed: Any, proxy_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, b1 = timed(ttft=0.01, itl=0.002, tokens=3)
+    proxy = proxy_server([b1.url])
+    out = tmp_path / "p.json"
+    rc = warmroute([
+        "bench", "--base-url", proxy.url, "--direct", b1.url, "--interleave",
+        "--workload", "hot-prompt", "--requests", "8", "--concurrency", "1",
+        "--out", str(out), "--no-progress", "--server-pid", str(os.getpid()),
+    ])  # fmt: skip
+    assert rc == 0
+    target, direct = orjson.loads(out.read_bytes())["runs"]
+    assert [len(r["requests"]) for r in (target, direct)] == [8, 8]
+    assert all(r["ok"] for r in target["requests"] + direct["requests"])
+    for t, d in zip(target["requests"], direct["requests"], strict=True):
+        assert t["index"] == d["index"]
+        # one client, one request at a time: the even ones go to the target first
+        assert (t["start"] < d["start"]) == (t["index"] % 2 == 0)
+    assert "interleaved" in target["notes"][0]
+    assert target["server_cpu_s"] is not None
+    assert "Proxy added TTFT" in capsys.readouterr().out
+    assert warmroute(["bench", "--base-url", proxy.url, "--direct", b1.url, "--interleave",
+                      "--rate", "5", "--no-progress"]) == 2  # fmt: skip
+    assert "closed loop" in capsys.readouterr().err
 
 
 def test_cli_unreachable_target_exits_nonzero_with_a_clean_message(

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from proxy.bench.client import MAX_REQUESTS, BenchError, run_bench
+from proxy.bench.client import MAX_REQUESTS, BenchError, run_bench, run_paired
 from proxy.bench.metrics import parse_slo, summarize
 from proxy.bench.report import (
     format_table,
@@ -59,6 +59,10 @@ examples:
   warmroute bench --base-url http://127.0.0.1:8080 --direct http://127.0.0.1:8001 \\
       --direct http://127.0.0.1:8002 --workload hot-prompt --requests 300 --concurrency 32
 
+  # the proxy's added TTFT at concurrency 1, paired request by request with direct access
+  warmroute bench --base-url http://127.0.0.1:8080 --direct http://127.0.0.1:8001 \\
+      --interleave --requests 2000 --concurrency 1
+
   # open loop at 4 req/s (Poisson), with an SLO for goodput
   warmroute bench --base-url http://127.0.0.1:8080 --workload mixed --requests 200 \\
       --rate 4 --slo ttft=0.5,tpot=0.05 --out mixed.json
@@ -69,7 +73,8 @@ examples:
 
 Runs go one after another (target, --compare targets, then --direct), never at once, so they
 do not compete; engines with a prefix cache will be warmer for the later runs (the same
-prompts again) unless --vary-seed gives every run its own prompts.
+prompts again) unless --vary-seed gives every run its own prompts. --interleave sends each
+request to every run in turn instead: the way to compare latencies on a busy machine.
 Guard rails: at most {MAX_REQUESTS} requests, --max-duration seconds (default 1800), loopback
 targets only unless --allow-remote. Exit status: 0 ok, 1 error rate above --max-error-rate,
 2 usage error or unreachable target.
@@ -198,6 +203,15 @@ def register(sub: Any) -> None:
         default=_env_flag("vary-seed"),
         help="give each --compare/--direct run seed+k: same shape, disjoint prompts, so no "
         "run finds a prefix cache warmed by the previous one",
+    )
+    g.add_argument(
+        "--interleave",
+        action="store_true",
+        default=_env_flag("interleave"),
+        help="send each request to the target, then to every --compare/--direct run (taking "
+        "turns at going first) instead of one run after another: paired latency samples that "
+        "a busy machine's load swings hit alike (use it for the proxy's added TTFT at "
+        "--concurrency 1; throughput then describes the mix)",
     )
     g.add_argument(
         "--max-duration",
@@ -372,6 +386,10 @@ def run_command(args: argparse.Namespace) -> int:
         return _fail("--base-url is required (or WARMROUTE_BENCH_BASE_URL)")
     if args.concurrency is None and args.rate is None:
         return _fail("give --concurrency C (closed loop) or --rate R (open loop)")
+    if args.interleave and args.rate is not None:
+        return _fail("--interleave is closed loop: give --concurrency, not --rate")
+    if args.interleave and args.vary_seed:
+        return _fail("--interleave sends the same requests to every run; drop --vary-seed")
     if args.requests > MAX_REQUESTS:
         return _fail(f"--requests is capped at {MAX_REQUESTS}")
     try:
@@ -400,7 +418,29 @@ def run_command(args: argparse.Namespace) -> int:
     if args.direct:
         plan.append((list(args.direct), "direct", "direct"))
 
+    common: dict[str, Any] = {
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "rate": args.rate,
+        "model": args.model,
+        "progress": not args.no_progress,
+        "endpoint": args.endpoint,
+        "max_duration": args.max_duration,
+        "request_timeout": args.request_timeout,
+        "extra_body": extra,
+        "api_key": api_key,
+        "allow_remote": args.allow_remote,
+    }
+
     async def go() -> list[RunResult]:
+        if args.interleave and len(plan) > 1:
+            # One paired run: the server CPU of the whole run is the target's (the other
+            # groups never touch it), as long as --server-pid names the target's processes.
+            cpu0 = process_cpu_s(args.server_pid)
+            runs = await run_paired(plan, workload, **common)
+            if cpu0 is not None:
+                runs[0].server_cpu_s = process_cpu_s(args.server_pid) - cpu0
+            return runs
         runs = []
         for k, (url, label, role) in enumerate(plan):
             cpu0 = process_cpu_s(args.server_pid) if role == "target" else None
@@ -410,25 +450,7 @@ def run_command(args: argparse.Namespace) -> int:
                 if args.vary_seed
                 else workload
             )
-            runs.append(
-                await run_bench(
-                    url,
-                    w,
-                    requests=args.requests,
-                    concurrency=args.concurrency,
-                    rate=args.rate,
-                    model=args.model,
-                    progress=not args.no_progress,
-                    endpoint=args.endpoint,
-                    label=label,
-                    role=role,
-                    max_duration=args.max_duration,
-                    request_timeout=args.request_timeout,
-                    extra_body=extra,
-                    api_key=api_key,
-                    allow_remote=args.allow_remote,
-                )
-            )
+            runs.append(await run_bench(url, w, label=label, role=role, **common))
             if cpu0 is not None:
                 runs[-1].server_cpu_s = process_cpu_s(args.server_pid) - cpu0
         return runs

@@ -337,6 +337,48 @@ async def run_bench(
     the workload's seed) capped at `concurrency` in flight when both are given. Raises
     BenchError when the target is unreachable or the arguments are out of bounds.
     """
+    runs = await run_paired(
+        [(base_url, label, role)],
+        workload,
+        requests=requests,
+        concurrency=concurrency,
+        rate=rate,
+        model=model,
+        progress=progress,
+        endpoint=endpoint,
+        max_duration=max_duration,
+        request_timeout=request_timeout,
+        extra_body=extra_body,
+        api_key=api_key,
+        allow_remote=allow_remote,
+    )
+    return runs[0]
+
+
+async def run_paired(
+    groups: Sequence[tuple[str | Sequence[str], str | None, str]],
+    workload: Workload,
+    *,
+    requests: int,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    model: str | None = None,
+    progress: bool = False,
+    endpoint: str = "chat",
+    max_duration: float | None = None,
+    request_timeout: float = 600.0,
+    extra_body: dict[str, Any] | None = None,
+    api_key: str | None = None,
+    allow_remote: bool = False,
+) -> list[RunResult]:
+    """One run per (targets, label, role) group, their requests interleaved.
+
+    With one group this is a plain run. With several, every request of the plan goes to each
+    group in turn (alternating which goes first), on the same workers: paired samples, so a
+    change in the machine's load hits every group alike. That is what latency comparisons on
+    a shared machine need (the proxy's added TTFT at concurrency 1); the throughput of such
+    runs describes the mix, not any one group. Closed loop only when interleaving.
+    """
     if not 1 <= requests <= MAX_REQUESTS:
         raise BenchError(f"requests must be between 1 and {MAX_REQUESTS}, got {requests}")
     if concurrency is None and rate is None:
@@ -347,92 +389,125 @@ async def run_bench(
         raise BenchError("rate must be > 0 requests per second")
     if endpoint not in ("chat", "completions"):
         raise BenchError("endpoint must be 'chat' or 'completions'")
+    if len(groups) > 1 and rate is not None:
+        raise BenchError("interleaved runs are closed loop: give --concurrency, not --rate")
     deadline_s = min(max_duration or MAX_DURATION_S, MAX_DURATION_S)
-    targets = check_targets([base_url] if isinstance(base_url, str) else base_url, allow_remote)
-    if not targets:
-        raise BenchError("no target URL given")
+    group_targets = []
+    for base_url, _, _ in groups:
+        targets = check_targets([base_url] if isinstance(base_url, str) else base_url, allow_remote)
+        if not targets:
+            raise BenchError("no target URL given")
+        group_targets.append(targets)
 
     plan = workload.plan(requests)
     headers = {"Content-Type": "application/json"}
     # The token goes on the session so that /v1/models discovery is authorized too.
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
     pool = concurrency or 0  # 0: unbounded, an open loop must not queue inside the client
-    connector = aiohttp.TCPConnector(limit=pool, limit_per_host=pool)
+    connector = aiohttp.TCPConnector(limit=pool * len(groups), limit_per_host=pool)
     timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=10)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=auth) as session:
-        discovered = [await discover_model(session, t) for t in targets]
+        # Every target is probed: an unreachable one fails here, before any load is sent.
+        discovered = [await discover_model(session, t) for ts in group_targets for t in ts]
         model = model or discovered[0]
         if not model:
             raise BenchError(
-                f"{targets[0]}/v1/models lists no model; pass --model (model=...) explicitly"
+                f"{group_targets[0][0]}/v1/models lists no model; pass --model (model=...) "
+                "explicitly"
             )
-        run = RunResult(
-            label=label or _default_label(targets),
-            targets=targets,
-            workload=workload.params(),
-            model=model,
-            endpoint=endpoint,
-            concurrency=concurrency,
-            rate=rate,
-            requests_planned=requests,
-            started_at=datetime.now(UTC).isoformat(timespec="seconds"),
-            role=role,
-        )
+        runs = [
+            RunResult(
+                label=label or _default_label(targets),
+                targets=targets,
+                workload=workload.params(),
+                model=model,
+                endpoint=endpoint,
+                concurrency=concurrency,
+                rate=rate,
+                requests_planned=requests,
+                started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                role=role,
+            )
+            for (_, label, role), targets in zip(groups, group_targets, strict=True)
+        ]
+        if len(runs) > 1:
+            note = "interleaved with " + ", ".join(r.label for r in runs)
+            for r in runs:
+                r.notes.append(note + ": compare latencies; throughput is the mix's")
         pbar = tqdm(
-            total=requests, desc=run.label, unit="req", file=sys.stderr, disable=not progress
+            total=requests * len(runs),
+            desc=" + ".join(r.label for r in runs),
+            unit="req",
+            file=sys.stderr,
+            disable=not progress,
         )
-        state = _Run(
-            targets,
-            workload,
-            plan,
-            model=model,
-            endpoint=endpoint,
-            session=session,
-            extra_body=extra_body,
-            headers=headers,
-            pbar=pbar,
-        )
+        states = [
+            _Run(
+                targets,
+                workload,
+                plan,
+                model=model,
+                endpoint=endpoint,
+                session=session,
+                extra_body=extra_body,
+                headers=headers,
+                pbar=pbar,
+            )
+            for targets in group_targets
+        ]
         tasks: list[asyncio.Task[None]] = []
         cpu0 = time.thread_time()
-        state.t0 = t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        for st in states:
+            st.t0 = t0
         if rate is None:
             assert concurrency is not None
             queue = iter(plan)
 
             async def worker() -> None:
                 for spec in queue:
-                    await state.issue(spec)
+                    # Alternate which group goes first, so neither always finds the other's
+                    # request just finished (warm caches, a fresh connection) or just begun.
+                    order = states if spec.index % 2 == 0 else states[::-1]
+                    for st in order:
+                        await st.issue(spec)
 
             tasks = [asyncio.create_task(worker()) for _ in range(min(concurrency, requests))]
             main: asyncio.Future[Any] = asyncio.gather(*tasks)
         else:
             main = asyncio.ensure_future(
-                _open_loop(state, plan, rate, concurrency, workload.seed, tasks)
+                _open_loop(states[0], plan, rate, concurrency, workload.seed, tasks)
             )
         try:
             await asyncio.wait_for(asyncio.shield(main), timeout=deadline_s)
         except TimeoutError:
-            run.notes.append(f"max duration {deadline_s:g}s reached: in-flight requests cancelled")
+            for run in runs:
+                run.notes.append(
+                    f"max duration {deadline_s:g}s reached: in-flight requests cancelled"
+                )
             main.cancel()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(main, *tasks, return_exceptions=True)
         finally:
             pbar.close()
-        run.duration = time.perf_counter() - t0
-        run.client_cpu_s = time.thread_time() - cpu0
+        duration = time.perf_counter() - t0
+        client_cpu = time.thread_time() - cpu0
 
-    for r in state.results.values():
-        if not r.ok and r.error_kind is None:
-            r.error_kind, r.error = "deadline", "cancelled at --max-duration"
-    run.requests = [state.results[i] for i in sorted(state.results)]
-    run.not_sent = requests - len(run.requests)
-    if run.duration > 0 and run.client_cpu_s / run.duration > 0.7:
-        run.notes.append(
-            f"the bench client used {run.client_cpu_s / run.duration:.0%} of a core: "
-            "it may be the bottleneck; lower the load or run the client on another machine"
-        )
-    return run
+    for run, state in zip(runs, states, strict=True):
+        run.duration = duration
+        run.client_cpu_s = client_cpu / len(runs)
+        for r in state.results.values():
+            if not r.ok and r.error_kind is None:
+                r.error_kind, r.error = "deadline", "cancelled at --max-duration"
+        run.requests = [state.results[i] for i in sorted(state.results)]
+        run.not_sent = requests - len(run.requests)
+        if duration > 0 and client_cpu / duration > 0.7:
+            run.notes.append(
+                f"the bench client used {client_cpu / duration:.0%} of a core: "
+                "it may be the bottleneck; lower the load or run the client on another machine"
+            )
+    return runs
 
 
 async def _open_loop(
