@@ -171,9 +171,9 @@ class ProxyEndpoint:
             if not opts.get("include_usage"):
                 # We need usage for TPOT and token metrics; the client gets exactly what it
                 # asked for because the meter removes this one chunk again.
-                body["stream_options"] = {**opts, "include_usage": True}
                 ex.client_raw = raw
-                ex.raw = orjson.dumps(body)
+                ex.raw = with_include_usage(raw, body)
+                body["stream_options"] = {**opts, "include_usage": True}
                 ex.strip_usage = True
         return ex
 
@@ -494,6 +494,24 @@ class ProxyEndpoint:
             error_type="cancelled" if cancelled else error,
             backend=backend.name,
         )
+
+
+_INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
+
+
+def with_include_usage(raw: bytes, body: dict[str, Any]) -> bytes:
+    """The client's JSON with stream_options.include_usage set, as the backend gets it.
+
+    Without a stream_options key (the usual request) the member is spliced in after the
+    opening brace: the body's own bytes stay as they are and a large prompt is not encoded
+    again (orjson.dumps of the whole body was the largest cost before the first byte).
+    """
+    if "stream_options" not in body:
+        i = raw.find(b"{")  # a JSON object: only whitespace can come before its brace
+        if i >= 0 and raw[i + 1 :].lstrip()[:1] not in (b"}", b""):
+            return raw[: i + 1] + _INCLUDE_USAGE + raw[i + 1 :]
+    opts = body.get("stream_options") or {}
+    return orjson.dumps({**body, "stream_options": {**opts, "include_usage": True}})
 
 
 def _sent(state: AppState, ex: Exchange, backend: str) -> None:
