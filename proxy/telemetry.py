@@ -14,13 +14,10 @@ as ordinary OTel histogram metrics, so Prometheus and OTLP see them like any oth
 from __future__ import annotations
 
 import logging
-import os
 import re
-import struct
 import threading
 import time
 from bisect import bisect_left, bisect_right
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +46,6 @@ from opentelemetry.sdk.trace.export import (
     ConsoleSpanExporter,
     SimpleSpanProcessor,
     SpanExporter,
-    SpanExportResult,
 )
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Sampler
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -63,8 +59,10 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from proxy import otlp
 from proxy.config import TelemetryConfig
 from proxy.meter import StreamFacts
+from proxy.otlp import EncodedBatcher, http_span_exporter
 from proxy.routing.types import Decision
 
 SCOPE = "warmroute"
@@ -131,6 +129,7 @@ _DIGITS = re.compile(r"\d+")
 @dataclass(slots=True)
 class _Point:
     attributes: dict[str, Any]
+    bounds: tuple[float, ...]
     counts: list[int]
     total: float = 0.0
     count: int = 0
@@ -139,6 +138,44 @@ class _Point:
     # one exemplar per bucket, the latest: what Prometheus/Grafana show per bucket. Kept as
     # (value, (trace_id, span_id, time_ns)) and made into SDK Exemplars only when collected.
     exemplars: dict[int, tuple[float, tuple[int, int, int]]] = field(default_factory=dict)
+
+    def add(self, v: float, exemplar: tuple[int, int, int] | None) -> None:
+        """Add one value (the common case: one sample per request)."""
+        # OTel buckets are (lower, upper]: bisect_left puts v == bound in that bound's bucket.
+        i = bisect_left(self.bounds, v)
+        self.counts[i] += 1
+        self.total += v
+        self.count += 1
+        if v < self.min:
+            self.min = v
+        if v > self.max:
+            self.max = v
+        if exemplar is not None:
+            self.exemplars[i] = (v, exemplar)
+
+    def add_sorted(self, s: Sequence[float], total: float, exemplar: Any) -> None:
+        """Add the values of sorted s (their sum: total), e.g. one request's per-chunk gaps."""
+        bounds, counts = self.bounds, self.counts
+        low, top = s[0], s[-1]
+        first, last = bisect_left(bounds, low), bisect_left(bounds, top)
+        if first == last:  # the usual case: one request's gaps all fall in one bucket
+            counts[first] += len(s)
+        else:  # cut at the bounds between the smallest and the largest value only
+            prev = 0
+            for i in range(first, last):
+                k = bisect_right(s, bounds[i], prev)
+                counts[i] += k - prev
+                prev = k
+            counts[last] += len(s) - prev
+        self.total += total
+        self.count += len(s)
+        if low < self.min:
+            self.min = low
+        if top > self.max:
+            self.max = top
+        if exemplar is not None:
+            # One exemplar per request (its largest value): the sample worth clicking through.
+            self.exemplars[last] = (top, exemplar)
 
 
 class _Histogram:
@@ -153,9 +190,11 @@ class _Histogram:
         self.bounds = tuple(bounds)
         self.points: dict[tuple[Any, ...], _Point] = {}
 
-    def _point(self, attrs: dict[str, Any], key: tuple[Any, ...]) -> _Point:
-        point = self.points[key] = _Point(attrs, [0] * (len(self.bounds) + 1))
-        return point
+    def point(self, attrs: dict[str, Any], key: tuple[Any, ...]) -> _Point:
+        p = self.points.get(key)
+        if p is None:
+            p = self.points[key] = _Point(attrs, self.bounds, [0] * (len(self.bounds) + 1))
+        return p
 
     def record1(
         self,
@@ -164,19 +203,8 @@ class _Histogram:
         key: tuple[Any, ...],
         exemplar: tuple[int, int, int] | None,
     ) -> None:
-        """Add one value (the common case: one sample per request)."""
-        point = self.points.get(key) or self._point(attrs, key)
-        # OTel buckets are (lower, upper]: bisect_left puts v == bound in that bound's bucket.
-        i = bisect_left(self.bounds, v)
-        point.counts[i] += 1
-        point.total += v
-        point.count += 1
-        if v < point.min:
-            point.min = v
-        if v > point.max:
-            point.max = v
-        if exemplar is not None:
-            point.exemplars[i] = (v, exemplar)
+        """Add one value."""
+        self.point(attrs, key).add(v, exemplar)
 
     def record(
         self,
@@ -186,34 +214,8 @@ class _Histogram:
         exemplar: tuple[int, int, int] | None,
     ) -> None:
         """Add values; exemplar = (trace_id, span_id, time_ns) of the request, if sampled."""
-        if not values:
-            return
-        point = self.points.get(key) or self._point(attrs, key)
-        bounds, counts = self.bounds, point.counts
-        if len(values) <= 8:
-            for v in values:
-                counts[bisect_left(bounds, v)] += 1
-            top = max(values)
-            low = min(values)
-        else:
-            # Many samples (per-chunk gaps): sort once in C and cut at each bound instead.
-            s = sorted(values)
-            prev = 0
-            for i, b in enumerate(bounds):
-                k = bisect_right(s, b, prev)
-                counts[i] += k - prev
-                prev = k
-            counts[-1] += len(s) - prev
-            low, top = s[0], s[-1]
-        point.total += sum(values)
-        point.count += len(values)
-        if low < point.min:
-            point.min = low
-        if top > point.max:
-            point.max = top
-        if exemplar is not None:
-            # One exemplar per request (its largest value): the sample worth clicking through.
-            point.exemplars[bisect_left(bounds, top)] = (top, exemplar)
+        if values:
+            self.point(attrs, key).add_sorted(sorted(values), sum(values), exemplar)
 
     def metric(self, start_ns: int, now_ns: int) -> Metric | None:
         if not self.points:
@@ -298,8 +300,8 @@ class Telemetry:
             processor = SimpleSpanProcessor(span_exporter)
         elif cfg.traces_exporter == "otlp":
             exporter = _otlp_span_exporter(cfg)
-            if _EncodedBatcher.can_use(exporter):
-                processor = _EncodedBatcher(exporter, resource, InstrumentationScope(SCOPE))
+            if EncodedBatcher.can_use(exporter):
+                processor = EncodedBatcher(exporter, resource, InstrumentationScope(SCOPE))
             else:  # gRPC, or an SDK whose HTTP exporter we do not know
                 processor = BatchSpanProcessor(exporter)
         elif cfg.traces_exporter == "console":
@@ -309,7 +311,7 @@ class Telemetry:
         self._processors: tuple[SpanProcessor, ...] = () if processor is None else (processor,)
         # With the OTLP/HTTP exporter, a span is encoded when it ends and only its bytes wait
         # for the export thread: no ReadableSpan, no object graph kept alive for the GC to scan.
-        self._sink = processor if isinstance(processor, _EncodedBatcher) else None
+        self._sink = processor if isinstance(processor, EncodedBatcher) else None
         if processor is not None:
             self.tracer_provider.add_span_processor(processor)
         self.tracer = self.tracer_provider.get_tracer(SCOPE)
@@ -450,7 +452,7 @@ class Telemetry:
             unit="{request}",
             description="Requests this proxy has open on each backend.",
         )
-        self._reasons: dict[str, str] = {}
+        self._routes: dict[tuple[str, str], tuple[tuple[str, str], _Point]] = {}
         self._labels: dict[tuple[Any, ...], _Labels] = {}
         for reader in readers:
             self._merge_into(reader)
@@ -526,14 +528,18 @@ class Telemetry:
         """Count one routing decision and time it (called once per decision, not per attempt)."""
         if not self.enabled:
             return
-        label = self._reasons.get(reason)
-        if label is None:
-            # Reasons may embed counts ("rotated among 3 ties"); keep the label set small.
-            label = self._reasons[reason] = _DIGITS.sub("N", reason)[:80]
-        key = (policy,)
+        seen = self._routes.get((policy, reason))
         with self._lock:
-            self.c_decisions.add((policy, label))
-            self.h_decision.record1(decision_s, {"warmroute.route.policy": policy}, key, None)
+            if seen is None:
+                # Reasons may embed counts ("rotated among 3 ties"); keep the label set small.
+                label = _DIGITS.sub("N", reason)[:80]
+                point = self.h_decision.point({"warmroute.route.policy": policy}, (policy,))
+                seen = ((policy, label), point)
+                if len(self._routes) >= 1024:
+                    self._routes.clear()
+                self._routes[(policy, reason)] = seen
+            self.c_decisions.add(seen[0])
+            seen[1].add(decision_s, None)
 
     def set_inflight(self, backend: str, delta: int) -> None:
         """Adjust warmroute.backend.inflight for `backend` by delta (+1 on open, -1 on close)."""
@@ -562,40 +568,7 @@ def _otlp_span_exporter(cfg: TelemetryConfig) -> SpanExporter:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as G
 
         return G(endpoint=_otlp_endpoint(cfg, "traces"))
-    return _fast_http_span_exporter(endpoint=_otlp_endpoint(cfg, "traces"))
-
-
-def _fast_http_span_exporter(**kwargs: Any) -> SpanExporter:
-    """The SDK's OTLP/HTTP span exporter with encode_spans_fast() in place of its encoder."""
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    class FastOTLPSpanExporter(OTLPSpanExporter):
-        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-            client = getattr(self, "_client", None)  # the SDK's HTTP client (1.4x)
-            if client is None or self._shutdown or len(spans) > 10_000:
-                return super().export(spans)
-            try:
-                data = encode_spans_fast(spans)
-            except Exception:  # something the fast path does not know: the SDK's own encoder
-                return super().export(spans)
-            limit = getattr(self, "_max_request_size", None)
-            if limit and len(data) > limit:  # 0: no limit, as the SDK reads it
-                return super().export(spans)  # it logs and drops
-            result = client.export(data)
-            ok = getattr(result, "success", False)
-            return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
-
-        def export_encoded(self, data: bytes) -> bool:
-            """Send one serialized ExportTraceServiceRequest (see _EncodedBatcher)."""
-            if self._shutdown:
-                return False
-            limit = getattr(self, "_max_request_size", None)
-            if limit and len(data) > limit:
-                log.error("span export of %d bytes exceeds the %d byte limit", len(data), limit)
-                return False
-            return bool(getattr(self._client.export(data), "success", False))
-
-    return FastOTLPSpanExporter(**kwargs)
+    return http_span_exporter(endpoint=_otlp_endpoint(cfg, "traces"))
 
 
 def _otlp_metric_exporter(cfg: TelemetryConfig) -> Any:
@@ -606,275 +579,6 @@ def _otlp_metric_exporter(cfg: TelemetryConfig) -> Any:
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as H
 
     return H(endpoint=_otlp_endpoint(cfg, "metrics"))
-
-
-# --- OTLP/HTTP span encoding ----------------------------------------------------------------
-_pack_d = struct.Struct("<d").pack
-_pack_q = struct.Struct("<Q").pack
-_INT64 = 1 << 63
-
-
-def _varint(n: int) -> bytes:
-    if n < 0x80:
-        return _SMALL[n]
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-_SMALL = [bytes((i,)) for i in range(0x80)]
-
-
-def _ld(tag: bytes, payload: bytes) -> bytes:
-    """A length-delimited protobuf field: tag, length, payload."""
-    n = len(payload)
-    return tag + (_SMALL[n] if n < 0x80 else _varint(n)) + payload
-
-
-def _any_value(v: Any) -> bytes:
-    """opentelemetry.proto.common.v1.AnyValue, as the SDK's _encode_value builds it."""
-    t = type(v)
-    if t is str:
-        return _ld(b"\x0a", v.encode())
-    if t is bool:
-        return b"\x10\x01" if v else b"\x10\x00"
-    if t is int and -_INT64 <= v < _INT64:
-        return b"\x18" + _varint(v & 0xFFFFFFFFFFFFFFFF)
-    if t is float:
-        return b"\x21" + _pack_d(v)
-    if v is None:
-        return b""
-    if isinstance(v, bool):
-        return b"\x10\x01" if v else b"\x10\x00"
-    if isinstance(v, str):
-        return _ld(b"\x0a", v.encode())
-    if isinstance(v, int):
-        if not -_INT64 <= v < _INT64:
-            raise ValueError(f"{v} does not fit an int64")
-        return b"\x18" + _varint(v & 0xFFFFFFFFFFFFFFFF)
-    if isinstance(v, float):
-        return b"\x21" + _pack_d(v)
-    if isinstance(v, bytes):
-        return _ld(b"\x3a", v)
-    if isinstance(v, Sequence):
-        return _ld(b"\x2a", b"".join([_ld(b"\x0a", _any_value(x)) for x in v]))
-    if isinstance(v, Mapping):
-        kvs = [_ld(b"\x0a", _key_value(str(k), x)) for k, x in v.items()]
-        return _ld(b"\x32", b"".join(kvs))
-    raise TypeError(f"cannot encode a {t.__name__} attribute")
-
-
-_KEYS: dict[str, bytes] = {}
-
-
-def _key_value(k: str, v: Any) -> bytes:
-    key = _KEYS.get(k)
-    if key is None:
-        key = _ld(b"\x0a", k.encode())
-        if len(_KEYS) < 4096:
-            _KEYS[k] = key
-    return key + _ld(b"\x12", _any_value(v))
-
-
-# Most attribute values repeat from request to request (model, backend, policy, status, token
-# counts...): their encoded fields are cached. Floats (timings) rarely repeat and are not.
-_FIELDS: dict[tuple[Any, ...], bytes] = {}
-_CACHED_TYPES = frozenset((str, int, bool, tuple))
-
-
-# A float field is a fixed-length message: everything but its 8 value bytes depends only on
-# (tag, key), so that prefix is built once per key and the value packed onto it.
-_FLOAT_PREFIX: dict[tuple[bytes, str], bytes] = {}
-
-
-def _float_field(tag: bytes, k: str, v: float) -> bytes:
-    prefix = _FLOAT_PREFIX.get((tag, k))
-    if prefix is None:
-        key = _ld(b"\x0a", k.encode())
-        # KeyValue: key, then value = AnyValue{double_value} (tag 0x21, 8 bytes): 11 bytes
-        prefix = tag + _varint(len(key) + 11) + key + b"\x12\x09\x21"
-        if len(_FLOAT_PREFIX) < 4096:
-            _FLOAT_PREFIX[(tag, k)] = prefix
-    return prefix + _pack_d(v)
-
-
-def _field(tag: bytes, k: str, v: Any) -> bytes:
-    t = type(v)
-    if t is float:
-        return _float_field(tag, k, v)
-    if t not in _CACHED_TYPES or (t is str and len(v) > 128):
-        return _ld(tag, _key_value(k, v))
-    # the types too: True == 1 == 1.0 and hash alike, but they encode differently
-    ck = (tag, k, t, v, tuple(map(type, v))) if t is tuple else (tag, k, t, v)
-    b = _FIELDS.get(ck)
-    if b is None:
-        b = _ld(tag, _key_value(k, v))
-        if len(_FIELDS) >= 4096:  # unique values (request ids) cycle through it
-            _FIELDS.clear()
-        _FIELDS[ck] = b
-    return b
-
-
-def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
-    """Repeated KeyValue; like the SDK, an attribute that cannot be encoded is left out."""
-    if not attributes:
-        return b""
-    # _field, inlined for the two common cases (a float; a cached str, int or bool field):
-    # ~45 attributes a request made the call itself a large share of the encoding time.
-    out: list[bytes] = []
-    append = out.append
-    fields, floats = _FIELDS, _FLOAT_PREFIX
-    try:
-        for k, v in attributes.items():
-            t = type(v)
-            if t is float:
-                prefix = floats.get((tag, k))
-                append(_float_field(tag, k, v) if prefix is None else prefix + _pack_d(v))
-            elif t is str or t is int or t is bool:
-                b = fields.get((tag, k, t, v))
-                append(_field(tag, k, v) if b is None else b)
-            else:
-                append(_field(tag, k, v))
-        return b"".join(out)
-    except (TypeError, ValueError, UnicodeError):
-        out = []
-        for k, v in attributes.items():
-            try:
-                out.append(_ld(tag, _key_value(k, v)))
-            except (TypeError, ValueError, UnicodeError):
-                log.warning("span attribute %s not exported: cannot encode %r", k, v)
-        return b"".join(out)
-
-
-def _span_bytes(span: ReadableSpan) -> bytes:
-    """opentelemetry.proto.trace.v1.Span, field for field what the SDK's encoder writes."""
-    if span.links:
-        raise ValueError("links are not encoded here")
-    status = span.status
-    return _span_message(
-        span.context,
-        span.parent,
-        span.name,
-        span.kind,
-        span.start_time,
-        span.end_time,
-        span.attributes,
-        span.events,
-        status.status_code.value,
-        status.description,
-        span.dropped_attributes,
-        span.dropped_events,
-        span.dropped_links,
-    )
-
-
-def _span_message(
-    ctx: SpanContext,
-    parent: SpanContext | None,
-    name: str,
-    kind: SpanKind,
-    start_time: int | None,
-    end_time: int | None,
-    attributes: Mapping[str, Any] | None,
-    events: Sequence[Event],
-    status_code: int,
-    description: str | None,
-    dropped_attributes: int = 0,
-    dropped_events: int = 0,
-    dropped_links: int = 0,
-) -> bytes:
-    parts = [
-        b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big"),
-        b"\x12\x08" + ctx.span_id.to_bytes(8, "big"),
-    ]
-    if ctx.trace_state:
-        parts.append(
-            _ld(b"\x1a", ",".join(f"{k}={v}" for k, v in ctx.trace_state.items()).encode())
-        )
-    if parent is not None:
-        parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
-    parts.append(_ld(b"\x2a", name.encode()))
-    pb_kind = _PB_KIND[kind]
-    if pb_kind:
-        parts.append(b"\x30" + _SMALL[pb_kind])
-    if start_time:
-        parts.append(b"\x39" + _pack_q(start_time))
-    if end_time:
-        parts.append(b"\x41" + _pack_q(end_time))
-    parts.append(_attributes(b"\x4a", attributes))
-    if dropped_attributes:
-        parts.append(b"\x50" + _varint(dropped_attributes))
-    for e in events:
-        ev = [b"\x09" + _pack_q(e.timestamp), _ld(b"\x12", e.name.encode())]
-        ev.append(_attributes(b"\x1a", e.attributes))
-        if e.dropped_attributes:
-            ev.append(b"\x20" + _varint(e.dropped_attributes))
-        parts.append(_ld(b"\x5a", b"".join(ev)))
-    if dropped_events:
-        parts.append(b"\x60" + _varint(dropped_events))
-    if dropped_links:
-        parts.append(b"\x70" + _varint(dropped_links))
-    st = b""
-    if description:
-        st = _ld(b"\x12", description.encode())
-    if status_code:
-        st += b"\x18" + _SMALL[status_code]
-    parts.append(_ld(b"\x7a", st))
-    # flags: the context-has-is-remote bit, and is-remote when the parent came over the wire
-    remote = parent is not None and parent.is_remote
-    parts.append(b"\x85\x01" + (b"\x00\x03\x00\x00" if remote else b"\x00\x01\x00\x00"))
-    return b"".join(parts)
-
-
-_PB_KIND = {k: k.value + 1 for k in SpanKind}  # proto enum: 0 is UNSPECIFIED
-
-
-def _resource_bytes(resource: Resource) -> bytes:
-    return _attributes(b"\x0a", resource.attributes)
-
-
-def _scope_bytes(scope: InstrumentationScope | None) -> bytes:
-    if scope is None:
-        return b""
-    out = _ld(b"\x0a", scope.name.encode())
-    if scope.version:
-        out += _ld(b"\x12", scope.version.encode())
-    return out + _attributes(b"\x1a", scope.attributes)
-
-
-def encode_spans_fast(spans: Sequence[ReadableSpan]) -> bytes:
-    """An ExportTraceServiceRequest, serialized: the bytes encode_spans(spans) would give.
-
-    The SDK's encoder builds a protobuf object per attribute value (~4 µs each, ~180 µs for one
-    request's two spans here); this writes the wire format directly (~5x cheaper).
-    tests/test_telemetry_encoding.py checks it against the SDK's encoder, message for message.
-    """
-    groups: dict[tuple[int, int], tuple[Resource, InstrumentationScope | None, list[bytes]]] = {}
-    for span in spans:
-        res, scope = span.resource, span.instrumentation_scope
-        g = groups.get((id(res), id(scope)))
-        if g is None:
-            g = groups[(id(res), id(scope))] = (res, scope, [])
-        g[2].append(_ld(b"\x12", _span_bytes(span)))
-    by_resource: dict[int, tuple[Resource, list[bytes]]] = {}
-    for res, scope, encoded in groups.values():
-        scope_spans = _ld(b"\x0a", _scope_bytes(scope)) + b"".join(encoded)
-        if scope is not None and scope.schema_url:
-            scope_spans += _ld(b"\x1a", scope.schema_url.encode())
-        r = by_resource.get(id(res))
-        if r is None:
-            r = by_resource[id(res)] = (res, [])
-        r[1].append(_ld(b"\x12", scope_spans))
-    out = []
-    for res, scopes in by_resource.values():
-        body = _ld(b"\x0a", _resource_bytes(res)) + b"".join(scopes)
-        if res.schema_url:
-            body += _ld(b"\x1a", res.schema_url.encode())
-        out.append(_ld(b"\x0a", body))
-    return b"".join(out)
 
 
 Decide = Callable[[SpanContext | None, int], tuple[bool, Any]]
@@ -934,129 +638,36 @@ def _compile_sampler(sampler: Sampler) -> Decide | None:
     return None
 
 
-def _envelope(resource: Resource, scope: InstrumentationScope) -> tuple[bytes, ...]:
-    """What goes around the spans of one export, as encode_spans_fast writes it: the resource
-    field, the resource's schema_url field, the scope field, the scope's schema_url field."""
-    return (
-        _ld(b"\x0a", _resource_bytes(resource)),
-        _ld(b"\x1a", resource.schema_url.encode()) if resource.schema_url else b"",
-        _ld(b"\x0a", _scope_bytes(scope)),
-        _ld(b"\x1a", scope.schema_url.encode()) if scope.schema_url else b"",
-    )
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        value = int(os.environ.get(name, default))
-    except ValueError:
-        return default
-    return value if value > 0 else default
-
-
-class _EncodedBatcher(SpanProcessor):
-    """The BatchSpanProcessor's job for spans that arrive already encoded (see _SpanData.end).
-
-    The same OTEL_BSP_* settings and defaults (export every 5 s or at 512 spans, at most 2048
-    waiting, older ones kept when full), one daemon thread, and the export itself through the
-    SDK exporter's own HTTP client (its endpoint, headers, compression, timeout and retries).
-    """
-
-    def __init__(
-        self, exporter: SpanExporter, resource: Resource, scope: InstrumentationScope
-    ) -> None:
-        self._exporter: Any = exporter
-        self._delay_s = _env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
-        self._max_queue = _env_int("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
-        self._max_batch = min(_env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512), self._max_queue)
-        self._res, self._res_tail, self._sc, self._sc_tail = _envelope(resource, scope)
-        self._queue: deque[bytes] = deque()
-        self._dropped = 0
-        self._wake = threading.Condition()
-        self._export_lock = threading.Lock()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="warmroute-span-export", daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def can_use(exporter: SpanExporter) -> bool:
-        return (
-            hasattr(exporter, "export_encoded") and getattr(exporter, "_client", None) is not None
-        )
-
-    def add(self, span: bytes) -> None:
-        """One encoded Span (its bytes as a ScopeSpans.spans field); never blocks."""
-        queue = self._queue
-        if len(queue) >= self._max_queue or self._stopped:
-            self._dropped += 1
-            return
-        queue.append(span)
-        if len(queue) == self._max_batch:
-            with self._wake:
-                self._wake.notify()
-
-    def on_end(self, span: ReadableSpan) -> None:  # spans the SDK made, should any arrive
-        if span.context.trace_flags.sampled:
-            self.add(_ld(b"\x12", _span_bytes(span)))
-
-    def _run(self) -> None:
-        while not self._stopped:
-            with self._wake:
-                if len(self._queue) < self._max_batch and not self._stopped:
-                    self._wake.wait(self._delay_s)
-            self._drain()
-
-    def _drain(self) -> bool:
-        ok = True
-        with self._export_lock:
-            queue = self._queue
-            while queue:
-                n = min(len(queue), self._max_batch)
-                batch = [queue.popleft() for _ in range(n)]
-                ok = self._export(batch) and ok
-            if self._dropped:
-                log.warning("dropped %d spans: the export queue was full", self._dropped)
-                self._dropped = 0
-        return ok
-
-    def _export(self, batch: list[bytes]) -> bool:
-        scope_spans = _ld(b"\x12", self._sc + b"".join(batch) + self._sc_tail)
-        data = _ld(b"\x0a", self._res + scope_spans + self._res_tail)
-        try:
-            return bool(self._exporter.export_encoded(data))
-        except Exception:
-            log.exception("span export failed")
-            return False
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return self._drain()
-
-    def shutdown(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        with self._wake:
-            self._wake.notify()
-        self._thread.join()
-        self._drain()
-        self._exporter.shutdown()
-
-
 _FLAGS = [TraceFlags(f) for f in range(4)]  # sampled x random-trace-id: built once
 _NO_ATTRS: dict[str, Any] = {}  # a non-recording span's (never written: writers check recording)
 
 
 class _SpanData:
-    """A span under construction: plain data until it ends, then one ReadableSpan.
+    """A span under construction: plain data until it ends.
 
     The SDK's Span costs ~40-60 µs per request here (a lock and a value check per attribute,
     processors called on start), more than the rest of telemetry together. Spans are built the
-    way Tracer.start_span builds them (same sampler, id generator, flags and trace state), kept
-    as a dict, and handed to the span processors as a ReadableSpan when they end. Attribute
-    values are written in the SDK's cleaned form (sequences as tuples) and stay far under its
-    default limits (128 attributes, 128 events).
+    way Tracer.start_span builds them (same sampler, id generator, flags and trace state).
+    Attributes go either into a dict, handed to the span processors in a ReadableSpan when the
+    span ends, or, with the OTLP/HTTP exporter, straight into their protobuf fields (`enc`),
+    and the span's bytes go to the export queue. Attribute values are written in the SDK's
+    cleaned form (sequences as tuples) and stay far under its default limits.
     """
 
-    __slots__ = ("attrs", "ctx", "kind", "name", "parent", "recording", "start_ns")
+    __slots__ = (
+        "_ctx",
+        "attrs",
+        "enc",
+        "flags",
+        "kind",
+        "name",
+        "parent",
+        "recording",
+        "span_id",
+        "start_ns",
+        "trace_id",
+        "trace_state",
+    )
 
     def __init__(
         self,
@@ -1090,17 +701,47 @@ class _SpanData:
             flags = random_flag
             trace_state = parent.trace_state if parent is not None else None
             self.attrs = _NO_ATTRS
-        self.ctx = SpanContext(
-            trace_id,
-            tel._ids.generate_span_id(),
-            is_remote=False,
-            trace_flags=_FLAGS[flags] if flags < 4 else TraceFlags(flags),
-            trace_state=trace_state,
-        )
+        self.trace_id = trace_id
+        self.span_id = tel._ids.generate_span_id()
+        self.flags = flags
+        self.trace_state = trace_state
+        self._ctx: SpanContext | None = None
+        self.enc: list[bytes] | None = None
         self.name = name
         self.kind = kind
         self.parent = parent
         self.start_ns = start_ns
+
+    @classmethod
+    def untraced_child(cls, tel: Telemetry, parent: _SpanData, kind: SpanKind) -> _SpanData:
+        """A child span when nothing is traced: ids and flags to propagate, nothing else."""
+        span = cls.__new__(cls)
+        span.trace_id = parent.trace_id
+        span.span_id = tel._ids.generate_span_id()
+        span.flags = parent.flags & _RANDOM_TRACE_ID
+        span.trace_state = parent.trace_state
+        span.recording = False
+        span.attrs = _NO_ATTRS
+        span.enc = span._ctx = span.parent = None
+        span.name = parent.name
+        span.kind = kind
+        span.start_ns = 0
+        return span
+
+    @property
+    def ctx(self) -> SpanContext:
+        """The SpanContext (built on first use: unsampled requests mostly never need one)."""
+        ctx = self._ctx
+        if ctx is None:
+            f = self.flags
+            ctx = self._ctx = SpanContext(
+                self.trace_id,
+                self.span_id,
+                is_remote=False,
+                trace_flags=_FLAGS[f] if f < 4 else TraceFlags(f),
+                trace_state=self.trace_state,
+            )
+        return ctx
 
     def context(self) -> Context:
         """An OTel Context with this span current (for a child's sampler)."""
@@ -1111,26 +752,28 @@ class _SpanData:
         tel: Telemetry,
         end_ns: int,
         error: str | None = None,
-        events: Sequence[Event] = (),
+        events: bytes | Sequence[Event] = (),
     ) -> None:
+        """Hand the span on; `events` are Span.events fields (bytes) for an encoded span."""
         if not self.recording:
             return
-        sink = tel._sink
-        if sink is not None:
-            code = 0 if error is None else StatusCode.ERROR.value
-            body = _span_message(
-                self.ctx,
+        enc, sink = self.enc, tel._sink
+        if enc is not None and sink is not None:
+            body = otlp.span_message(
+                self.trace_id,
+                self.span_id,
+                self.trace_state,
                 self.parent,
-                self.name,
+                otlp.name_field(self.name),
                 self.kind,
                 self.start_ns,
                 end_ns,
-                self.attrs,
-                events,
-                code,
+                b"".join(enc),
+                events if type(events) is bytes else otlp.events_bytes(events),  # type: ignore[arg-type]
+                0 if error is None else StatusCode.ERROR.value,
                 error,
             )
-            sink.add(_ld(b"\x12", body))
+            sink.add(otlp.ld(b"\x12", body))
             return
         status = _UNSET if error is None else Status(StatusCode.ERROR, error)
         span = ReadableSpan(
@@ -1139,7 +782,7 @@ class _SpanData:
             parent=self.parent,
             resource=tel._resource,
             attributes=self.attrs,
-            events=tuple(events),
+            events=tuple(events),  # type: ignore[arg-type]
             kind=self.kind,
             status=status,
             start_time=self.start_ns,
@@ -1148,6 +791,86 @@ class _SpanData:
         )
         for p in tel._processors:
             p.on_end(span)
+
+
+# Span attributes written straight into protobuf (see _SpanData.enc): one AttrKey per key.
+_K = {
+    name: otlp.AttrKey(name)
+    for name in (
+        "error.type",
+        "gen_ai.request.choice.count",
+        "gen_ai.request.stop_sequences",
+        "gen_ai.response.finish_reasons",
+        "gen_ai.response.id",
+        "gen_ai.response.model",
+        "gen_ai.response.time_to_first_chunk",
+        "gen_ai.usage.cache_read.input_tokens",
+        "gen_ai.usage.input_tokens",
+        "gen_ai.usage.output_tokens",
+        "http.response.status_code",
+        "openai.api.type",
+        "warmroute.attempt",
+        "warmroute.backend",
+        "warmroute.cancelled",
+        "warmroute.chunks",
+        "warmroute.e2e_s",
+        "warmroute.events",
+        "warmroute.itl.max_s",
+        "warmroute.itl.p50_s",
+        "warmroute.itl.p99_s",
+        "warmroute.prefix.observed_hit_ratio",
+        "warmroute.prefix.predicted_hit_ratio",
+        "warmroute.proxy.overhead_s",
+        "warmroute.request.id",
+        "warmroute.route.backend",
+        "warmroute.route.candidates",
+        "warmroute.route.decision_ms",
+        "warmroute.route.filtered_out",
+        "warmroute.route.matched_blocks",
+        "warmroute.route.matched_chars",
+        "warmroute.route.prefix_blocks",
+        "warmroute.route.retries",
+        "warmroute.route.score",
+        "warmroute.tpot_s",
+        "warmroute.upstream.time_to_first_chunk",
+        *{name for _, name in _PARAMS},
+        *(f"warmroute.request.{key}" for key in _CONTENT_KEYS),
+    )
+}
+_TTFC_EVENT_KEY = otlp.AttrKey("gen_ai.response.time_to_first_chunk", b"\x1a")
+_FIRST_TOKEN = otlp.ld(b"\x12", b"first_token")  # Event.name
+_NO_RESPONSE_REASONS = {
+    r: _K["gen_ai.response.finish_reasons"].new((r,)) for r in ("cancelled", "error")
+}
+
+
+def _bounded(cache: dict[Any, bytes], key: Any, value: bytes) -> bytes:
+    if len(cache) >= 1024:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def _strings_field(cache: dict[Any, bytes], k: otlp.AttrKey, values: tuple[Any, ...]) -> bytes:
+    """The field of a tuple attribute, cached by value when every item is a str."""
+    b = cache.get(values)
+    if b is None:
+        b = k.new(values)
+        if all(type(x) is str for x in values):  # (1,) == (True,): only str tuples are cached
+            _bounded(cache, values, b)
+    return b
+
+
+class _Encoded:
+    """Caches of encoded attribute groups whose values repeat across requests."""
+
+    heads: dict[tuple[Any, ...], bytes] = {}  # operation, provider, model, stream
+    routes: dict[tuple[Any, ...], bytes] = {}  # policy, reason
+    candidates: dict[tuple[Any, ...], bytes] = {}
+    reasons: dict[tuple[Any, ...], bytes] = {}  # finish reasons
+    servers: dict[tuple[Any, ...], bytes] = {}  # server.address, server.port
+    attempts: dict[tuple[Any, ...], bytes] = {}  # a CLIENT span's attributes at start
+    scores: dict[str, otlp.AttrKey] = {}
 
 
 class AttemptRecord:
@@ -1163,11 +886,11 @@ class AttemptRecord:
 
     def inject_headers(self, headers: dict[str, str]) -> None:
         """Add this attempt's W3C traceparent (and tracestate) to the upstream request."""
-        ctx = self.span.ctx
+        span = self.span
         # What TraceContextTextMapPropagator.inject writes for a valid span context.
-        headers["traceparent"] = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
-        if ctx.trace_state:
-            headers["tracestate"] = ctx.trace_state.to_header()
+        headers["traceparent"] = f"00-{span.trace_id:032x}-{span.span_id:016x}-{span.flags:02x}"
+        if span.trace_state:
+            headers["tracestate"] = span.trace_state.to_header()
 
     def fail(self, error_type: str, status: int | None = None) -> None:
         """The attempt failed (connect error, 5xx before the first byte...): end it as error."""
@@ -1177,33 +900,37 @@ class AttemptRecord:
         span = self.span
         tel = self.record.tel
         if span.recording:
-            span.attrs["error.type"] = error_type
-            if status is not None:
-                span.attrs["http.response.status_code"] = status
-            span.end(tel, time.time_ns(), error_type)
+            if span.enc is not None:
+                span.enc.append(_K["error.type"].any(error_type))
+                if status is not None:
+                    span.enc.append(_K["http.response.status_code"].any(status))
+                span.end(tel, time.time_ns(), error_type, b"")
+            else:
+                span.attrs["error.type"] = error_type
+                if status is not None:
+                    span.attrs["http.response.status_code"] = status
+                span.end(tel, time.time_ns(), error_type)
         with tel._lock:
             tel.c_errors.add((self.backend, error_type))
 
 
-class _Labels:
-    """Metric attribute sets (and their point keys) of one (operation, model, backend) series.
+# The histogram points a series records into, by index in _Labels.points.
+(_DURATION, _TTFC, _TPOC, _OVERHEAD, _TTFT, _FORWARD, _TPOT) = range(7)
+(_TOK_IN, _TOK_OUT, _CACHED, _HIT_ACTUAL, _HIT_PREDICTED) = range(7, 12)
 
-    Built once per series and cached, so recording a request's metrics allocates no dicts.
+
+class _Labels:
+    """Metric attribute sets (and their points) of one (operation, model, backend) series.
+
+    Built once per series and cached, so recording a request's metrics allocates no dicts and
+    looks up no keys: each histogram's point of the series is kept here once it exists.
     """
 
-    __slots__ = (
-        "attrs",
-        "b_attrs",
-        "b_key",
-        "errors",
-        "hit_actual",
-        "hit_predicted",
-        "key",
-        "tok_in",
-        "tok_out",
-    )
+    __slots__ = ("attrs", "errors", "key", "points", "specs")
 
-    def __init__(self, op: str, model: str, address: str, port: int, backend: str) -> None:
+    def __init__(
+        self, tel: Telemetry, op: str, model: str, address: str, port: int, backend: str
+    ) -> None:
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": op,
             "gen_ai.provider.name": PROVIDER,
@@ -1215,27 +942,51 @@ class _Labels:
             attrs["server.port"] = port
         key = (op, model, address, port)
         self.attrs, self.key = attrs, key
-        self.tok_in = ({**attrs, "gen_ai.token.type": "input"}, (*key, "input"))
-        self.tok_out = ({**attrs, "gen_ai.token.type": "output"}, (*key, "output"))
         b_attrs = {"warmroute.backend": backend, "gen_ai.request.model": model}
-        self.b_attrs, self.b_key = b_attrs, (backend, model)
-        self.hit_actual = (
-            {**b_attrs, "warmroute.prefix.source": "actual"},
-            (backend, model, "actual"),
+        b_key = (backend, model)
+        series = (attrs, key)
+        # (histogram, attributes, point key) per index; points made on first use, so that a
+        # series shows only what it recorded
+        self.specs: tuple[tuple[_Histogram, dict[str, Any], tuple[Any, ...]], ...] = (
+            (tel.h_duration, *series),
+            (tel.h_ttfc, *series),
+            (tel.h_tpoc, *series),
+            (tel.h_overhead, *series),
+            (tel.h_ttft, *series),
+            (tel.h_forward, *series),
+            (tel.h_tpot, *series),
+            (tel.h_tokens, {**attrs, "gen_ai.token.type": "input"}, (*key, "input")),
+            (tel.h_tokens, {**attrs, "gen_ai.token.type": "output"}, (*key, "output")),
+            (tel.h_cached, b_attrs, b_key),
+            (
+                tel.h_hit,
+                {**b_attrs, "warmroute.prefix.source": "actual"},
+                (backend, model, "actual"),
+            ),
+            (
+                tel.h_hit,
+                {**b_attrs, "warmroute.prefix.source": "predicted"},
+                (backend, model, "predicted"),
+            ),
         )
-        self.hit_predicted = (
-            {**b_attrs, "warmroute.prefix.source": "predicted"},
-            (backend, model, "predicted"),
-        )
-        self.errors: dict[str, tuple[dict[str, Any], tuple[Any, ...]]] = {}
+        self.points: list[_Point | None] = [None] * len(self.specs)
+        self.errors: dict[str, _Point] = {}
 
-    def with_error(self, err: str) -> tuple[dict[str, Any], tuple[Any, ...]]:
-        v = self.errors.get(err)
-        if v is None:
-            v = ({**self.attrs, "error.type": err}, (*self.key, err))
+    def point(self, i: int) -> _Point:
+        p = self.points[i]
+        if p is None:
+            h, attrs, key = self.specs[i]
+            p = self.points[i] = h.point(attrs, key)
+        return p
+
+    def duration_with_error(self, err: str) -> _Point:
+        p = self.errors.get(err)
+        if p is None:
+            h = self.specs[_DURATION][0]
+            p = h.point({**self.attrs, "error.type": err}, (*self.key, err))
             if len(self.errors) < 256:  # error.type is low-cardinality; bound it anyway
-                self.errors[err] = v
-        return v
+                self.errors[err] = p
+        return p
 
 
 class RequestRecord:
@@ -1285,7 +1036,7 @@ class RequestRecord:
             ctx = trace.get_current_span(parent_context).get_span_context()
             parent = ctx if ctx.is_valid else None
         self.name = f"{op} {model}" if model else op
-        self.span = _SpanData(
+        self.span = span = _SpanData(
             tel,
             self.name,
             SpanKind.SERVER,
@@ -1294,8 +1045,14 @@ class RequestRecord:
             attrs,
             _epoch_ns(t0, self.anchor),
         )
-        if lazy and self.span.recording:
-            self.span.attrs = self._request_attributes(request_id, params)
+        if span.recording:
+            if tel._sink is None:
+                if lazy:
+                    span.attrs = self._request_attributes(request_id, params)
+            elif lazy:
+                span.enc = [self._request_fields(request_id, params)]
+            else:  # a plugin sampler saw (and may have added to) the attributes
+                span.enc = [otlp.attributes(otlp.ATTR, span.attrs)]
 
     def _base(self) -> dict[str, Any]:
         base: dict[str, Any] = {"gen_ai.operation.name": self.op, "gen_ai.provider.name": PROVIDER}
@@ -1327,37 +1084,57 @@ class RequestRecord:
                     attrs[f"warmroute.request.{key}"] = orjson.dumps(params[key]).decode()
         return attrs
 
+    def _request_fields(self, request_id: str, params: Mapping[str, Any]) -> bytes:
+        """_request_attributes(), encoded (tests/test_telemetry_encoding.py: the same bytes)."""
+        try:
+            # cached only for exact types: True == 1 and hash alike but encode differently
+            exact = type(self.stream) is bool and (self.model is None or type(self.model) is str)
+            hk = (self.op, self.model, self.stream)
+            head = _Encoded.heads.get(hk) if exact else None
+            if head is None:
+                attrs = self._base()
+                attrs["gen_ai.request.stream"] = self.stream
+                head = otlp.attributes(otlp.ATTR, attrs)
+                if exact:
+                    _bounded(_Encoded.heads, hk, head)
+            out = [head, _K["warmroute.request.id"].new(request_id)]
+            if self.api in API_TYPE:
+                out.append(_K["openai.api.type"].s(API_TYPE[self.api]))
+            done = None
+            for key, name in _PARAMS:
+                v = params.get(key)
+                if isinstance(v, int | float) and not isinstance(v, bool) and name != done:
+                    out.append(_K[name].any(v))
+                    done = name  # max_tokens and its aliases are adjacent in _PARAMS
+            n = params.get("n")
+            if isinstance(n, int) and n != 1:
+                out.append(_K["gen_ai.request.choice.count"].any(n))
+            stop = params.get("stop")
+            if isinstance(stop, str):
+                out.append(_K["gen_ai.request.stop_sequences"].new((stop,)))
+            elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+                out.append(_K["gen_ai.request.stop_sequences"].new(tuple(stop)))
+            if self.tel.cfg.capture_content:
+                for key in _CONTENT_KEYS:
+                    if key in params:
+                        value = orjson.dumps(params[key]).decode()
+                        out.append(_K[f"warmroute.request.{key}"].new(value))
+            return b"".join(out)
+        except (TypeError, ValueError, UnicodeError):  # what the dict path leaves out, logged
+            return otlp.attributes(otlp.ATTR, self._request_attributes(request_id, params))
+
     def set_decision(self, decision: Decision) -> None:
         """Record the routing decision as warmroute.route.* attributes."""
         self.decision = decision
-        if not self.span.recording:
+        span = self.span
+        if not span.recording:
             return
-        winner = decision.winner
-        attrs = self.span.attrs
-        attrs["warmroute.route.policy"] = decision.policy
-        attrs["warmroute.route.reason"] = decision.reason
-        attrs["warmroute.route.decision_ms"] = round(decision.decision_s * 1000, 4)
-        attrs["warmroute.route.candidates"] = tuple(decision.ranking[:16])
-        attrs["warmroute.route.prefix_blocks"] = decision.prefix_blocks
-        if decision.filtered_out:
-            attrs["warmroute.route.filtered_out"] = tuple(
-                f"{k}: {v}" for k, v in list(decision.filtered_out.items())[:16]
-            )
-        if winner is not None:
-            attrs["warmroute.route.backend"] = winner
-            if winner in decision.totals:
-                attrs["warmroute.route.score"] = decision.totals[winner]
-            for scorer, value in decision.scores.get(winner, {}).items():
-                attrs[f"warmroute.route.score.{scorer}"] = value
-            matched = decision.matched_blocks.get(winner, 0)
-            attrs["warmroute.route.matched_blocks"] = matched
-            block_chars: int = getattr(decision, "block_chars", 0)
-            prompt_chars: int = getattr(decision, "prompt_chars", 0)
-            if block_chars:
-                attrs["warmroute.route.matched_chars"] = matched * block_chars
-                if prompt_chars:
-                    ratio = min(1.0, matched * block_chars / prompt_chars)
-                    attrs["warmroute.prefix.predicted_hit_ratio"] = ratio
+        if span.enc is not None:
+            # (a second decision replaces the first, where the dict path merges them)
+            del span.enc[1:]
+            span.enc.append(_decision_fields(decision))
+        else:
+            span.attrs.update(_decision_attributes(decision))
 
     def attempt(self, *, backend: str, address: str, port: int, attempt: int) -> AttemptRecord:
         """Open the CLIENT span of one upstream attempt (attempt numbers start at 1)."""
@@ -1365,23 +1142,35 @@ class RequestRecord:
         for prev in self.attempts:
             if not prev.ended:  # the caller moved on without fail(): it did fail
                 prev.fail("_OTHER")
-        attrs = None
-        if self.span.recording:
-            attrs = self._base()
-            attrs["server.address"] = address
-            attrs["server.port"] = port
-            attrs["warmroute.backend"] = backend
-            attrs["warmroute.attempt"] = attempt
         server = self.span
-        span = _SpanData(
-            tel,
-            self.name,
-            SpanKind.CLIENT,
-            server.ctx,
-            server.context() if tel._tracing and tel._decide is None else None,
-            attrs,
-            time.time_ns(),
-        )
+        if not tel._tracing:
+            span = _SpanData.untraced_child(tel, server, SpanKind.CLIENT)
+        else:
+            attrs = None
+            if server.recording:
+                attrs = self._base()
+                attrs["server.address"] = address
+                attrs["server.port"] = port
+                attrs["warmroute.backend"] = backend
+                attrs["warmroute.attempt"] = attempt
+            span = _SpanData(
+                tel,
+                self.name,
+                SpanKind.CLIENT,
+                server.ctx,
+                server.context() if tel._decide is None else None,
+                attrs,
+                time.time_ns(),
+            )
+            if span.recording and tel._sink is not None:
+                key = (self.op, self.model, address, port, backend, attempt)
+                exact = type(port) is int and type(attempt) is int
+                b = _Encoded.attempts.get(key) if exact else None
+                if b is None:
+                    b = otlp.attributes(otlp.ATTR, span.attrs)
+                    if exact and all(type(x) is str for x in (self.model or "", address, backend)):
+                        _bounded(_Encoded.attempts, key, b)
+                span.enc = [b]
         rec = AttemptRecord(self, span, backend)
         self.attempts.append(rec)
         self.backend = (backend, address, port)
@@ -1411,72 +1200,136 @@ class RequestRecord:
         if backend:
             name = backend
         tel = self.tel
-        if span.recording:
-            attrs = span.attrs
-            attrs["http.response.status_code"] = status
-            if name:
-                attrs["warmroute.backend"] = name
-            if address:
-                attrs["server.address"] = address
-                attrs["server.port"] = port
-            if len(self.attempts) > 1:
-                attrs["warmroute.route.retries"] = len(self.attempts) - 1
-            if err is not None:
-                attrs["error.type"] = err
-            if facts is not None:
-                self._fact_attributes(facts, attrs)
-            else:
-                if err is not None:
-                    # No response reached the client: still findable by finish reason, like a
-                    # broken stream.
-                    attrs["gen_ai.response.finish_reasons"] = (
-                        "cancelled" if err == "cancelled" else "error",
-                    )
+        itl = sorted(facts.itl_s) if facts is not None and facts.itl_s else None
         for a in self.attempts:
             if not a.ended:  # the attempt that carried the response ends with it
                 a.ended = True
-                if err is not None and a.span.recording:
-                    a.span.attrs["error.type"] = err
-                a.span.end(tel, end_ns, err)
+                s = a.span
+                if err is not None and s.recording:
+                    if s.enc is not None:
+                        s.enc.append(_K["error.type"].any(err))
+                    else:
+                        s.attrs["error.type"] = err
+                s.end(tel, end_ns, err, b"" if s.enc is not None else ())
         if span.recording:
-            events = self._events(facts) if facts is not None else ()
+            if span.enc is not None:
+                span.enc.append(self._finish_fields(facts, status, err, name, address, port, itl))
+                events: bytes | list[Event] = b""
+                if facts is not None:
+                    events = self._event_fields(facts)
+            else:
+                span.attrs.update(
+                    self._finish_attributes(facts, status, err, name, address, port, itl)
+                )
+                events = self._events(facts) if facts is not None else []
             span.end(tel, end_ns, err, events)
-        self._record_metrics(facts, err, name, address, port, now)
+        self._record_metrics(facts, err, name, address, port, now, itl)
 
-    def _fact_attributes(self, f: StreamFacts, a: dict[str, Any]) -> None:
-        a["gen_ai.response.finish_reasons"] = tuple(f.finish_reasons)
-        if f.response_id is not None:
-            a["gen_ai.response.id"] = f.response_id
-        if f.response_model is not None:
-            a["gen_ai.response.model"] = f.response_model
-        if f.input_tokens is not None:
-            a["gen_ai.usage.input_tokens"] = f.input_tokens
-        if f.output_tokens is not None:
-            a["gen_ai.usage.output_tokens"] = f.output_tokens
-        if f.cached_tokens is not None:
-            a["gen_ai.usage.cache_read.input_tokens"] = f.cached_tokens
-            if f.input_tokens:
-                a["warmroute.prefix.observed_hit_ratio"] = f.cached_tokens / f.input_tokens
-        if f.ttft_s is not None:
-            a["gen_ai.response.time_to_first_chunk"] = f.ttft_s
-        if f.upstream_ttft_s is not None:
-            a["warmroute.upstream.time_to_first_chunk"] = f.upstream_ttft_s
+    def _finish_attributes(
+        self,
+        facts: StreamFacts | None,
+        status: int,
+        err: str | None,
+        name: str,
+        address: str,
+        port: int,
+        itl: list[float] | None,
+    ) -> dict[str, Any]:
+        attrs: dict[str, Any] = {"http.response.status_code": status}
+        if name:
+            attrs["warmroute.backend"] = name
+        if address:
+            attrs["server.address"] = address
+            attrs["server.port"] = port
+        if len(self.attempts) > 1:
+            attrs["warmroute.route.retries"] = len(self.attempts) - 1
+        if err is not None:
+            attrs["error.type"] = err
+        if facts is not None:
+            _fact_attributes(facts, self.stream, itl, attrs)
+        elif err is not None:
+            # No response reached the client: still findable by finish reason, like a broken
+            # stream.
+            attrs["gen_ai.response.finish_reasons"] = (
+                "cancelled" if err == "cancelled" else "error",
+            )
+        return attrs
+
+    def _finish_fields(
+        self,
+        f: StreamFacts | None,
+        status: int,
+        err: str | None,
+        name: str,
+        address: str,
+        port: int,
+        itl: list[float] | None,
+    ) -> bytes:
+        """_finish_attributes(), encoded (tests/test_telemetry_encoding.py: the same bytes)."""
+        try:
+            out = [_K["http.response.status_code"].any(status)]
+            if name:
+                out.append(_K["warmroute.backend"].any(name))
+            if address:
+                sk = (address, port)
+                exact = type(port) is int and type(address) is str
+                b = _Encoded.servers.get(sk) if exact else None
+                if b is None:
+                    b = otlp.attributes(otlp.ATTR, {"server.address": address, "server.port": port})
+                    if exact:
+                        _bounded(_Encoded.servers, sk, b)
+                out.append(b)
+            if len(self.attempts) > 1:
+                out.append(_K["warmroute.route.retries"].i(len(self.attempts) - 1))
+            if err is not None:
+                out.append(_K["error.type"].any(err))
+            if f is None:
+                if err is not None:
+                    out.append(_NO_RESPONSE_REASONS["cancelled" if err == "cancelled" else "error"])
+                return b"".join(out)
+            k = _K
+            out.append(
+                _strings_field(
+                    _Encoded.reasons, k["gen_ai.response.finish_reasons"], tuple(f.finish_reasons)
+                )
+            )
+            if f.response_id is not None:
+                out.append(k["gen_ai.response.id"].any(f.response_id))
+            if f.response_model is not None:
+                out.append(k["gen_ai.response.model"].any(f.response_model))
+            if f.input_tokens is not None:
+                out.append(k["gen_ai.usage.input_tokens"].any(f.input_tokens))
+            if f.output_tokens is not None:
+                out.append(k["gen_ai.usage.output_tokens"].any(f.output_tokens))
+            if f.cached_tokens is not None:
+                out.append(k["gen_ai.usage.cache_read.input_tokens"].any(f.cached_tokens))
+                if f.input_tokens:
+                    ratio = f.cached_tokens / f.input_tokens
+                    out.append(k["warmroute.prefix.observed_hit_ratio"].any(ratio))
             if f.ttft_s is not None:
-                a["warmroute.proxy.overhead_s"] = f.ttft_s - f.upstream_ttft_s
-        if f.tpot_s is not None:
-            a["warmroute.tpot_s"] = f.tpot_s
-        if f.e2e_s is not None:
-            a["warmroute.e2e_s"] = f.e2e_s
-        if self.stream:
-            a["warmroute.chunks"] = f.chunks
-            a["warmroute.events"] = f.events
-        if f.itl_s:
-            s = sorted(f.itl_s)
-            a["warmroute.itl.p50_s"] = _percentile(s, 0.5)
-            a["warmroute.itl.p99_s"] = _percentile(s, 0.99)
-            a["warmroute.itl.max_s"] = s[-1]
-        if f.cancelled:
-            a["warmroute.cancelled"] = True
+                out.append(k["gen_ai.response.time_to_first_chunk"].any(f.ttft_s))
+            if f.upstream_ttft_s is not None:
+                out.append(k["warmroute.upstream.time_to_first_chunk"].any(f.upstream_ttft_s))
+                if f.ttft_s is not None:
+                    overhead = f.ttft_s - f.upstream_ttft_s
+                    out.append(k["warmroute.proxy.overhead_s"].any(overhead))
+            if f.tpot_s is not None:
+                out.append(k["warmroute.tpot_s"].any(f.tpot_s))
+            if f.e2e_s is not None:
+                out.append(k["warmroute.e2e_s"].any(f.e2e_s))
+            if self.stream:
+                out.append(k["warmroute.chunks"].any(f.chunks))
+                out.append(k["warmroute.events"].any(f.events))
+            if itl:
+                out.append(k["warmroute.itl.p50_s"].any(_percentile(itl, 0.5)))
+                out.append(k["warmroute.itl.p99_s"].any(_percentile(itl, 0.99)))
+                out.append(k["warmroute.itl.max_s"].any(itl[-1]))
+            if f.cancelled:
+                out.append(k["warmroute.cancelled"].new(True))
+            return b"".join(out)
+        except (TypeError, ValueError, UnicodeError):  # what the dict path leaves out, logged
+            attrs = self._finish_attributes(f, status, err, name, address, port, itl)
+            return otlp.attributes(otlp.ATTR, attrs)
 
     def _events(self, f: StreamFacts) -> list[Event]:
         """first_token and, per cfg.chunk_events, chunk events (capped: never one per chunk)."""
@@ -1515,6 +1368,17 @@ class RequestRecord:
             )
         return out
 
+    def _event_fields(self, f: StreamFacts) -> bytes:
+        """_events(), encoded: the default ("first") without building Event objects."""
+        if self.tel.cfg.chunk_events != "first" or f.first_output_at is None:
+            return otlp.events_bytes(self._events(f))
+        ttft = f.ttft_s or 0.0
+        if type(ttft) is not float:
+            return otlp.events_bytes(self._events(f))
+        t = _epoch_ns(f.first_output_at, self.anchor)
+        body = b"\x09" + otlp.pack_q(t) + _FIRST_TOKEN + _TTFC_EVENT_KEY.f(ttft)
+        return otlp.ld(b"\x5a", body)
+
     def _record_metrics(
         self,
         f: StreamFacts | None,
@@ -1523,52 +1387,173 @@ class RequestRecord:
         address: str,
         port: int,
         now: float,
+        itl: list[float] | None,
     ) -> None:
         tel = self.tel
         model = self.model or ""
         series = (self.op, model, address, port, backend)
         lab = tel._labels.get(series)
         if lab is None:
-            lab = _Labels(self.op, model, address, port, backend)
+            with tel._lock:
+                lab = _Labels(tel, self.op, model, address, port, backend)
             if len(tel._labels) < 10_000:  # models and backends are few; bound it anyway
                 tel._labels[series] = lab
-        attrs, key = lab.attrs, lab.key
-        ctx = self.span.ctx
-        ex = (ctx.trace_id, ctx.span_id, time.time_ns()) if ctx.trace_flags.sampled else None
-        d_attrs, d_key = (attrs, key) if err is None else lab.with_error(err)
+        span = self.span
+        ex = (span.trace_id, span.span_id, time.time_ns()) if span.flags & 1 else None
         duration = f.e2e_s if f is not None and f.e2e_s is not None else now - self.t0
+        point = lab.point
         with tel._lock:
-            tel.h_duration.record1(duration, d_attrs, d_key, ex)
+            (point(_DURATION) if err is None else lab.duration_with_error(err)).add(duration, ex)
             if f is None:
                 return
             if f.ttft_s is not None:
-                tel.h_ttfc.record1(f.ttft_s, attrs, key, ex)
-                if f.itl_s:
-                    tel.h_tpoc.record(f.itl_s, attrs, key, ex)
+                point(_TTFC).add(f.ttft_s, ex)
+                if itl:
+                    point(_TPOC).add_sorted(itl, sum(f.itl_s), ex)
                 if f.upstream_ttft_s is not None:
-                    tel.h_overhead.record1(f.ttft_s - f.upstream_ttft_s, attrs, key, ex)
+                    point(_OVERHEAD).add(f.ttft_s - f.upstream_ttft_s, ex)
                 if err is None:
-                    tel.h_ttft.record1(f.ttft_s, attrs, key, ex)
+                    point(_TTFT).add(f.ttft_s, ex)
             if f.forward_s:
-                tel.h_forward.record(f.forward_s, attrs, key, ex)
+                point(_FORWARD).add_sorted(sorted(f.forward_s), sum(f.forward_s), ex)
             if err is None and f.tpot_s is not None:
-                tel.h_tpot.record1(f.tpot_s, attrs, key, ex)
+                point(_TPOT).add(f.tpot_s, ex)
             if f.input_tokens is not None:
-                tel.h_tokens.record1(f.input_tokens, *lab.tok_in, ex)
+                point(_TOK_IN).add(f.input_tokens, ex)
             if f.output_tokens is not None:
-                tel.h_tokens.record1(f.output_tokens, *lab.tok_out, ex)
+                point(_TOK_OUT).add(f.output_tokens, ex)
             if f.cached_tokens is not None:
-                tel.h_cached.record1(f.cached_tokens, lab.b_attrs, lab.b_key, ex)
+                point(_CACHED).add(f.cached_tokens, ex)
                 if f.input_tokens:
-                    ratio = min(1.0, f.cached_tokens / f.input_tokens)
-                    tel.h_hit.record1(ratio, *lab.hit_actual, ex)
+                    point(_HIT_ACTUAL).add(min(1.0, f.cached_tokens / f.input_tokens), ex)
             d = self.decision
             prompt_chars: int = getattr(d, "prompt_chars", 0)
             if d is not None and backend and prompt_chars:
                 # predicted for the backend that served it (a retry may have moved it)
                 block_chars: int = getattr(d, "block_chars", 0)
                 ratio = min(1.0, d.matched_blocks.get(backend, 0) * block_chars / prompt_chars)
-                tel.h_hit.record1(ratio, *lab.hit_predicted, ex)
+                point(_HIT_PREDICTED).add(ratio, ex)
+
+
+def _fact_attributes(
+    f: StreamFacts, stream: bool, itl: list[float] | None, a: dict[str, Any]
+) -> None:
+    a["gen_ai.response.finish_reasons"] = tuple(f.finish_reasons)
+    if f.response_id is not None:
+        a["gen_ai.response.id"] = f.response_id
+    if f.response_model is not None:
+        a["gen_ai.response.model"] = f.response_model
+    if f.input_tokens is not None:
+        a["gen_ai.usage.input_tokens"] = f.input_tokens
+    if f.output_tokens is not None:
+        a["gen_ai.usage.output_tokens"] = f.output_tokens
+    if f.cached_tokens is not None:
+        a["gen_ai.usage.cache_read.input_tokens"] = f.cached_tokens
+        if f.input_tokens:
+            a["warmroute.prefix.observed_hit_ratio"] = f.cached_tokens / f.input_tokens
+    if f.ttft_s is not None:
+        a["gen_ai.response.time_to_first_chunk"] = f.ttft_s
+    if f.upstream_ttft_s is not None:
+        a["warmroute.upstream.time_to_first_chunk"] = f.upstream_ttft_s
+        if f.ttft_s is not None:
+            a["warmroute.proxy.overhead_s"] = f.ttft_s - f.upstream_ttft_s
+    if f.tpot_s is not None:
+        a["warmroute.tpot_s"] = f.tpot_s
+    if f.e2e_s is not None:
+        a["warmroute.e2e_s"] = f.e2e_s
+    if stream:
+        a["warmroute.chunks"] = f.chunks
+        a["warmroute.events"] = f.events
+    if itl:  # sorted
+        a["warmroute.itl.p50_s"] = _percentile(itl, 0.5)
+        a["warmroute.itl.p99_s"] = _percentile(itl, 0.99)
+        a["warmroute.itl.max_s"] = itl[-1]
+    if f.cancelled:
+        a["warmroute.cancelled"] = True
+
+
+def _decision_attributes(decision: Decision) -> dict[str, Any]:
+    """The routing decision as warmroute.route.* span attributes."""
+    winner = decision.winner
+    attrs: dict[str, Any] = {
+        "warmroute.route.policy": decision.policy,
+        "warmroute.route.reason": decision.reason,
+        "warmroute.route.decision_ms": round(decision.decision_s * 1000, 4),
+        "warmroute.route.candidates": tuple(decision.ranking[:16]),
+        "warmroute.route.prefix_blocks": decision.prefix_blocks,
+    }
+    if decision.filtered_out:
+        attrs["warmroute.route.filtered_out"] = tuple(
+            f"{k}: {v}" for k, v in list(decision.filtered_out.items())[:16]
+        )
+    if winner is not None:
+        attrs["warmroute.route.backend"] = winner
+        if winner in decision.totals:
+            attrs["warmroute.route.score"] = decision.totals[winner]
+        for scorer, value in decision.scores.get(winner, {}).items():
+            attrs[f"warmroute.route.score.{scorer}"] = value
+        matched = decision.matched_blocks.get(winner, 0)
+        attrs["warmroute.route.matched_blocks"] = matched
+        block_chars: int = getattr(decision, "block_chars", 0)
+        prompt_chars: int = getattr(decision, "prompt_chars", 0)
+        if block_chars:
+            attrs["warmroute.route.matched_chars"] = matched * block_chars
+            if prompt_chars:
+                ratio = min(1.0, matched * block_chars / prompt_chars)
+                attrs["warmroute.prefix.predicted_hit_ratio"] = ratio
+    return attrs
+
+
+def _decision_fields(decision: Decision) -> bytes:
+    """_decision_attributes(), encoded (tests/test_telemetry_encoding.py: the same bytes)."""
+    try:
+        k = _K
+        rk = (decision.policy, decision.reason)
+        exact = type(rk[0]) is str and type(rk[1]) is str
+        head = _Encoded.routes.get(rk) if exact else None
+        if head is None:
+            attrs = {"warmroute.route.policy": rk[0], "warmroute.route.reason": rk[1]}
+            head = otlp.attributes(otlp.ATTR, attrs)
+            if exact:
+                _bounded(_Encoded.routes, rk, head)
+        candidates = tuple(decision.ranking[:16])
+        out = [
+            head,
+            k["warmroute.route.decision_ms"].any(round(decision.decision_s * 1000, 4)),
+            _strings_field(_Encoded.candidates, k["warmroute.route.candidates"], candidates),
+            k["warmroute.route.prefix_blocks"].any(decision.prefix_blocks),
+        ]
+        if decision.filtered_out:
+            out.append(
+                k["warmroute.route.filtered_out"].new(
+                    tuple(f"{k}: {v}" for k, v in list(decision.filtered_out.items())[:16])
+                )
+            )
+        winner = decision.winner
+        if winner is not None:
+            out.append(k["warmroute.route.backend"].any(winner))
+            if winner in decision.totals:
+                out.append(k["warmroute.route.score"].any(decision.totals[winner]))
+            scores = _Encoded.scores
+            for scorer, value in decision.scores.get(winner, {}).items():
+                sk = scores.get(scorer)
+                if sk is None:
+                    sk = otlp.AttrKey(f"warmroute.route.score.{scorer}")
+                    if len(scores) < 256:
+                        scores[scorer] = sk
+                out.append(sk.any(value))
+            matched = decision.matched_blocks.get(winner, 0)
+            out.append(k["warmroute.route.matched_blocks"].any(matched))
+            block_chars: int = getattr(decision, "block_chars", 0)
+            prompt_chars: int = getattr(decision, "prompt_chars", 0)
+            if block_chars:
+                out.append(k["warmroute.route.matched_chars"].any(matched * block_chars))
+                if prompt_chars:
+                    ratio = min(1.0, matched * block_chars / prompt_chars)
+                    out.append(k["warmroute.prefix.predicted_hit_ratio"].any(ratio))
+        return b"".join(out)
+    except (TypeError, ValueError, UnicodeError):  # what the dict path leaves out, logged
+        return otlp.attributes(otlp.ATTR, _decision_attributes(decision))
 
 
 class _DisabledAttempt(AttemptRecord):

@@ -13,8 +13,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from proxy.config import TelemetryConfig
+from proxy.otlp import EncodedBatcher, encode_spans_fast
 from proxy.routing.types import Decision
-from proxy.telemetry import Telemetry, _otlp_span_exporter, encode_spans_fast
+from proxy.telemetry import Telemetry, _otlp_span_exporter
 from tests.test_telemetry import DECISION, facts, start
 
 
@@ -136,8 +137,59 @@ def test_the_otlp_http_exporter_uses_the_fast_encoder() -> None:
     assert sent == [encode_spans_fast(spans)]
 
 
-def test_spans_encoded_as_they_end_match_the_sdk_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The OTLP/HTTP path encodes spans in _SpanData.end (no ReadableSpan): the same bytes."""
+def scenario(t: Telemetry) -> None:
+    """Requests that reach every branch of the encoded attribute writers."""
+    rec = start(t, headers={"traceparent": "00-" + "12" * 16 + "-" + "34" * 8 + "-01"})
+    rec.set_decision(DECISION)
+    rec.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1).fail("http_503", 503)
+    rec.attempt(backend="b2", address="10.0.0.2", port=8002, attempt=2)
+    rec.finish(facts(chunks=40), status=200)
+    # aliases, ints where floats are usual, n, stop, content, a seed too big for an int64
+    odd = start(
+        t,
+        headers={},
+        max_completion_tokens=7,
+        max_output_tokens=9,
+        temperature=1,
+        n=3,
+        stop="\n",
+        seed=2**70,
+        messages=[{"role": "user", "content": "ünï"}],
+    )
+    odd.set_decision(
+        Decision(
+            policy="p",
+            ranking=["b1"],
+            reason="r",
+            scores={"b1": {"prefix": 1, "queue": 0.5, "flag": True}},
+            totals={"b1": 2},
+            matched_blocks={"b1": 40},
+            prompt_chars=100,
+            filtered_out={"b3": "down"},
+        )
+    )
+    odd.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1)
+    odd.finish(
+        facts(chunks=3, cancelled=True, cached_tokens=0, ttft_s=None, response_id=None),
+        status=499,
+    )
+    broken = start(t, headers={}, stop=["a", "b"])
+    broken.set_decision(Decision(policy="p", ranking=[], reason="none"))
+    broken.finish(facts(chunks=1, itl_s=[], error="upstream_stream_error"), status=200)
+    gone = start(t, headers={})
+    gone.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1)
+    gone.finish(None, status=499, error_type="cancelled")
+    start(t, headers={}).finish(None, status=404, error_type="model_not_found")
+    start(t, headers={}).finish(None, status=200)
+
+
+@pytest.mark.parametrize("mode", ["off", "first", "sampled", "all"])
+@pytest.mark.parametrize("content", [False, True])
+def test_spans_encoded_as_they_end_match_the_sdk_encoding(
+    monkeypatch: pytest.MonkeyPatch, mode: str, content: bool
+) -> None:
+    """The OTLP/HTTP path writes attributes straight into protobuf (no dict, no
+    ReadableSpan): the same bytes as the SDK path's spans encoded, twice (the caches)."""
     import types
 
     from proxy import telemetry as tm
@@ -171,10 +223,11 @@ def test_spans_encoded_as_they_end_match_the_sdk_encoding(monkeypatch: pytest.Mo
 
     def telemetry(direct: bool) -> tuple[Telemetry, InMemorySpanExporter]:
         mem = InMemorySpanExporter()
-        t = Telemetry(TelemetryConfig(chunk_events="sampled"), span_exporter=mem)
+        cfg = TelemetryConfig(chunk_events=mode, capture_content=content)  # type: ignore[arg-type]
+        t = Telemetry(cfg, span_exporter=mem)
         t._ids = Ids()  # type: ignore[assignment]
         if direct:
-            sink = tm._EncodedBatcher(Exporter(), t._resource, t._scope)  # type: ignore[arg-type]
+            sink = EncodedBatcher(Exporter(), t._resource, t._scope)  # type: ignore[arg-type]
             t._sink = sink
             t._processors = (sink,)
         return t, mem
@@ -182,17 +235,13 @@ def test_spans_encoded_as_they_end_match_the_sdk_encoding(monkeypatch: pytest.Mo
     runs = []
     for direct in (False, True):
         t, mem = telemetry(direct)
-        rec = start(t, headers={"traceparent": "00-" + "12" * 16 + "-" + "34" * 8 + "-01"})
-        rec.set_decision(DECISION)
-        rec.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1).fail("http_503", 503)
-        rec.attempt(backend="b2", address="10.0.0.2", port=8002, attempt=2)
-        rec.finish(facts(chunks=40), status=200)
-        other = start(t, headers={})
-        other.finish(None, status=499, error_type="cancelled")
+        scenario(t)
+        scenario(t)
         if direct:
             t._sink.shutdown()  # type: ignore[union-attr]
             runs.append(b"".join(sent))
         else:
+            assert len(mem.get_finished_spans()) == 20
             runs.append(encode_spans_fast(mem.get_finished_spans()))
     sdk, direct_bytes = runs
     assert len(sent) == 1
