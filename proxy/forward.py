@@ -441,15 +441,21 @@ class ProxyEndpoint:
         )
         ex.started_response = True
         perf = time.perf_counter
+        first = True
         while data:
             received = perf()
-            if meter.passes_through(data):
-                # The common case: write first, meter after (off the client's TTFT and ITL).
+            if first and meter.passes_through(data):
+                # The first read goes out before it is metered when metering cannot change
+                # it (the usual case): the meter's parse of the first event stays off the
+                # client's TTFT. Later reads are metered first: the check costs more CPU per
+                # read than the order saves.
+                first = False
                 await send({"type": "http.response.body", "body": data, "more_body": True})
                 sent = perf()
                 meter.feed(data, received)
                 meter.mark_sent(sent)
             else:
+                first = False
                 data = meter.feed(data, received)
                 if data:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
