@@ -1146,13 +1146,12 @@ class RequestRecord:
         if not tel._tracing:
             span = _SpanData.untraced_child(tel, server, SpanKind.CLIENT)
         else:
+            # Encoded spans take their start attributes from a per-series cache; only a
+            # sampler plugin (tel._decide is None) may read them as a dict.
+            direct = tel._sink is not None and tel._decide is not None
             attrs = None
-            if server.recording:
-                attrs = self._base()
-                attrs["server.address"] = address
-                attrs["server.port"] = port
-                attrs["warmroute.backend"] = backend
-                attrs["warmroute.attempt"] = attempt
+            if server.recording and not direct:
+                attrs = self._attempt_attributes(backend, address, port, attempt)
             span = _SpanData(
                 tel,
                 self.name,
@@ -1167,6 +1166,8 @@ class RequestRecord:
                 exact = type(port) is int and type(attempt) is int
                 b = _Encoded.attempts.get(key) if exact else None
                 if b is None:
+                    if direct:
+                        span.attrs = self._attempt_attributes(backend, address, port, attempt)
                     b = otlp.attributes(otlp.ATTR, span.attrs)
                     if exact and all(type(x) is str for x in (self.model or "", address, backend)):
                         _bounded(_Encoded.attempts, key, b)
@@ -1178,6 +1179,16 @@ class RequestRecord:
             with tel._lock:
                 tel.c_retries.add((backend,))
         return rec
+
+    def _attempt_attributes(
+        self, backend: str, address: str, port: int, attempt: int
+    ) -> dict[str, Any]:
+        attrs = self._base()
+        attrs["server.address"] = address
+        attrs["server.port"] = port
+        attrs["warmroute.backend"] = backend
+        attrs["warmroute.attempt"] = attempt
+        return attrs
 
     def finish(
         self,
