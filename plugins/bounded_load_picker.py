@@ -25,6 +25,7 @@ ratio from 71-74% to 90-96% of the oracle's, with hot-prompt load still even.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from proxy.routing.rendezvous import hrw_order, key_of, split_by_load
@@ -64,7 +65,7 @@ class BoundedLoadPicker:
         )
 
     def pick(
-        self, ctx: RouteContext, candidates: list[BackendView], totals: dict[str, float]
+        self, ctx: RouteContext, candidates: list[BackendView], totals: Mapping[str, float]
     ) -> tuple[list[str], str]:
         if not candidates:
             return [], "no candidates"

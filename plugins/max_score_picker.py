@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from typing import Any
 
 from proxy.routing.types import BackendView, RouteContext
@@ -21,7 +22,7 @@ class MaxScorePicker:
         return cls(float(cfg.get("tie_epsilon", 1e-9)))
 
     def pick(
-        self, ctx: RouteContext, candidates: list[BackendView], totals: dict[str, float]
+        self, ctx: RouteContext, candidates: list[BackendView], totals: Mapping[str, float]
     ) -> tuple[list[str], str]:
         n = len(candidates)
         if n == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from typing import Any
 
 from plugins.health_filter import HealthFilter
@@ -23,7 +24,7 @@ class RoundRobinPicker:
         return cls()
 
     def pick(
-        self, ctx: RouteContext, candidates: list[BackendView], totals: dict[str, float]
+        self, ctx: RouteContext, candidates: list[BackendView], totals: Mapping[str, float]
     ) -> tuple[list[str], str]:
         if not candidates:
             return [], "no candidates"

@@ -8,6 +8,7 @@ go to the backend with the fewest requests in flight.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from plugins.health_filter import HealthFilter
@@ -40,7 +41,7 @@ class SessionPicker:
         return f"u:{user}" if isinstance(user, str) and user else None
 
     def pick(
-        self, ctx: RouteContext, candidates: list[BackendView], totals: dict[str, float]
+        self, ctx: RouteContext, candidates: list[BackendView], totals: Mapping[str, float]
     ) -> tuple[list[str], str]:
         if not candidates:
             return [], "no candidates"

@@ -222,3 +222,26 @@ async def test_build_routing_from_config_with_and_without_redis(prefix: str) -> 
         assert d.policy == "prefix_aware" and d.winner in NAMES
     finally:
         await shared.close()
+
+
+async def test_scorers_run_only_when_something_reads_the_scores() -> None:
+    """A pick by prefix copies or load needs no scores: none are computed before the request
+    is sent. Reading them afterwards (the span, explain) gives what the picker would have
+    seen, computed once."""
+    r = router(MemoryPrefixIndex())
+    calls: list[str] = []
+    for scorer, _ in r.policy.scorers:
+        inner = scorer.score
+
+        def counted(ctx: Any, cands: Any, inner: Any = inner, name: str = scorer.name) -> Any:
+            calls.append(name)
+            return inner(ctx, cands)
+
+        scorer.score = counted  # type: ignore[method-assign]
+    cold = await r.route(chat(SYSTEM, "q1", 1), views())
+    assert "cold prefix" in cold.reason and calls == []
+    twin = await router(MemoryPrefixIndex()).route(chat(SYSTEM, "q1", 1), views())
+    assert cold.as_dict()["scores"] == twin.as_dict()["scores"]  # same values, when asked
+    assert len(calls) == len(r.policy.scorers)
+    assert cold.totals[cold.winner] == twin.totals[twin.winner]
+    assert len(calls) == len(r.policy.scorers)  # computed once

@@ -17,7 +17,7 @@ from proxy.routing.index import PrefixIndex
 from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S, PrefillLearner
 from proxy.routing.popularity import PrefixPopularity
 from proxy.routing.prefix import PrefixHasher
-from proxy.routing.types import BackendView, Decision, Policy, RouteContext
+from proxy.routing.types import BackendView, Decision, Policy, RouteContext, Scores, ScoresByBackend
 
 PREFIX_BLOCK = "prefix"  # RoutingConfig.plugins key for hashing settings (shared with the scorer)
 
@@ -115,18 +115,14 @@ class Router:
         self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]
     ) -> Decision:
         """Score and pick among filtered candidates (pure: everything needed is in ctx)."""
-        scores: dict[str, dict[str, float]] = {b.name: {} for b in candidates}
-        totals: dict[str, float] = dict.fromkeys(scores, 0.0)
-        for scorer, weight in self.policy.scorers:
-            for name, value in scorer.score(ctx, candidates).items():
-                scores[name][scorer.name] = value
-                totals[name] += weight * value
+        # Scored only if the picker (or, later, the span or explain) reads the totals.
+        totals = Scores(self.policy.scorers, ctx, candidates)
         ranking, reason = self.policy.picker.pick(ctx, candidates, totals)
         return Decision(
             policy=self.policy.name,
             ranking=ranking,
             reason=reason,
-            scores=scores,
+            scores=ScoresByBackend(totals),
             totals=totals,
             matched_blocks=dict(ctx.matched_blocks),
             prefix_blocks=len(ctx.prefix_blocks),

@@ -7,7 +7,7 @@ pickers are pure: every input they need (load, prefix matches, time) is in the c
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -67,15 +67,100 @@ class RouteContext:
     matched_blocks: dict[str, int] = field(default_factory=dict)  # backend name -> blocks
 
 
+class Scores(Mapping[str, float]):
+    """A decision's scorer results, computed the first time anything reads them.
+
+    As a mapping it is the weighted total per backend (what a picker orders by). A picker that
+    decides by prefix copies, load or hashing alone never reads it, and then no scorer runs
+    before the request is on its way; the span and /admin/route/explain read the scores later.
+    They get the values the picker would have seen: scorers are pure, and the context and
+    the backend views are the decision's own snapshot.
+    """
+
+    __slots__ = ("_by_backend", "_candidates", "_ctx", "_scorers", "_totals")
+
+    def __init__(
+        self,
+        scorers: Sequence[tuple[Scorer, float]],
+        ctx: RouteContext,
+        candidates: Sequence[BackendView],
+    ) -> None:
+        self._scorers = scorers
+        self._ctx = ctx
+        self._candidates = candidates
+        self._totals: dict[str, float] | None = None
+        self._by_backend: dict[str, dict[str, float]] = {}
+
+    def _compute(self) -> dict[str, float]:
+        by_backend: dict[str, dict[str, float]] = {b.name: {} for b in self._candidates}
+        totals = dict.fromkeys(by_backend, 0.0)
+        for scorer, weight in self._scorers:
+            for name, value in scorer.score(self._ctx, list(self._candidates)).items():
+                by_backend[name][scorer.name] = value
+                totals[name] += weight * value
+        self._by_backend = by_backend
+        self._totals = totals
+        self._ctx = self._candidates = None  # type: ignore[assignment]  # done with them
+        return totals
+
+    @property
+    def totals(self) -> dict[str, float]:
+        return self._totals if self._totals is not None else self._compute()
+
+    @property
+    def by_backend(self) -> dict[str, dict[str, float]]:
+        """backend -> scorer -> score."""
+        if self._totals is None:
+            self._compute()
+        return self._by_backend
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.totals.get(name, default)
+
+    def __getitem__(self, name: str) -> float:
+        return self.totals[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.totals
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.totals)
+
+    def __len__(self) -> int:
+        return len(self.totals)
+
+
+class ScoresByBackend(Mapping[str, Mapping[str, float]]):
+    """Scores.by_backend as a mapping that computes on first read (Decision.scores)."""
+
+    __slots__ = ("_scores",)
+
+    def __init__(self, scores: Scores) -> None:
+        self._scores = scores
+
+    def __getitem__(self, name: str) -> Mapping[str, float]:
+        return self._scores.by_backend[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._scores.by_backend)
+
+    def __len__(self) -> int:
+        return len(self._scores.by_backend)
+
+
 @dataclass(slots=True)
 class Decision:
-    """The outcome of one routing decision, kept for spans, headers and /admin explain."""
+    """The outcome of one routing decision, kept for spans, headers and /admin explain.
+
+    `scores` (backend -> scorer -> score) and `totals` may be lazy mappings (Scores): read
+    them like dicts; as_dict() gives plain ones.
+    """
 
     policy: str
     ranking: list[str]  # backend names, best first
     reason: str
-    scores: dict[str, dict[str, float]] = field(default_factory=dict)  # backend -> scorer -> score
-    totals: dict[str, float] = field(default_factory=dict)
+    scores: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    totals: Mapping[str, float] = field(default_factory=dict)
     matched_blocks: dict[str, int] = field(default_factory=dict)
     prefix_blocks: int = 0
     block_chars: int = 64  # matched_blocks * block_chars ≈ predicted cached prompt chars
@@ -98,8 +183,8 @@ class Decision:
             "winner": self.winner,
             "ranking": self.ranking,
             "reason": self.reason,
-            "scores": self.scores,
-            "totals": self.totals,
+            "scores": {name: dict(by) for name, by in self.scores.items()},
+            "totals": dict(self.totals),
             "matched_blocks": self.matched_blocks,
             "prefix_blocks": self.prefix_blocks,
             "block_chars": self.block_chars,
@@ -134,9 +219,13 @@ class Picker(Protocol):
     name: str
 
     def pick(
-        self, ctx: RouteContext, candidates: list[BackendView], totals: dict[str, float]
+        self, ctx: RouteContext, candidates: list[BackendView], totals: Mapping[str, float]
     ) -> tuple[list[str], str]:
-        """Order candidates best first and say why the winner won."""
+        """Order candidates best first and say why the winner won.
+
+        `totals` (weighted scores per backend) is computed on first read: a picker that
+        does not need it should not touch it.
+        """
         ...
 
 
