@@ -48,7 +48,52 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        super().connection_made(transport)
+        super().connection_made(HeadWithBodyTransport(transport, self.loop))
+
+
+class HeadWithBodyTransport:
+    """The client connection's transport, sending a response head together with its body.
+
+    uvicorn writes the status line and headers the moment the app sends
+    http.response.start, and the body in a second write: two syscalls and, with
+    TCP_NODELAY, two segments and two client wakeups before the client has its first chunk.
+    The forwarder sends the first body bytes right after the start message, in the same step
+    of its task, so the head is held only until then and goes out with them in one write.
+    Should nothing follow at once, it goes out alone at the end of this event loop turn.
+    Everything else is the wrapped transport's.
+    """
+
+    __slots__ = ("_held", "_loop", "_transport")
+
+    def __init__(self, transport: Any, loop: Any) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held + data)
+        elif data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 1"):
+            self._held = data  # a response head (not an interim 1xx): wait for its body
+            self._loop.call_soon(self.flush)
+        else:
+            self._transport.write(data)
+
+    def flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:

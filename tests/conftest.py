@@ -8,6 +8,7 @@ import pytest
 
 from proxy.app import create_app
 from proxy.config import load_config
+from proxy.serve import NoDelayHttpToolsProtocol
 from tests.backend_app import FakeBackend
 from tests.support import ServerThread, free_port
 
@@ -42,7 +43,8 @@ def proxy_server() -> Iterator[Callable[..., ServerThread]]:
         cfg = load_config(flags={"backends": backends, **flags}, env={})
         if config:
             cfg = cfg.model_validate(_deep_merge(cfg.model_dump(), config))
-        server = ServerThread(create_app(cfg)).start()
+        # The production HTTP protocol (TCP_NODELAY, head sent with the first body bytes).
+        server = ServerThread(create_app(cfg), http=NoDelayHttpToolsProtocol).start()
         started.append(server)
         return server
 

@@ -133,3 +133,48 @@ def test_graceful_shutdown_lets_inflight_stream_finish(fake_backends):
     finally:
         proc.kill()
         proc.wait()
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str) -> str:
+        return f"info:{name}"
+
+
+def test_response_head_goes_out_with_the_first_body_bytes_in_one_write():
+    import asyncio
+
+    from proxy.serve import HeadWithBodyTransport
+
+    async def main() -> None:
+        raw = _Recorder()
+        t = HeadWithBodyTransport(raw, asyncio.get_running_loop())
+        t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+        assert raw.writes == []  # held for the body
+        t.write(b"5\r\ndata:\r\n")
+        assert raw.writes == [
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n5\r\ndata:\r\n"
+        ]
+        t.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # interim: never held
+        t.write(b"HTTP/1.1 204 No Content\r\n\r\n")  # no body follows: out at the turn's end
+        assert len(raw.writes) == 2
+        await asyncio.sleep(0)
+        assert raw.writes[-1] == b"HTTP/1.1 204 No Content\r\n\r\n"
+        t.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        t.close()  # nothing is lost when the connection closes
+        assert raw.writes[-1] == b"HTTP/1.1 200 OK\r\n\r\n" and raw.closed
+        assert t.get_extra_info("peername") == "info:peername"  # the rest is the transport's
+
+    asyncio.run(main())
