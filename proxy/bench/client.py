@@ -374,7 +374,7 @@ async def run_paired(
     """One run per (targets, label, role) group, their requests interleaved.
 
     With one group this is a plain run. With several, every request of the plan goes to each
-    group in turn (alternating which goes first), on the same workers: paired samples, so a
+    group in turn (rotating which goes first), on the same workers: paired samples, so a
     change in the machine's load hits every group alike. That is what latency comparisons on
     a shared machine need (the proxy's added TTFT at concurrency 1); the throughput of such
     runs describes the mix, not any one group. Closed loop only when interleaving.
@@ -466,9 +466,10 @@ async def run_paired(
 
             async def worker() -> None:
                 for spec in queue:
-                    # Alternate which group goes first, so neither always finds the other's
-                    # request just finished (warm caches, a fresh connection) or just begun.
-                    order = states if spec.index % 2 == 0 else states[::-1]
+                    # Rotate which group goes first, so that no group always follows the
+                    # same one (a request right after its own kind finds warmer caches).
+                    k = spec.index % len(states)
+                    order = states[k:] + states[:k]
                     for st in order:
                         await st.issue(spec)
 
