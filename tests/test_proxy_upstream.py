@@ -48,6 +48,15 @@ async def _with_server(handler: Handler, body: Callable[[str, Upstream], Awaitab
         server.close()
 
 
+async def _closed_port_url() -> str:
+    """A loopback URL nothing listens on (a port just released)."""
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+    return f"http://127.0.0.1:{port}"
+
+
 async def _body(resp: up.UpstreamResponse) -> bytes:
     parts = []
     while data := await resp.readany():
@@ -189,14 +198,10 @@ def test_refused_and_dropped_connections() -> None:
     asyncio.run(_with_server(handler, body))
 
     async def refused() -> None:
-        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        server.close()
-        await server.wait_closed()
         client = Upstream(TimeoutsConfig())
         await client.start()
         with pytest.raises(UpstreamConnectError):
-            await client.post(client.url(f"http://127.0.0.1:{port}", "/x"), b"{}", {})
+            await client.post(client.url(await _closed_port_url(), "/x"), b"{}", {})
         await client.close()
 
     asyncio.run(refused())
@@ -223,15 +228,11 @@ def test_on_sent_runs_once_the_request_is_written_and_never_for_a_refused_one() 
     assert log == ["sent", "response"]
 
     async def refused() -> None:
-        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        server.close()
-        await server.wait_closed()
         client = Upstream(TimeoutsConfig())
         await client.start()
         with pytest.raises(UpstreamConnectError):
             await client.post(
-                client.url(f"http://127.0.0.1:{port}", "/x"), b"{}", {}, lambda: log.append("no")
+                client.url(await _closed_port_url(), "/x"), b"{}", {}, lambda: log.append("no")
             )
         await client.close()
 
