@@ -294,10 +294,11 @@ class StreamMeter:
     def passes_through(self, data: bytes) -> bool:
         """True if feed(data) would return `data` unchanged.
 
-        Then the client's bytes do not depend on metering them, and the forwarder writes them
-        first and meters them after (with the receive time it took before writing): the
-        meter's work stays off the client's TTFT and ITL. Only usage stripping changes bytes,
-        and it can only cut a complete event that carries a "usage" key.
+        Then the client's bytes do not depend on metering them, and the forwarder may write
+        them first and meter them after (with the receive time it took before writing), as it
+        does with a stream's first read: the meter's first parse stays off the client's TTFT.
+        Only usage stripping changes bytes, and it only cuts a complete event with a "usage"
+        key.
         """
         if not self.strip_usage:
             return True
