@@ -15,16 +15,37 @@ import struct
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind
+from opentelemetry.trace import SpanKind, TraceFlags, TraceState
 
 log = logging.getLogger("warmroute.telemetry")
+
+
+class Parent(Protocol):
+    """What a span's encoding and the compiled samplers read of its parent: a SpanContext, or
+    the proxy's own SERVER span under construction (telemetry._SpanData)."""
+
+    @property
+    def trace_id(self) -> int: ...
+
+    @property
+    def span_id(self) -> int: ...
+
+    @property
+    def is_remote(self) -> bool: ...
+
+    @property
+    def trace_flags(self) -> TraceFlags: ...
+
+    @property
+    def trace_state(self) -> TraceState | None: ...
+
 
 _pack_d = struct.Struct("<d").pack
 _pack_q = struct.Struct("<Q").pack
@@ -208,6 +229,18 @@ class AttrKey:
             self.ints[v] = b
         return b
 
+    def unique(self, v: str) -> bytes:
+        """The field of str v, not cached (ids): built in one pass when every length fits a
+        one-byte varint, as it does for ids."""
+        b = v.encode()
+        n = len(b)
+        size = len(self.key) + n + 4  # key, then 0x12 len AnyValue{0x0a len b}
+        if size >= 0x80:
+            return self.new(v)
+        return b"".join(
+            (self.tag, _SMALL[size], self.key, b"\x12", _SMALL[n + 2], b"\x0a", _SMALL[n], b)
+        )
+
     def new(self, v: Any) -> bytes:
         """The field of v, not cached."""
         return _ld(self.tag, self.key + _ld(b"\x12", _any_value(v)))
@@ -278,7 +311,7 @@ def span_message(
     trace_id: int,
     span_id: int,
     trace_state: Any,
-    parent: SpanContext | None,
+    parent: Parent | None,
     name: bytes,
     kind: SpanKind,
     start_time: int | None,
@@ -399,6 +432,7 @@ def _env_int(name: str, default: int) -> int:
 
 ld = _ld
 pack_q = _pack_q
+pack_d = _pack_d
 attributes = _attributes
 
 

@@ -20,7 +20,7 @@ import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from opentelemetry import trace
@@ -581,7 +581,7 @@ def _otlp_metric_exporter(cfg: TelemetryConfig) -> Any:
     return H(endpoint=_otlp_endpoint(cfg, "metrics"))
 
 
-Decide = Callable[[SpanContext | None, int], tuple[bool, Any]]
+Decide = Callable[[otlp.Parent | None, int], tuple[bool, Any]]
 
 
 def _compile_sampler(sampler: Sampler) -> Decide | None:
@@ -599,14 +599,14 @@ def _compile_sampler(sampler: Sampler) -> Decide | None:
             return None
         on = sampler._decision is _sampling.Decision.RECORD_AND_SAMPLE
 
-        def static(parent: SpanContext | None, trace_id: int) -> tuple[bool, Any]:
+        def static(parent: otlp.Parent | None, trace_id: int) -> tuple[bool, Any]:
             return on, None if parent is None else parent.trace_state
 
         return static
     if isinstance(sampler, _sampling.TraceIdRatioBased):
         bound, mask = sampler.bound, sampler.TRACE_ID_LIMIT
 
-        def ratio(parent: SpanContext | None, trace_id: int) -> tuple[bool, Any]:
+        def ratio(parent: otlp.Parent | None, trace_id: int) -> tuple[bool, Any]:
             return trace_id & mask < bound, None if parent is None else parent.trace_state
 
         return ratio
@@ -625,7 +625,7 @@ def _compile_sampler(sampler: Sampler) -> Decide | None:
             return None
         root, remote_on, remote_off, local_on, local_off = parts
 
-        def parent_based(parent: SpanContext | None, trace_id: int) -> tuple[bool, Any]:
+        def parent_based(parent: otlp.Parent | None, trace_id: int) -> tuple[bool, Any]:
             if parent is None:
                 return root(None, trace_id)  # type: ignore[misc]
             if parent.is_remote:
@@ -669,12 +669,14 @@ class _SpanData:
         "trace_state",
     )
 
+    is_remote = False  # as a parent (a CLIENT span's), it quacks like a local SpanContext
+
     def __init__(
         self,
         tel: Telemetry,
         name: str,
         kind: SpanKind,
-        parent: SpanContext | None,
+        parent: otlp.Parent | None,
         parent_context: Context | None,
         attrs: dict[str, Any] | None,
         start_ns: int,
@@ -729,6 +731,11 @@ class _SpanData:
         return span
 
     @property
+    def trace_flags(self) -> TraceFlags:
+        f = self.flags
+        return _FLAGS[f] if f < 4 else TraceFlags(f)
+
+    @property
     def ctx(self) -> SpanContext:
         """The SpanContext (built on first use: unsampled requests mostly never need one)."""
         ctx = self._ctx
@@ -776,10 +783,13 @@ class _SpanData:
             sink.add(otlp.ld(b"\x12", body))
             return
         status = _UNSET if error is None else Status(StatusCode.ERROR, error)
+        parent = self.parent
+        if isinstance(parent, _SpanData):
+            parent = parent.ctx
         span = ReadableSpan(
             name=self.name,
             context=self.ctx,
-            parent=self.parent,
+            parent=cast("SpanContext | None", parent),
             resource=tel._resource,
             attributes=self.attrs,
             events=tuple(events),  # type: ignore[arg-type]
@@ -837,6 +847,33 @@ _K = {
         *(f"warmroute.request.{key}" for key in _CONTENT_KEYS),
     )
 }
+_REQUEST_ID = _K["warmroute.request.id"]
+_DECISION_MS = _K["warmroute.route.decision_ms"]
+_F_DECISION_MS = _DECISION_MS.fprefix
+_PREFIX_BLOCKS = _K["warmroute.route.prefix_blocks"]
+_ROUTE_BACKEND = _K["warmroute.route.backend"]
+_MATCHED_BLOCKS = _K["warmroute.route.matched_blocks"]
+_MATCHED_CHARS = _K["warmroute.route.matched_chars"]
+_RESPONSE_ID = _K["gen_ai.response.id"]
+_IN_TOKENS = _K["gen_ai.usage.input_tokens"]
+_OUT_TOKENS = _K["gen_ai.usage.output_tokens"]
+_CACHED_TOKENS = _K["gen_ai.usage.cache_read.input_tokens"]
+_CHUNKS = _K["warmroute.chunks"]
+_EVENTS = _K["warmroute.events"]
+# Timings and ratios are always written as doubles (the dict path converts with float()), so
+# their fields are a key prefix plus 8 packed bytes, whatever number type the facts hold.
+_F_OBSERVED_HIT = _K["warmroute.prefix.observed_hit_ratio"].fprefix
+_F_TTFC = _K["gen_ai.response.time_to_first_chunk"].fprefix
+_F_UPSTREAM_TTFC = _K["warmroute.upstream.time_to_first_chunk"].fprefix
+_F_OVERHEAD = _K["warmroute.proxy.overhead_s"].fprefix
+_F_TPOT = _K["warmroute.tpot_s"].fprefix
+_F_E2E = _K["warmroute.e2e_s"].fprefix
+_F_ITL_P50 = _K["warmroute.itl.p50_s"].fprefix
+_F_ITL_P99 = _K["warmroute.itl.p99_s"].fprefix
+_F_ITL_MAX = _K["warmroute.itl.max_s"].fprefix
+_pack_d = otlp.pack_d
+
+
 _TTFC_EVENT_KEY = otlp.AttrKey("gen_ai.response.time_to_first_chunk", b"\x1a")
 _FIRST_TOKEN = otlp.ld(b"\x12", b"first_token")  # Event.name
 _NO_RESPONSE_REASONS = {
@@ -1097,12 +1134,14 @@ class RequestRecord:
                 head = otlp.attributes(otlp.ATTR, attrs)
                 if exact:
                     _bounded(_Encoded.heads, hk, head)
-            out = [head, _K["warmroute.request.id"].new(request_id)]
+            out = [head, _REQUEST_ID.unique(request_id)]
             if self.api in API_TYPE:
                 out.append(_K["openai.api.type"].s(API_TYPE[self.api]))
             done = None
             for key, name in _PARAMS:
                 v = params.get(key)
+                if v is None:  # most are absent
+                    continue
                 if isinstance(v, int | float) and not isinstance(v, bool) and name != done:
                     out.append(_K[name].any(v))
                     done = name  # max_tokens and its aliases are adjacent in _PARAMS
@@ -1152,11 +1191,13 @@ class RequestRecord:
             attrs = None
             if server.recording and not direct:
                 attrs = self._attempt_attributes(backend, address, port, attempt)
+            # The SDK's samplers (compiled) read only the parent's flags, state and
+            # remoteness, which the server span answers itself: no SpanContext to build.
             span = _SpanData(
                 tel,
                 self.name,
                 SpanKind.CLIENT,
-                server.ctx,
+                server if tel._decide is not None else server.ctx,
                 server.context() if tel._decide is None else None,
                 attrs,
                 time.time_ns(),
@@ -1298,6 +1339,8 @@ class RequestRecord:
                 if err is not None:
                     out.append(_NO_RESPONSE_REASONS["cancelled" if err == "cancelled" else "error"])
                 return b"".join(out)
+            # Inlined (no AttrKey.any() per field): a timing is its key's prefix plus 8 packed
+            # bytes, a count a cached field.
             k = _K
             out.append(
                 _strings_field(
@@ -1305,36 +1348,40 @@ class RequestRecord:
                 )
             )
             if f.response_id is not None:
-                out.append(k["gen_ai.response.id"].any(f.response_id))
+                rid = f.response_id
+                out.append(_RESPONSE_ID.unique(rid) if type(rid) is str else _RESPONSE_ID.any(rid))
             if f.response_model is not None:
                 out.append(k["gen_ai.response.model"].any(f.response_model))
-            if f.input_tokens is not None:
-                out.append(k["gen_ai.usage.input_tokens"].any(f.input_tokens))
-            if f.output_tokens is not None:
-                out.append(k["gen_ai.usage.output_tokens"].any(f.output_tokens))
-            if f.cached_tokens is not None:
-                out.append(k["gen_ai.usage.cache_read.input_tokens"].any(f.cached_tokens))
-                if f.input_tokens:
-                    ratio = f.cached_tokens / f.input_tokens
-                    out.append(k["warmroute.prefix.observed_hit_ratio"].any(ratio))
-            if f.ttft_s is not None:
-                out.append(k["gen_ai.response.time_to_first_chunk"].any(f.ttft_s))
-            if f.upstream_ttft_s is not None:
-                out.append(k["warmroute.upstream.time_to_first_chunk"].any(f.upstream_ttft_s))
-                if f.ttft_s is not None:
-                    overhead = f.ttft_s - f.upstream_ttft_s
-                    out.append(k["warmroute.proxy.overhead_s"].any(overhead))
+            fin, fout, cached = f.input_tokens, f.output_tokens, f.cached_tokens
+            if fin is not None:
+                out.append(_IN_TOKENS.ints.get(fin) or _IN_TOKENS.any(fin))
+            if fout is not None:
+                out.append(_OUT_TOKENS.ints.get(fout) or _OUT_TOKENS.any(fout))
+            if cached is not None:
+                out.append(_CACHED_TOKENS.ints.get(cached) or _CACHED_TOKENS.any(cached))
+                if fin:
+                    out.append(_F_OBSERVED_HIT + _pack_d(cached / fin))
+            ttft, up = f.ttft_s, f.upstream_ttft_s
+            if ttft is not None:
+                out.append(_F_TTFC + _pack_d(ttft))
+            if up is not None:
+                out.append(_F_UPSTREAM_TTFC + _pack_d(up))
+                if ttft is not None:
+                    out.append(_F_OVERHEAD + _pack_d(ttft - up))
             if f.tpot_s is not None:
-                out.append(k["warmroute.tpot_s"].any(f.tpot_s))
+                out.append(_F_TPOT + _pack_d(f.tpot_s))
             if f.e2e_s is not None:
-                out.append(k["warmroute.e2e_s"].any(f.e2e_s))
+                out.append(_F_E2E + _pack_d(f.e2e_s))
             if self.stream:
-                out.append(k["warmroute.chunks"].any(f.chunks))
-                out.append(k["warmroute.events"].any(f.events))
+                out.append(_CHUNKS.ints.get(f.chunks) or _CHUNKS.any(f.chunks))
+                out.append(_EVENTS.ints.get(f.events) or _EVENTS.any(f.events))
             if itl:
-                out.append(k["warmroute.itl.p50_s"].any(_percentile(itl, 0.5)))
-                out.append(k["warmroute.itl.p99_s"].any(_percentile(itl, 0.99)))
-                out.append(k["warmroute.itl.max_s"].any(itl[-1]))
+                n = len(itl)
+                p50 = itl[max(0, min(n - 1, int(0.5 * n + 0.5) - 1))]  # _percentile, inlined
+                p99 = itl[max(0, min(n - 1, int(0.99 * n + 0.5) - 1))]
+                out.append(_F_ITL_P50 + _pack_d(p50))
+                out.append(_F_ITL_P99 + _pack_d(p99))
+                out.append(_F_ITL_MAX + _pack_d(itl[-1]))
             if f.cancelled:
                 out.append(k["warmroute.cancelled"].new(True))
             return b"".join(out)
@@ -1420,7 +1467,7 @@ class RequestRecord:
             if f.ttft_s is not None:
                 point(_TTFC).add(f.ttft_s, ex)
                 if itl:
-                    point(_TPOC).add_sorted(itl, sum(f.itl_s), ex)
+                    point(_TPOC).add_sorted(itl, sum(itl), ex)
                 if f.upstream_ttft_s is not None:
                     point(_OVERHEAD).add(f.ttft_s - f.upstream_ttft_s, ex)
                 if err is None:
@@ -1461,24 +1508,24 @@ def _fact_attributes(
     if f.cached_tokens is not None:
         a["gen_ai.usage.cache_read.input_tokens"] = f.cached_tokens
         if f.input_tokens:
-            a["warmroute.prefix.observed_hit_ratio"] = f.cached_tokens / f.input_tokens
+            a["warmroute.prefix.observed_hit_ratio"] = float(f.cached_tokens / f.input_tokens)
     if f.ttft_s is not None:
-        a["gen_ai.response.time_to_first_chunk"] = f.ttft_s
+        a["gen_ai.response.time_to_first_chunk"] = float(f.ttft_s)
     if f.upstream_ttft_s is not None:
-        a["warmroute.upstream.time_to_first_chunk"] = f.upstream_ttft_s
+        a["warmroute.upstream.time_to_first_chunk"] = float(f.upstream_ttft_s)
         if f.ttft_s is not None:
-            a["warmroute.proxy.overhead_s"] = f.ttft_s - f.upstream_ttft_s
+            a["warmroute.proxy.overhead_s"] = float(f.ttft_s - f.upstream_ttft_s)
     if f.tpot_s is not None:
-        a["warmroute.tpot_s"] = f.tpot_s
+        a["warmroute.tpot_s"] = float(f.tpot_s)
     if f.e2e_s is not None:
-        a["warmroute.e2e_s"] = f.e2e_s
+        a["warmroute.e2e_s"] = float(f.e2e_s)
     if stream:
         a["warmroute.chunks"] = f.chunks
         a["warmroute.events"] = f.events
     if itl:  # sorted
-        a["warmroute.itl.p50_s"] = _percentile(itl, 0.5)
-        a["warmroute.itl.p99_s"] = _percentile(itl, 0.99)
-        a["warmroute.itl.max_s"] = itl[-1]
+        a["warmroute.itl.p50_s"] = float(_percentile(itl, 0.5))
+        a["warmroute.itl.p99_s"] = float(_percentile(itl, 0.99))
+        a["warmroute.itl.max_s"] = float(itl[-1])
     if f.cancelled:
         a["warmroute.cancelled"] = True
 
@@ -1499,10 +1546,11 @@ def _decision_attributes(decision: Decision) -> dict[str, Any]:
         )
     if winner is not None:
         attrs["warmroute.route.backend"] = winner
-        if winner in decision.totals:
-            attrs["warmroute.route.score"] = decision.totals[winner]
-        for scorer, value in decision.scores.get(winner, {}).items():
-            attrs[f"warmroute.route.score.{scorer}"] = value
+        if decision.scored():
+            if winner in decision.totals:
+                attrs["warmroute.route.score"] = decision.totals[winner]
+            for scorer, value in decision.scores.get(winner, {}).items():
+                attrs[f"warmroute.route.score.{scorer}"] = value
         matched = decision.matched_blocks.get(winner, 0)
         attrs["warmroute.route.matched_blocks"] = matched
         block_chars: int = getattr(decision, "block_chars", 0)
@@ -1528,11 +1576,13 @@ def _decision_fields(decision: Decision) -> bytes:
             if exact:
                 _bounded(_Encoded.routes, rk, head)
         candidates = tuple(decision.ranking[:16])
+        ms = round(decision.decision_s * 1000, 4)
+        pb = decision.prefix_blocks
         out = [
             head,
-            k["warmroute.route.decision_ms"].any(round(decision.decision_s * 1000, 4)),
+            _F_DECISION_MS + _pack_d(ms) if type(ms) is float else _DECISION_MS.any(ms),
             _strings_field(_Encoded.candidates, k["warmroute.route.candidates"], candidates),
-            k["warmroute.route.prefix_blocks"].any(decision.prefix_blocks),
+            _PREFIX_BLOCKS.ints.get(pb) or _PREFIX_BLOCKS.any(pb),
         ]
         if decision.filtered_out:
             out.append(
@@ -1542,25 +1592,27 @@ def _decision_fields(decision: Decision) -> bytes:
             )
         winner = decision.winner
         if winner is not None:
-            out.append(k["warmroute.route.backend"].any(winner))
-            if winner in decision.totals:
-                out.append(k["warmroute.route.score"].any(decision.totals[winner]))
-            scores = _Encoded.scores
-            for scorer, value in decision.scores.get(winner, {}).items():
-                sk = scores.get(scorer)
-                if sk is None:
-                    sk = otlp.AttrKey(f"warmroute.route.score.{scorer}")
-                    if len(scores) < 256:
-                        scores[scorer] = sk
-                out.append(sk.any(value))
+            out.append(_ROUTE_BACKEND.strs.get(winner) or _ROUTE_BACKEND.any(winner))
+            if decision.scored():
+                if winner in decision.totals:
+                    out.append(k["warmroute.route.score"].any(decision.totals[winner]))
+                scores = _Encoded.scores
+                for scorer, value in decision.scores.get(winner, {}).items():
+                    sk = scores.get(scorer)
+                    if sk is None:
+                        sk = otlp.AttrKey(f"warmroute.route.score.{scorer}")
+                        if len(scores) < 256:
+                            scores[scorer] = sk
+                    out.append(sk.any(value))
             matched = decision.matched_blocks.get(winner, 0)
-            out.append(k["warmroute.route.matched_blocks"].any(matched))
+            out.append(_MATCHED_BLOCKS.ints.get(matched) or _MATCHED_BLOCKS.any(matched))
             block_chars: int = getattr(decision, "block_chars", 0)
             prompt_chars: int = getattr(decision, "prompt_chars", 0)
             if block_chars:
-                out.append(k["warmroute.route.matched_chars"].any(matched * block_chars))
+                chars = matched * block_chars
+                out.append(_MATCHED_CHARS.ints.get(chars) or _MATCHED_CHARS.any(chars))
                 if prompt_chars:
-                    ratio = min(1.0, matched * block_chars / prompt_chars)
+                    ratio = min(1.0, chars / prompt_chars)
                     out.append(k["warmroute.prefix.predicted_hit_ratio"].any(ratio))
         return b"".join(out)
     except (TypeError, ValueError, UnicodeError):  # what the dict path leaves out, logged

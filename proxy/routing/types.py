@@ -104,6 +104,11 @@ class Scores(Mapping[str, float]):
         return totals
 
     @property
+    def computed(self) -> bool:
+        """Whether the scorers have run (the picker, the span or explain read the scores)."""
+        return self._totals is not None
+
+    @property
     def totals(self) -> dict[str, float]:
         return self._totals if self._totals is not None else self._compute()
 
@@ -171,6 +176,15 @@ class Decision:
     @property
     def winner(self) -> str | None:
         return self.ranking[0] if self.ranking else None
+
+    def scored(self) -> bool:
+        """Whether the scores are at hand: plain mappings, or lazy ones the picker read.
+
+        A span records scores only then: running the scorers just to describe a decision that
+        did not use them would cost every traced request the work the lazy scores save.
+        """
+        totals = self.totals
+        return not isinstance(totals, Scores) or totals.computed
 
     def predicted_cached_chars(self, backend: str | None = None) -> int:
         """Prompt chars the index expects `backend` (default: the winner) to have cached."""
