@@ -482,3 +482,35 @@ def test_every_metric_on_the_grafana_dashboard_is_exported(tel: Any) -> None:
     assert len(used) >= 12
     missing = sorted(m for m in used if not re.search(rf"^{m}[{{ ]", text, re.M))
     assert not missing
+
+
+def test_span_records_scores_only_when_the_decision_computed_them(tel: Any) -> None:
+    """Lazy scores a picker never read are not run just to describe the decision."""
+    from proxy.routing.types import BackendView, EngineLoad, RouteContext, Scores, ScoresByBackend
+
+    class Counting:
+        name = "queue"
+        runs = 0
+
+        def score(self, ctx: RouteContext, candidates: list[BackendView]) -> dict[str, float]:
+            Counting.runs += 1
+            return {b.name: 0.5 for b in candidates}
+
+    view = BackendView("b1", "http://b1", "vllm", "mixed", 1.0, True, 0, EngineLoad(), None)
+    ctx = RouteContext(request_id="r", model="m", api="chat", body={}, headers={}, now=0.0)
+    t, spans, _ = tel
+    for read_by_picker in (False, True):
+        lazy = Scores([(Counting(), 2.0)], ctx, [view])
+        if read_by_picker:
+            assert lazy["b1"] == 1.0
+        d = Decision("p", ["b1"], "why", scores=ScoresByBackend(lazy), totals=lazy)
+        rec = start(t)
+        rec.set_decision(d)
+        rec.finish(facts(), status=200)
+        a = spans.get_finished_spans()[-1].attributes or {}
+        if read_by_picker:
+            assert a["warmroute.route.score"] == 1.0 and a["warmroute.route.score.queue"] == 0.5
+        else:
+            assert "warmroute.route.score" not in a and Counting.runs == 0
+            assert a["warmroute.route.backend"] == "b1"  # the rest of the decision is there
+    assert Counting.runs == 1
