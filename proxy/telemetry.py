@@ -1047,6 +1047,7 @@ class RequestRecord:
         "model",
         "name",
         "op",
+        "request",
         "span",
         "stream",
         "t0",
@@ -1074,6 +1075,9 @@ class RequestRecord:
         self.attempts: list[AttemptRecord] = []
         self.backend: tuple[str, str, int] | None = None  # name, address, port
         self.decision: Decision | None = None
+        # (request id, params) of an encoded span: its request and decision attributes are
+        # written when it ends, off the way to the first byte
+        self.request: tuple[str, Mapping[str, Any]] | None = None
         lazy = tel._decide is not None  # attributes only once we know the span records
         attrs = self._request_attributes(request_id, params) if tel._tracing and not lazy else None
         parent_context = parent = None
@@ -1096,7 +1100,8 @@ class RequestRecord:
                 if lazy:
                     span.attrs = self._request_attributes(request_id, params)
             elif lazy:
-                span.enc = [self._request_fields(request_id, params)]
+                span.enc = []
+                self.request = (request_id, params)
             else:  # a plugin sampler saw (and may have added to) the attributes
                 span.enc = [otlp.attributes(otlp.ATTR, span.attrs)]
 
@@ -1178,9 +1183,10 @@ class RequestRecord:
         if not span.recording:
             return
         if span.enc is not None:
-            # (a second decision replaces the first, where the dict path merges them)
-            del span.enc[1:]
-            span.enc.append(_decision_fields(decision))
+            if self.request is None:  # else encoded when the span ends
+                # (a second decision replaces the first, where the dict path merges them)
+                del span.enc[1:]
+                span.enc.append(_decision_fields(decision))
         else:
             span.attrs.update(_decision_attributes(decision))
 
@@ -1274,6 +1280,10 @@ class RequestRecord:
                 s.end(tel, end_ns, err, b"" if s.enc is not None else ())
         if span.recording:
             if span.enc is not None:
+                if self.request is not None:
+                    span.enc.append(self._request_fields(*self.request))
+                    if self.decision is not None:
+                        span.enc.append(_decision_fields(self.decision))
                 span.enc.append(self._finish_fields(facts, status, err, name, address, port, itl))
                 events: bytes | list[Event] = b""
                 if facts is not None:
