@@ -922,10 +922,13 @@ class _Encoded:
 class AttemptRecord:
     """One upstream attempt: a CLIENT span, child of the request's SERVER span."""
 
-    __slots__ = ("backend", "ended", "record", "span")
+    __slots__ = ("backend", "ended", "span", "tel")
 
-    def __init__(self, record: RequestRecord, span: _SpanData, backend: str) -> None:
-        self.record = record
+    def __init__(self, tel: Telemetry, span: _SpanData, backend: str) -> None:
+        # No reference back to the RequestRecord (which lists its attempts): a cycle there
+        # left every request's telemetry, facts and decision to the cyclic GC (~14 objects a
+        # request, ~20 µs of collections per request at c=64).
+        self.tel = tel
         self.span = span
         self.backend = backend
         self.ended = False
@@ -944,7 +947,7 @@ class AttemptRecord:
             return
         self.ended = True
         span = self.span
-        tel = self.record.tel
+        tel = self.tel
         if span.recording:
             if span.enc is not None:
                 span.enc.append(_K["error.type"].any(error_type))
@@ -1228,7 +1231,7 @@ class RequestRecord:
                     if exact and all(type(x) is str for x in (self.model or "", address, backend)):
                         _bounded(_Encoded.attempts, key, b)
                 span.enc = [b]
-        rec = AttemptRecord(self, span, backend)
+        rec = AttemptRecord(tel, span, backend)
         self.attempts.append(rec)
         self.backend = (backend, address, port)
         if attempt > 1:

@@ -514,3 +514,42 @@ def test_span_records_scores_only_when_the_decision_computed_them(tel: Any) -> N
             assert "warmroute.route.score" not in a and Counting.runs == 0
             assert a["warmroute.route.backend"] == "b1"  # the rest of the decision is there
     assert Counting.runs == 1
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_finished_request_leaves_nothing_for_the_cyclic_gc(traced: bool) -> None:
+    """Reference counting frees a request's telemetry, facts and decision as it finishes: a
+    cycle would leave them to the cyclic GC, whose collections grow with every request."""
+    import gc
+
+    from proxy.otlp import EncodedBatcher
+
+    class Exporter:
+        def export_encoded(self, data: bytes) -> bool:
+            return True
+
+        def shutdown(self) -> None:
+            pass
+
+    t = Telemetry(TelemetryConfig())
+    if traced:  # the OTLP/HTTP path: spans encoded as they end, bytes queued for export
+        t = Telemetry(TelemetryConfig(), span_exporter=InMemorySpanExporter())
+        sink = EncodedBatcher(Exporter(), t._resource, t._scope)  # type: ignore[arg-type]
+        t._sink, t._processors = sink, (sink,)
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(50):
+            rec = start(t, headers={} if i % 2 else {"traceparent": TRACEPARENT})
+            rec.set_decision(DECISION)
+            if i % 5 == 0:
+                rec.attempt(backend="b2", address="10.0.0.2", port=8002, attempt=1).fail("x")
+            rec.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=2).inject_headers({})
+            rec.finish(facts(), status=200)
+        del rec
+        if traced:  # a SERVER and a CLIENT span a request, and the failed attempts' spans
+            assert len(sink._queue) == 50 * 2 + 10
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+        t.shutdown()
