@@ -182,8 +182,18 @@ def app_factory() -> Any:
     return app
 
 
+# Young-generation collections start after this many more container allocations than
+# frees (CPython's default is 700). Each one walks every live young object, and at c=64 the
+# open requests' objects alone made that ~0.4 ms: one every ~30 requests, ~14 µs of CPU a
+# request and a pause in every open stream. Requests free what they allocate by reference
+# counting (tests/test_telemetry.py checks telemetry's share), so at 10,000 the collector
+# runs when something really accumulates.
+GC_YOUNG_THRESHOLD = 10_000
+
+
 def freeze_startup_heap() -> None:
-    """Move everything built at startup out of the GC's reach.
+    """Move everything built at startup out of the GC's reach, and collect the young
+    generation rarely.
 
     OpenTelemetry, Prometheus and the imports make a large long-lived heap that every full
     collection would rescan: measured ~90 µs of GC per request with metrics on, ~58 µs after
@@ -191,6 +201,8 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
 def uvicorn_config(config: Config, app: Any, **overrides: Any) -> uvicorn.Config:
