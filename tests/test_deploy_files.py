@@ -57,3 +57,14 @@ def test_deploy_yaml_parses(path):
 def test_example_config_is_valid():
     cfg = load_config(ROOT / "deploy" / "warmroute.example.yaml", env={})
     assert cfg.server.port == 8080
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "deploy").rglob("*.sh")), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_deploy_scripts_are_executable_and_parse(path):
+    import os
+    import subprocess
+
+    assert os.access(path, os.X_OK), f"{path.name} is not executable"
+    subprocess.run(["bash", "-n", str(path)], check=True)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The proxy's user-space instructions per request, counted by valgrind's callgrind: the one CPU
+# figure a shared, noisy machine does not move (the same build counts the same to ~0.1%).
+#
+#   deploy/perf/count-instructions.sh LABEL [VAR=value ...]
+#
+# Runs `python -m proxy serve` under callgrind with the given environment in front of the
+# zero-latency mock (started here unless one answers on 127.0.0.1:9101), warms it with 200
+# requests, counts the next REQUESTS (default 400) at CONCURRENCY (default 8), and prints
+#   LABEL  <instructions per request>
+# Settings: CHUNKS (mock's chunks per response, default 64), REQUESTS, CONCURRENCY, PORT
+# (default 9100). An OTLP/HTTP receiver that reads and discards exports listens on
+# 127.0.0.1:9250 while this runs, for OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:9250.
+# Kernel time (the socket calls) is not counted. Example, telemetry off against the default:
+#   deploy/perf/count-instructions.sh off WARMROUTE_TELEMETRY__ENABLED=false
+#   deploy/perf/count-instructions.sh metrics
+set -euo pipefail
+label=${1:?usage: count-instructions.sh LABEL [VAR=value ...]}
+shift
+cd "$(dirname "$0")/../.."
+for tool in valgrind callgrind_control curl; do
+  command -v "$tool" >/dev/null || { echo "count-instructions: needs $tool" >&2; exit 2; }
+done
+PY=${PYTHON:-python}
+PORT=${PORT:-9100}
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+if ! curl -s -o /dev/null http://127.0.0.1:9101/v1/models; then
+  $PY -m proxy.bench.mock --port 9101 --instances 2 --chunks "${CHUNKS:-64}" >/dev/null 2>&1 &
+  pids+=($!)
+fi
+$PY -c "$($PY -c 'from proxy.bench.telemetry_cost import SINK; print(SINK)')" 9250 \
+  >/dev/null 2>&1 &
+pids+=($!)
+
+env "$@" valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$work/out" \
+  --log-file="$work/log" $PY -m proxy serve --backend http://127.0.0.1:9101 \
+  --backend http://127.0.0.1:9102 --port "$PORT" --log-level warning >/dev/null 2>&1 &
+proxy=$!
+pids+=("$proxy")
+for _ in $(seq 120); do
+  curl -s -o /dev/null "http://127.0.0.1:$PORT/health" && break
+  sleep 1
+done
+bench=($PY -m proxy bench --base-url "http://127.0.0.1:$PORT" --workload hot-prompt
+  --system-chars 200 --user-chars 50 --model mock --concurrency "${CONCURRENCY:-8}" --no-progress)
+"${bench[@]}" --requests 200 >/dev/null
+callgrind_control -i on "$proxy" >/dev/null 2>&1
+"${bench[@]}" --requests "${REQUESTS:-400}" >/dev/null
+callgrind_control -i off "$proxy" >/dev/null 2>&1
+kill -INT "$proxy"
+wait "$proxy" || true
+total=$(grep -o "Collected : [0-9]*" "$work/log" | awk '{print $3}')
+awk -v l="$label" -v t="$total" -v n="${REQUESTS:-400}" \
+  'BEGIN { printf "%-12s %.4f M instructions per request\n", l, t / n / 1e6 }'
