@@ -153,7 +153,7 @@ class BackendRegistry:
         self.on_kv_capacity: Callable[[str, int], None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
-    def __iter__(self) -> Iterable[Backend]:  # type: ignore[override]
+    def __iter__(self) -> Iterable[Backend]:
         return iter(self.backends.values())
 
     def __getitem__(self, name: str) -> Backend:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import inspect
 import logging
 import os
 import socket
 import sys
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -44,11 +45,12 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
     router here); the event loops usually set it, but this must not depend on the loop.
     """
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        super().connection_made(HeadWithBodyTransport(transport, self.loop))
+        head_with_body = HeadWithBodyTransport(transport, self.loop)
+        super().connection_made(cast(asyncio.Transport, head_with_body))
 
 
 class HeadWithBodyTransport:
@@ -254,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
         from uvicorn.supervisors import Multiprocess
 
         if "target" in inspect.signature(Multiprocess.__init__).parameters:  # uvicorn < 0.36
-            Multiprocess(
+            supervisor: Any = Multiprocess  # its signature depends on the uvicorn version
+            supervisor(
                 server_config, target=uvicorn.Server(server_config).run, sockets=[sock]
             ).run()
         else:  # the supervisor builds each worker's Server itself

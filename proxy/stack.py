@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from types import TracebackType
+from typing import IO
 
 import httpx
 
@@ -62,14 +63,14 @@ class Stack:
         self.stop_all()
 
     def spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
-        out: int | object = subprocess.DEVNULL
+        out: int | IO[bytes] = subprocess.DEVNULL
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"{name}.log"), "wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "proxy", *args],
             stdout=out,
-            stderr=subprocess.STDOUT,  # type: ignore[arg-type]
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: we can kill its whole tree
         )
         self.procs.append((name, proc))

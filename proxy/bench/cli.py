@@ -438,8 +438,9 @@ def run_command(args: argparse.Namespace) -> int:
             # groups never touch it), as long as --server-pid names the target's processes.
             cpu0 = process_cpu_s(args.server_pid)
             runs = await run_paired(plan, workload, **common)
-            if cpu0 is not None:
-                runs[0].server_cpu_s = process_cpu_s(args.server_pid) - cpu0
+            cpu1 = process_cpu_s(args.server_pid)
+            if cpu0 is not None and cpu1 is not None:
+                runs[0].server_cpu_s = cpu1 - cpu0
             return runs
         runs = []
         for k, (url, label, role) in enumerate(plan):
@@ -451,8 +452,9 @@ def run_command(args: argparse.Namespace) -> int:
                 else workload
             )
             runs.append(await run_bench(url, w, label=label, role=role, **common))
-            if cpu0 is not None:
-                runs[-1].server_cpu_s = process_cpu_s(args.server_pid) - cpu0
+            cpu1 = process_cpu_s(args.server_pid) if cpu0 is not None else None
+            if cpu0 is not None and cpu1 is not None:
+                runs[-1].server_cpu_s = cpu1 - cpu0
         return runs
 
     try:

@@ -498,9 +498,9 @@ async def run_paired(
     for run, state in zip(runs, states, strict=True):
         run.duration = duration
         run.client_cpu_s = client_cpu / len(runs)
-        for r in state.results.values():
-            if not r.ok and r.error_kind is None:
-                r.error_kind, r.error = "deadline", "cancelled at --max-duration"
+        for res in state.results.values():
+            if not res.ok and res.error_kind is None:
+                res.error_kind, res.error = "deadline", "cancelled at --max-duration"
         run.requests = [state.results[i] for i in sorted(state.results)]
         run.not_sent = requests - len(run.requests)
         if duration > 0 and client_cpu / duration > 0.7:

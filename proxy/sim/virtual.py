@@ -269,8 +269,8 @@ async def run_virtual(
         step = fleet.next_step()
         if step is None:
             break
-        i, plan = step
-        for out in fleet.scheds[i].complete(plan):
+        i, step_plan = step
+        for out in fleet.scheds[i].complete(step_plan):
             o = open_.get(out.seq.seq_id)
             if o is None:
                 continue
