@@ -1398,11 +1398,8 @@ class RequestRecord:
                 out.append(_CHUNKS.ints.get(f.chunks) or _CHUNKS.any(f.chunks))
                 out.append(_EVENTS.ints.get(f.events) or _EVENTS.any(f.events))
             if itl:
-                n = len(itl)
-                p50 = itl[max(0, min(n - 1, int(0.5 * n + 0.5) - 1))]  # _percentile, inlined
-                p99 = itl[max(0, min(n - 1, int(0.99 * n + 0.5) - 1))]
-                out.append(_F_ITL_P50 + _pack_d(p50))
-                out.append(_F_ITL_P99 + _pack_d(p99))
+                out.append(_F_ITL_P50 + _pack_d(_percentile(itl, 0.5)))
+                out.append(_F_ITL_P99 + _pack_d(_percentile(itl, 0.99)))
                 out.append(_F_ITL_MAX + _pack_d(itl[-1]))
             if f.cancelled:
                 out.append(k["warmroute.cancelled"].new(True))
