@@ -76,7 +76,6 @@ class AppState:
             self.routing.board.acquire(backend.name)
         else:
             self.routing.board.release(backend.name)
-        self.telemetry.set_inflight(backend.name, delta)
 
     def observe_stream(self, backend: Backend, facts: StreamFacts) -> None:
         """Teach the prefill-rate learner from a measured upstream TTFT."""
@@ -116,6 +115,8 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
         http=http,
         telemetry=telemetry or Telemetry(config.telemetry),
     )
+    board = state.routing.board
+    state.telemetry.read_inflight(lambda: board.local)
 
     hasher = state.routing.router.hasher
 

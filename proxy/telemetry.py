@@ -426,7 +426,8 @@ class Telemetry:
         self.c_decisions = _Counts(("warmroute.route.policy", "warmroute.route.reason"))
         self.c_errors = _Counts(("warmroute.backend", "error.type"))
         self.c_retries = _Counts(("warmroute.backend",))
-        self.c_inflight = _Counts(("warmroute.backend",))
+        # this proxy's open requests per backend: the routing board's count, read when collected
+        self._inflight: Callable[[], Mapping[str, int]] = dict
         meter = self.meter_provider.get_meter(SCOPE)
         meter.create_observable_counter(
             "warmroute.route.decisions",
@@ -448,7 +449,7 @@ class Telemetry:
         )
         meter.create_observable_up_down_counter(
             "warmroute.backend.inflight",
-            [self.c_inflight.observe],
+            [self._observe_inflight],
             unit="{request}",
             description="Requests this proxy has open on each backend.",
         )
@@ -550,12 +551,17 @@ class Telemetry:
             self.c_decisions.add(seen[0])
             seen[1].add(decision_s, None)
 
-    def set_inflight(self, backend: str, delta: int) -> None:
-        """Adjust warmroute.backend.inflight for `backend` by delta (+1 on open, -1 on close)."""
+    def read_inflight(self, source: Callable[[], Mapping[str, int]]) -> None:
+        """Report `source()` (backend -> requests this proxy has open on it) as
+        warmroute.backend.inflight: the count routing keeps anyway, not a second one."""
+        self._inflight = source
+
+    def _observe_inflight(self, _options: CallbackOptions) -> Iterable[Observation]:
         if not self.enabled:
             return
-        with self._lock:
-            self.c_inflight.add((backend,), delta)
+        # dict() copies in one C call: the event loop thread may be changing the counts
+        for backend, n in dict(self._inflight()).items():
+            yield Observation(n, {"warmroute.backend": backend})
 
     def shutdown(self) -> None:
         """Flush and stop exporters; the Prometheus collector is unregistered."""

@@ -779,3 +779,34 @@ def test_cached_prompt_tokens_from_the_engine_reach_the_span_and_metrics(
     )
     n, s = delta({}, proxy.histograms(), "warmroute.prefix.cached_tokens")
     assert n == 2 and s == warm["gen_ai.usage.cache_read.input_tokens"]
+
+
+def test_inflight_gauge_reports_the_requests_open_on_each_backend(
+    fake_backends: Any, captured: Callable[[dict[str, Any]], Captured]
+) -> None:
+    """warmroute.backend.inflight is the routing board's count, read when collected."""
+    [(_, backend)] = fake_backends(1)
+    proxy = captured({"backends": [{"url": backend.url}]})
+
+    def inflight() -> dict[str, int]:
+        data = proxy.reader.get_metrics_data()
+        assert data is not None
+        return {
+            p.attributes["warmroute.backend"]: p.value
+            for rm in data.resource_metrics
+            for sm in rm.scope_metrics
+            for m in sm.metrics
+            if m.name == "warmroute.backend.inflight"
+            for p in m.data.data_points
+        }
+
+    stream = client(proxy.url).chat.completions.create(**chat("chunks:3 delay:0.3"), stream=True)
+    chunks = iter(stream)
+    next(chunks)  # the response is under way: the request is open on the backend
+    [(name, open_now)] = inflight().items()
+    assert open_now == 1
+    assert len(list(chunks)) >= 2
+    deadline = time.monotonic() + WAIT_S
+    while inflight()[name] != 0:  # released just after the last byte
+        assert time.monotonic() < deadline
+        time.sleep(0.005)

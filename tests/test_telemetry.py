@@ -273,9 +273,7 @@ def test_metrics_come_from_the_facts_with_semconv_buckets_and_exemplars(tel: Any
     rec.set_decision(DECISION)
     t.observe_routing("prefix", "highest score (rotated among 3 ties)", 0.00004)
     rec.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1)
-    t.set_inflight("b1", 1)
-    t.set_inflight("b1", 1)
-    t.set_inflight("b1", -1)
+    t.read_inflight(lambda: {"b1": 1})
     f = facts(chunks=64)
     rec.finish(f, status=200)
     p = points(reader)
@@ -424,7 +422,7 @@ def test_otlp_http_export_reaches_a_receiver_as_protobuf() -> None:
         rec = start(t)
         t.observe_routing("prefix", "highest score", 0.0001)
         rec.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1)
-        t.set_inflight("b1", 1)
+        t.read_inflight(lambda: {"b1": 1})
         rec.finish(facts(), status=200)
         t.shutdown()  # flushes the batch span processor and the periodic metric reader
     finally:
@@ -471,7 +469,7 @@ def test_every_metric_on_the_grafana_dashboard_is_exported(tel: Any) -> None:
     t.observe_routing("prefix", "r", 0.0001)
     rec.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1).fail("500", 500)
     rec.attempt(backend="b2", address="10.0.0.2", port=8002, attempt=2)
-    t.set_inflight("b2", 1)
+    t.read_inflight(lambda: {"b2": 1})
     rec.finish(facts(), status=200)
     text = t.prometheus_text()[0].decode()
     dash = Path(__file__).parent.parent / "deploy/grafana/dashboards/warmroute.json"
