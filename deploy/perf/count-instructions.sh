@@ -31,9 +31,14 @@ cleanup() {
 }
 trap cleanup EXIT
 
-if ! curl -s -o /dev/null http://127.0.0.1:9101/v1/models; then
+ready() { curl -s -o /dev/null "$1"; }
+if ! ready http://127.0.0.1:9101/v1/models; then
   $PY -m proxy.bench.mock --port 9101 --instances 2 --chunks "${CHUNKS:-64}" >/dev/null 2>&1 &
   pids+=($!)
+  for _ in $(seq 100); do
+    ready http://127.0.0.1:9101/v1/models && ready http://127.0.0.1:9102/v1/models && break
+    sleep 0.1
+  done
 fi
 $PY -c "$($PY -c 'from proxy.bench.telemetry_cost import SINK; print(SINK)')" 9250 \
   >/dev/null 2>&1 &
@@ -45,7 +50,7 @@ env "$@" valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$wor
 proxy=$!
 pids+=("$proxy")
 for _ in $(seq 120); do
-  curl -s -o /dev/null "http://127.0.0.1:$PORT/health" && break
+  ready "http://127.0.0.1:$PORT/health" && break
   sleep 1
 done
 bench=($PY -m proxy bench --base-url "http://127.0.0.1:$PORT" --workload hot-prompt
