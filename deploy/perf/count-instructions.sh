@@ -27,6 +27,7 @@ work=$(mktemp -d)
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true  # gone before the next run looks for a mock on 9101
   rm -rf "$work"
 }
 trap cleanup EXIT
