@@ -66,6 +66,9 @@ from proxy.otlp import EncodedBatcher, http_span_exporter
 from proxy.routing.types import Decision
 
 SCOPE = "warmroute"
+# How long the last export may take at shutdown (a collector that is down must not hold up a
+# rolling restart: the SDK's exporters would retry for ~15 s between them).
+SHUTDOWN_EXPORT_S = 3.0
 log = logging.getLogger("warmroute.telemetry")
 
 # Explicit bucket boundaries from the OTel GenAI semantic conventions (seconds / tokens).
@@ -294,12 +297,14 @@ class Telemetry:
             resource=resource, sampler=None if self._tracing else ALWAYS_OFF
         )
         processor: SpanProcessor | None = None
+        self._exporters: list[Any] = []  # OTLP exporters, to cut short at shutdown
         if not self.enabled:
             pass
         elif span_exporter is not None:
             processor = SimpleSpanProcessor(span_exporter)
         elif cfg.traces_exporter == "otlp":
             exporter = _otlp_span_exporter(cfg)
+            self._exporters.append(exporter)
             if EncodedBatcher.can_use(exporter):
                 processor = EncodedBatcher(exporter, resource, InstrumentationScope(SCOPE))
             else:  # gRPC, or an SDK whose HTTP exporter we do not know
@@ -335,7 +340,9 @@ class Telemetry:
             self._registry = CollectorRegistry(auto_describe=True)
             readers.append(PrometheusMetricReader(registry=self._registry))
         if cfg.traces_exporter == "otlp" and self.enabled:
-            readers.append(PeriodicExportingMetricReader(_otlp_metric_exporter(cfg)))
+            metric_exporter = _otlp_metric_exporter(cfg)
+            self._exporters.append(metric_exporter)
+            readers.append(PeriodicExportingMetricReader(metric_exporter))
         self.meter_provider = MeterProvider(
             metric_readers=readers,
             resource=resource,
@@ -563,10 +570,32 @@ class Telemetry:
         for backend, n in dict(self._inflight()).items():
             yield Observation(n, {"warmroute.backend": backend})
 
-    def shutdown(self) -> None:
-        """Flush and stop exporters; the Prometheus collector is unregistered."""
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
+    def shutdown(self, deadline_s: float = SHUTDOWN_EXPORT_S) -> None:
+        """Flush and stop exporters; the Prometheus collector is unregistered.
+
+        The last spans and metrics get `deadline_s` to reach the collector. The exporters
+        retry with backoff on their own (~7 s each against a collector that is down, one after
+        the other): past the deadline they are stopped, which ends their retries at once.
+        """
+        timer = threading.Timer(deadline_s, self._stop_exporters)
+        timer.daemon = True
+        timer.start()
+        try:
+            self.tracer_provider.shutdown()
+            self.meter_provider.shutdown()
+        finally:
+            timer.cancel()
+
+    def _stop_exporters(self) -> None:
+        log.warning(
+            "telemetry: the OTLP collector did not take the last export in time; dropping it "
+            "(the SDK may then warn that its exporters are already shut down)"
+        )
+        for exporter in self._exporters:
+            try:
+                exporter.shutdown()
+            except Exception:  # already stopped, or an SDK that objects: stopping is best effort
+                log.debug("exporter shutdown failed", exc_info=True)
 
 
 def _otlp_endpoint(cfg: TelemetryConfig, signal: str) -> str | None:

@@ -551,3 +551,23 @@ def test_a_finished_request_leaves_nothing_for_the_cyclic_gc(traced: bool) -> No
     finally:
         gc.enable()
         t.shutdown()
+
+
+def test_shutdown_with_the_collector_down_gives_up_after_its_deadline(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The exporters' own retries would hold a stopping proxy for ~15 s; the deadline ends
+    them, and the log says the last export was dropped."""
+    import time
+
+    from tests.support import free_port
+
+    cfg = TelemetryConfig(traces_exporter="otlp", otlp_endpoint=f"http://127.0.0.1:{free_port()}")
+    t = Telemetry(cfg)
+    rec = start(t)
+    rec.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1)
+    rec.finish(facts(), status=200)
+    began = time.monotonic()
+    t.shutdown(deadline_s=0.5)
+    assert time.monotonic() - began < 5.0  # the retries alone take ~15 s
+    assert "did not take the last export in time" in caplog.text
