@@ -210,3 +210,27 @@ def test_exact_mode_aligns_blocks_with_kv_blocks_of_tokens(tmp_path) -> None:  #
     assert key.blocks == chain_tokens(seed("m"), ids, 4, 4096)
     assert len(key.blocks) == len(ids) // 4
     assert key.block_chars > 0
+
+
+def test_a_tokenizer_that_cannot_load_is_a_config_error_at_startup(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Exact mode with a bad tokenizer_file (or without `tokenizers`) must not start and then
+    fail every request: the config check names the key and the cause."""
+    import sys
+
+    from proxy.app import check_config
+    from proxy.config import Config, ConfigError
+
+    def config(path: str) -> Config:
+        prefix = {"tokenizer_file": path, "kv_block_tokens": 16}
+        return Config.model_validate(
+            {
+                "backends": [{"url": "http://127.0.0.1:1"}],
+                "routing": {"plugins": {"prefix": prefix}},
+            }
+        )
+
+    with pytest.raises(ConfigError, match=r"tokenizer_file '/nowhere/tokenizer.json'"):
+        check_config(config("/nowhere/tokenizer.json"))
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if it were not installed
+    with pytest.raises(ConfigError, match="pip install tokenizers"):
+        check_config(config("/nowhere/tokenizer.json"))

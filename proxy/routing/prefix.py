@@ -201,6 +201,8 @@ class PrefixHasher:
         self.tokenizer_file = tokenizer_file
         self.kv_block_tokens = kv_block_tokens
         self.chars_per_token = chars_per_token
+        if tokenizer_file:
+            _ = self._tokenizer  # loaded now: a bad setting fails at startup, not per request
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> PrefixHasher:
@@ -214,10 +216,20 @@ class PrefixHasher:
 
     @cached_property
     def _tokenizer(self) -> Any:
-        # Imported lazily: `tokenizers` is optional and only exact mode needs it.
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(self.tokenizer_file))
+        # Imported here: `tokenizers` is optional and only exact mode needs it.
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError(
+                "prefix.tokenizer_file needs the `tokenizers` package: pip install tokenizers"
+            ) from None
+        try:
+            return Tokenizer.from_file(str(self.tokenizer_file))
+        except Exception as e:  # missing file, not a tokenizer.json: say which and why
+            raise ValueError(
+                f"prefix.tokenizer_file {self.tokenizer_file!r}: cannot load it as a Hugging "
+                f"Face tokenizer.json ({e})"
+            ) from None
 
     @property
     def token_block_chars(self) -> int:
