@@ -1563,7 +1563,7 @@ _ROW_POINTS += (_CACHED, _HIT_ACTUAL, _HIT_PREDICTED)
 _ROW_COLUMNS = tuple(enumerate(_ROW_POINTS, start=2))
 _NO_FACTS = (None,) * (len(_ROW_POINTS) - 1)
 # Folded this often, and before every collection (scrape, export): a batch is added per point
-# with one sort, where one add per value cost ~35k instructions a request.
+# with one sort, where one add per value cost ~27k instructions a request.
 _FOLD_EVERY = 256
 
 
