@@ -143,23 +143,14 @@ class _Point:
     exemplars: dict[int, tuple[float, tuple[int, int, int]]] = field(default_factory=dict)
 
     def add(self, v: float, exemplar: tuple[int, int, int] | None) -> None:
-        """Add one value (the common case: one sample per request)."""
-        # OTel buckets are (lower, upper]: bisect_left puts v == bound in that bound's bucket.
-        i = bisect_left(self.bounds, v)
-        self.counts[i] += 1
-        self.total += v
-        self.count += 1
-        if v < self.min:
-            self.min = v
-        if v > self.max:
-            self.max = v
-        if exemplar is not None:
-            self.exemplars[i] = (v, exemplar)
+        """Add one value (routing decisions, errored durations; the rest arrive in batches)."""
+        self.add_sorted((v,), v, exemplar)
 
     def add_sorted(self, s: Sequence[float], total: float, exemplar: Any) -> None:
         """Add the values of sorted s (their sum: total), e.g. one request's per-chunk gaps."""
         bounds, counts = self.bounds, self.counts
         low, top = s[0], s[-1]
+        # OTel buckets are (lower, upper]: bisect_left puts v == bound in that bound's bucket.
         first, last = bisect_left(bounds, low), bisect_left(bounds, top)
         if first == last:  # the usual case: one request's gaps all fall in one bucket
             counts[first] += len(s)

@@ -12,6 +12,7 @@ def test_batched_samples_fill_the_same_buckets_min_max_and_sum_as_single_adds() 
     for bounds in (DURATION_BUCKETS, OVERHEAD_BUCKETS):
         batched = _Histogram("b", "s", "", bounds)
         single = _Histogram("s", "s", "", bounds)
+        expected = [0] * (len(bounds) + 1)
         for i in range(300):
             scale = rng.choice((1e-5, 1e-3, 0.05, 1.0, 100.0))
             values = [rng.random() * scale for _ in range(rng.randint(1, 70))]
@@ -19,8 +20,9 @@ def test_batched_samples_fill_the_same_buckets_min_max_and_sum_as_single_adds() 
             batched.record(values, {}, ("k",), (i, i, i))
             for v in values:
                 single.record1(v, {}, ("k",), None)
+                expected[sum(1 for x in bounds if x < v)] += 1
         b, s = batched.points[("k",)], single.points[("k",)]
-        assert b.counts == s.counts
+        assert b.counts == s.counts == expected  # (lower, upper] buckets, counted here
         assert (b.count, b.min, b.max) == (s.count, s.min, s.max)
         assert abs(b.total - s.total) < 1e-9 * max(1.0, s.total)
         # one exemplar per request, in the bucket of its largest value
