@@ -567,3 +567,31 @@ def test_cli_serves_instances_on_consecutive_ports_and_stops_on_sigterm() -> Non
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_hidden_kv_pool_leaves_only_cache_config_info_out_of_the_metrics() -> None:
+    async with httpx.AsyncClient() as client:
+        with sim(time_scale=10, kv_blocks=512) as (url, _):
+            shown = (await client.get(url + "/metrics")).text
+        with sim(time_scale=10, kv_blocks=512, hide_kv_pool=True) as (url, _):
+            await stream(client, url, chat("hello", max_tokens=2))
+            hidden = (await client.get(url + "/metrics")).text
+    assert 'num_gpu_blocks="512"' in shown
+    assert "cache_config_info" not in hidden and "num_gpu_blocks" not in hidden
+    names = {ln.split()[2] for ln in shown.splitlines() if ln.startswith("# TYPE")}
+    assert {ln.split()[2] for ln in hidden.splitlines() if ln.startswith("# TYPE")} == names - {
+        "vllm:cache_config_info"
+    }
+    assert metric(hidden, "vllm:kv_cache_usage_perc") >= 0
+    assert metric(hidden, "vllm:generation_tokens_total") == 2
+
+
+def test_hide_kv_pool_comes_from_a_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxy.cli import build_parser
+    from proxy.sim.cli import config_from_args
+
+    assert config_from_args(build_parser().parse_args(["sim"])).hide_kv_pool is False
+    args = build_parser().parse_args(["sim", "--hide-kv-pool"])
+    assert config_from_args(args).hide_kv_pool is True
+    monkeypatch.setenv("WARMROUTE_SIM_HIDE_KV_POOL", "1")
+    assert config_from_args(build_parser().parse_args(["sim"])).hide_kv_pool is True

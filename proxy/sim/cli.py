@@ -29,6 +29,7 @@ examples:
   warmroute sim --port 8001                                  # an 8B bf16 model on an H100
   warmroute sim --port 8001 --instances 3 --device l40s      # three engines, ports 8001-8003
   warmroute sim --port 8001 --time-scale 10 --kv-blocks 512  # 10x faster, tiny KV pool
+  warmroute sim --port 8001 --hide-kv-pool                   # no pool size in /metrics
   warmroute sim --port 8001 --fault-error-rate 0.05 --fault-stall-rate 0.1 --fault-stall-s 2
   curl -N localhost:8001/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model":"sim-8b","messages":[{{"role":"user","content":"hi"}}],"stream":true}}'
@@ -61,6 +62,7 @@ ENGINE_OPTIONS: tuple[tuple[str, str], ...] = (
     ("kv_blocks", "KV pool size in blocks (vLLM --num-gpu-blocks-override)"),
     ("block_size", "tokens per KV block and per prefix-cache hash"),
     ("enable_prefix_caching", "reuse the KV of shared prompt prefixes"),
+    ("hide_kv_pool", "leave vllm:cache_config_info (the KV pool size) out of /metrics"),
     ("time_scale", "run X times faster than the simulated device (tests, demos)"),
     ("role", "mixed, prefill or decode (P/D disaggregation)"),
     ("kv_transfer_gbs", "P/D link bandwidth for KV transfers, GB/s"),

@@ -81,6 +81,9 @@ class SimConfig:
     kv_blocks: int | None = None  # vLLM --num-gpu-blocks-override
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # Leave vllm:cache_config_info out of /metrics, like a vLLM behind a gateway that passes only
+    # load gauges: the proxy must then learn the pool size from cached_tokens alone.
+    hide_kv_pool: bool = False
     time_scale: float = 1.0  # 10 runs everything 10x faster than the simulated device
     role: str = "mixed"
     kv_transfer_gbs: float = 25.0  # P/D link (200 Gb/s RDMA), GB/s

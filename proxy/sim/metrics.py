@@ -102,16 +102,17 @@ class EngineMetrics:
             "Number of requests waiting to be processed.",
             [f"vllm:num_requests_waiting{{{lbl}}} {len(sched.waiting)}"],
         )
-        metric(
-            "vllm:cache_config_info",
-            "gauge",
-            "Information of the LLMEngine CacheConfig (the KV pool size).",
-            [
-                f'vllm:cache_config_info{{block_size="{sched.cfg.block_size}",'
-                f'enable_prefix_caching="{sched.cfg.enable_prefix_caching}",'
-                f'num_gpu_blocks="{sched.pool.num_blocks}"}} 1.0'
-            ],
-        )
+        if not sched.cfg.hide_kv_pool:
+            metric(
+                "vllm:cache_config_info",
+                "gauge",
+                "Information of the LLMEngine CacheConfig (the KV pool size).",
+                [
+                    f'vllm:cache_config_info{{block_size="{sched.cfg.block_size}",'
+                    f'enable_prefix_caching="{sched.cfg.enable_prefix_caching}",'
+                    f'num_gpu_blocks="{sched.pool.num_blocks}"}} 1.0'
+                ],
+            )
         usage = sched.pool.usage
         metric(
             "vllm:kv_cache_usage_perc",
