@@ -1,4 +1,13 @@
-"""Picker ``bounded_load``: a prompt stays on the copies of its prefix, within a load bound.
+"""Picker ``bounded_load``: a prompt goes to its prefix's homes or copies, within a load bound.
+
+Placed prefix (the router assigned its head homes from traffic shares, sizes and the backends'
+learned cache capacities; proxy.routing.placement): the least loaded home goes first. Another
+backend goes first only when every home is over the load bound *and* that backend has less
+prefill work ahead of the request (queued prompt tokens, plus the cold prefill there, plus,
+when its learned cache is full of other placed prefixes, the re-prefill of the prefix the
+newcomer evicts) than `spill_ratio` of the home's. A close call stays home: a copy made for a
+passing burst evicts a prompt that other requests will pay for. The rest of this docstring is
+the rule for prompts that are not placed (placement off, or more hot prefixes than it tracks).
 
 Every pick first sets aside backends over the load bound (2x the weighted average in-flight,
 or `slack` above the least loaded; proxy.routing.rendezvous) and those whose engine reports a
@@ -28,6 +37,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from plugins.predicted_ttft_scorer import PredictedTtftScorer
 from proxy.routing.rendezvous import hrw_order, key_of, split_by_load
 from proxy.routing.types import BackendView, RouteContext
 
@@ -44,6 +54,9 @@ class BoundedLoadPicker:
         slack: int = 8,
         choices: int = 2,
         copy_load: float = 0.8,
+        placement: bool = True,
+        spill_ratio: float = 0.5,
+        placement_config: dict[str, Any] | None = None,
     ) -> None:
         self.choices = max(1, choices)
         # A copy should carry at most this fraction of one backend's fair share of traffic.
@@ -52,9 +65,22 @@ class BoundedLoadPicker:
         self.slack = slack
         self.affinity_blocks = max(1, affinity_blocks)
         self.warm_blocks = max(1, warm_blocks)
+        # Read by the router: assign hot prefixes homes (proxy.routing.placement).
+        self.uses_placement = placement
+        self.placement_config = {"copy_load": self.copy_load, **(placement_config or {})}
+        self.spill_ratio = spill_ratio
+        self._ttft = PredictedTtftScorer()
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> BoundedLoadPicker:
+        known = {"fill", "imbalance", "rebalance_every", "max_keys"}
+        placement_cfg = {k: v for k, v in dict(cfg.get("placement_options", {})).items()}
+        unknown = set(placement_cfg) - known
+        if unknown:
+            raise ValueError(
+                f"bounded_load.placement_options: unknown key(s) {sorted(unknown)}; "
+                f"known: {sorted(known)}"
+            )
         return cls(
             epsilon=float(cfg.get("epsilon", 1.0)),
             affinity_blocks=int(cfg.get("affinity_blocks", 8)),
@@ -62,6 +88,9 @@ class BoundedLoadPicker:
             slack=int(cfg.get("slack", 8)),
             choices=int(cfg.get("choices", 2)),
             copy_load=float(cfg.get("copy_load", 0.8)),
+            placement=bool(cfg.get("placement", True)),
+            spill_ratio=float(cfg.get("spill_ratio", 0.5)),
+            placement_config=placement_cfg,
         )
 
     def pick(
@@ -87,6 +116,15 @@ class BoundedLoadPicker:
         warm = self.warm_blocks
         best_match = max([matched.get(b.name, 0) for b in candidates]) if matched else 0
         spill = f"; {len(over)} over the load bound" if over else ""
+        homes = [b for b in candidates if b.name in ctx.homes] if blocks and ctx.homes else []
+        if homes:
+            # A backend holding clearly more of this prompt than any home (a conversation's
+            # earlier turns, placed there before a move or by a spill) counts as a home too.
+            reach = max(matched.get(b.name, 0) for b in homes) + warm
+            homes += [
+                b for b in candidates if b.name not in ctx.homes and matched.get(b.name, 0) >= reach
+            ]
+            return self._pick_placed(ctx, key, candidates, homes, within)
         if blocks and best_match < warm:
             order = hrw_order(key, within)
             reason = f"cold prefix: rendezvous on the first blocks{spill}"
@@ -139,6 +177,57 @@ class BoundedLoadPicker:
         if over:
             order += sorted(over, key=lambda b: (_load(b), -totals.get(b.name, 0)))
         return [b.name for b in order], reason
+
+    def _pick_placed(
+        self,
+        ctx: RouteContext,
+        key: int,
+        candidates: list[BackendView],
+        homes: list[BackendView],
+        within: list[BackendView],
+    ) -> tuple[list[str], str]:
+        """A placed prefix: its least loaded home, unless every home is over the load bound
+        and a backend within it has so much less prefill work queued that the cold prefill
+        and the eviction there still come out ahead."""
+        ok = set(map(id, within))
+        tie = {id(b): i for i, b in enumerate(hrw_order(key_of(ctx.request_id), homes))}
+        # A home that holds this request's own history (more than the prefix its requests
+        # share: a conversation's earlier turns) first, then the least loaded: a hot prefix's
+        # new home gets its share of the traffic although it starts cold.
+        own = ctx.shared_blocks + self.warm_blocks
+        matched = ctx.matched_blocks
+        homes.sort(
+            key=lambda b: (id(b) not in ok, matched.get(b.name, 0) < own, _load(b), tie[id(b)])
+        )
+        best = homes[0]
+        home_ids = set(map(id, homes))
+        others = [b for b in hrw_order(key, within) if id(b) not in home_ids]
+        rest = [b.name for b in candidates if id(b) not in home_ids and id(b) not in ok]
+        order = [b.name for b in homes] + [b.name for b in others] + rest
+        of = f" (1 of {len(homes)} homes)" if len(homes) > 1 else ""
+        if id(best) in ok or not others:
+            return order, f"placed prefix: its home{of}"
+        # Work in prompt tokens, not seconds: learned prefill rates are noisy per backend
+        # (queueing inflates some TTFT samples), and a spill is a trade of prefill work.
+        per_token = self._ttft.chars_per_token
+        prompt = ctx.prompt_chars / per_token
+
+        def work(b: BackendView) -> float:
+            cached = ctx.matched_blocks.get(b.name, 0) * ctx.block_chars / per_token
+            queued = b.backlog_tokens + max(b.load.waiting or 0.0, 0.0) * prompt
+            evicts = prompt if b.name in ctx.full else 0.0  # a placed prefix re-prefills
+            return queued + max(prompt - cached, 0.0) + evicts
+
+        alt = min(others, key=work)
+        if work(alt) < self.spill_ratio * work(best):
+            evicted = " and an eviction" if alt.name in ctx.full else ""
+            reason = (
+                f"placed prefix: load over affinity: every home over the load bound, "
+                f"{work(best):.0f} prompt tokens of prefill ahead there against "
+                f"{work(alt):.0f} on {alt.name} with its cold prefill{evicted}"
+            )
+            return [alt.name] + [n for n in order if n != alt.name], reason
+        return order, f"placed prefix: its home{of}, over the load bound but still cheapest"
 
 
 def _long_queues(backends: list[BackendView], epsilon: float, slack: int) -> list[BackendView]:

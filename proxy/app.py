@@ -22,7 +22,7 @@ from proxy.meter import StreamFacts
 from proxy.routing.index import capacity_blocks_from_tokens
 from proxy.routing.router import Router
 from proxy.routing.setup import Routing, build_routing
-from proxy.routing.types import BackendView
+from proxy.routing.types import BackendView, RouteContext
 from proxy.telemetry import RequestRecord, Telemetry
 from proxy.upstream import Upstream
 
@@ -77,12 +77,27 @@ class AppState:
         else:
             self.routing.board.release(backend.name)
 
-    def observe_stream(self, backend: Backend, facts: StreamFacts) -> None:
-        """Teach the prefill-rate learner from a measured upstream TTFT."""
+    def observe_stream(
+        self, backend: Backend, facts: StreamFacts, ctx: RouteContext | None = None
+    ) -> None:
+        """Teach the router from a finished stream: the prefill rate from its upstream TTFT,
+        the backend's cache size from the cached_tokens its engine reported."""
         if facts.upstream_ttft_s is None or not facts.input_tokens or facts.error:
             return
-        uncached = facts.input_tokens - (facts.cached_tokens or 0)
-        self.routing.learner.observe(backend.name, uncached, facts.upstream_ttft_s)
+        self.routing.router.observe(
+            ctx, backend.name, facts.input_tokens, facts.cached_tokens, facts.upstream_ttft_s
+        )
+
+    def observe_response(
+        self, backend: Backend, facts: StreamFacts, ctx: RouteContext | None = None
+    ) -> None:
+        """A non-streamed response: its cached_tokens size the backend's cache; its duration
+        (prefill and every token) says nothing about the prefill rate on its own."""
+        if facts.error or not facts.input_tokens:
+            return
+        self.routing.router.observe(
+            ctx, backend.name, facts.input_tokens, facts.cached_tokens, None, facts.e2e_s
+        )
 
 
 def check_config(config: Config) -> None:
@@ -121,9 +136,9 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
     hasher = state.routing.router.hasher
 
     def kv_capacity(backend: str, tokens: int) -> None:
-        # Remember no more of a backend's prefixes than its KV pool can hold.
+        # The KV pool bounds what the index keeps; the learner sizes it within that bound.
         blocks = capacity_blocks_from_tokens(tokens, hasher.block_chars, hasher.chars_per_token)
-        state.routing.index.set_capacity(backend, blocks)
+        state.routing.router.set_published_capacity(backend, blocks)
 
     state.registry.on_kv_capacity = kv_capacity
 

@@ -398,6 +398,7 @@ class ProxyEndpoint:
         facts = None
         if upstream.status == 200 and self.api != "embeddings":
             facts = meter_json(self.api, payload, t0=ex.t0, now=time.perf_counter())
+            self.state.observe_response(backend, facts, ex.ctx)
         record.finish(
             facts,
             status=upstream.status,
@@ -481,7 +482,7 @@ class ProxyEndpoint:
         # A client that hangs up right after the last event got everything: not a cancel.
         cancelled = ex.client_gone and not meter.completed
         tail, facts = meter.finish(perf(), error=error, cancelled=cancelled)
-        state.observe_stream(backend, facts)
+        state.observe_stream(backend, facts, ex.ctx)
         if facts.error and not error:
             error = facts.error
         if not ex.client_gone:

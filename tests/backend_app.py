@@ -51,6 +51,8 @@ class FakeBackend:
         self.name = name
         self.models = models
         self.rec = Recorder()
+        self.caches = False  # True: report cached_tokens like an engine with prefix caching
+        self.seen: list[str] = []  # prompts served, for cached_tokens
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -135,12 +137,22 @@ class FakeBackend:
         await send({"type": "http.response.body", "body": payload})
 
     def _usage(self, body: dict[str, Any], n: int) -> dict[str, Any]:
-        prompt_tokens = max(1, len(_prompt_text(body)) // 4)
+        text = _prompt_text(body)
+        prompt_tokens = max(1, len(text) // 4)
+        # With `caches`, an engine with an unbounded prefix cache: the longest prefix shared
+        # with any prompt served before (the last 64), in 4-character tokens, never the whole
+        # prompt. Without, an engine with prefix caching off.
+        cached = 0
+        if self.caches:
+            shared = max((_common(text, seen) for seen in self.seen), default=0)
+            self.seen.append(text)
+            del self.seen[:-64]
+            cached = min(shared // 4, prompt_tokens - 1)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": n,
             "total_tokens": prompt_tokens + n,
-            "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     async def _whole(self, send: Any, path: str, body: dict[str, Any], n: int) -> None:
@@ -259,3 +271,12 @@ class FakeBackend:
         out += b"data: [DONE]\n\n"
         await send({"type": "http.response.body", "body": out, "more_body": False})
         self.rec.completed += 1
+
+
+def _common(a: str, b: str) -> int:
+    """Characters the two strings share from the start."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -123,7 +123,10 @@ def _explain(proxy: str, body: dict) -> dict:
 
 
 def test_same_prefix_same_backend_across_three_proxies_sharing_redis(fake_backends):
-    backends = [s.url for _, s in fake_backends(3)]
+    started = fake_backends(3)
+    for app, _ in started:
+        app.caches = True  # engines that cache: the proxies learn their caches are big enough
+    backends = [s.url for _, s in started]
     port = free_port()
     with private_redis(port), proxies(3, backends, f"redis://127.0.0.1:{port}/0") as urls:
         served: dict[int, set[str]] = {}

@@ -84,9 +84,14 @@ async def test_prefix_aware_keeps_each_system_prompt_on_few_backends() -> None:
         system = systems[rng.randrange(8)]
         d = await r.route(chat(system, f"q{i}", i), views())
         homes[system].add(d.winner or "")
-    # Unloaded: each prompt stays on the backend that first cached it.
-    assert all(len(h) == 1 for h in homes.values())
-    assert len({next(iter(h)) for h in homes.values()}) >= 3  # and prompts spread across backends
+    # Unloaded: each prompt stays where it was first placed, but for the odd move that evens
+    # out what hashing clumped (here three prompts on one backend, fixed once) ...
+    assert all(len(h) <= 2 for h in homes.values())
+    assert sum(len(h) for h in homes.values()) <= len(systems) + 2
+    assert r.placement is not None and r.placement.moves <= 2
+    # ... and ends with one home per prompt, two prompts per backend.
+    final = [d.winner for d in [await r.route(chat(s, "last", 999), views()) for s in systems]]
+    assert sorted(final.count(n) for n in NAMES) == [2, 2, 2, 2]
 
 
 async def test_prefix_beats_a_small_load_difference_but_not_a_long_queue() -> None:
@@ -159,11 +164,15 @@ async def test_spills_of_one_prefix_build_one_second_copy() -> None:
     for i in range(12):
         r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
         home = (await r.route(chat(SYSTEM * 4, "q0", 0), views())).winner
-        # The home is far over the bound; which other backend is least loaded varies.
+        # The home is far over the bound with a queue; which other backend is least loaded
+        # varies.
         loads = [40 if n == home else (i * 7 + k) % 3 for k, n in enumerate(NAMES)]
-        backends = [view(n, x) for n, x in zip(NAMES, loads, strict=True)]
+        backends = [
+            view(n, x, load=EngineLoad(waiting=30.0 if n == home else 0.0))
+            for n, x in zip(NAMES, loads, strict=True)
+        ]
         d = await r.route(chat(SYSTEM * 4, f"q{i}", i), backends)
-        assert d.winner != home and "rendezvous order" in d.reason
+        assert d.winner != home and "load over affinity" in d.reason
         targets.add(d.winner)
     # Every replica, whatever the loads, spills this prefix to the same second backend: one
     # extra copy in the fleet's KV pools, not one on every backend.
@@ -211,7 +220,7 @@ async def test_a_cool_prefix_stays_on_its_copy_and_a_hot_one_spreads() -> None:
     busy_home = [view(n, 6 if n == home else 0) for n in NAMES]
     d = await r.route(chat(cool, "q2", 99), busy_home)
     # Idle backends elsewhere, but within the bound: a second copy would only evict others.
-    assert d.winner == home and "cached copies" in d.reason
+    assert d.winner == home and d.reason == "placed prefix: its home"
     hot = "hot system prompt: " + "policy text " * 200
     homes = set()
     for i in range(80):

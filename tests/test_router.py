@@ -57,7 +57,7 @@ async def test_a_follow_up_goes_where_its_prefix_was_recorded() -> None:
     second = await r.route(chat(SYSTEM, "question two", 2), views())
     assert first.winner == second.winner
     assert second.matched_blocks[second.winner] >= len(SYSTEM) // 64 - 1
-    assert "warm prefix" in second.reason
+    assert "placed prefix: its home" in second.reason
     assert second.predicted_cached_chars() == second.matched_blocks[second.winner] * 64
 
 
@@ -67,7 +67,8 @@ async def test_a_cold_prefix_lands_on_the_same_backend_on_every_replica() -> Non
     for _ in range(3):
         r = router(MemoryPrefixIndex())
         decision = await r.route(chat(SYSTEM, "hello", 1), views())
-        assert decision.reason.startswith("cold prefix")
+        assert decision.reason.startswith("placed prefix")
+        assert decision.matched_blocks[decision.winner or ""] == 0  # a new home, cold
         winners.add(decision.winner)
     assert len(winners) == 1
 
@@ -82,14 +83,31 @@ async def test_new_system_prompts_spread_over_backends() -> None:
     assert max(homes.count(n) for n in NAMES) <= 20
 
 
-async def test_a_loaded_home_spills_to_another_backend() -> None:
+async def test_a_home_with_prefill_queued_spills_to_another_backend() -> None:
+    r = router(MemoryPrefixIndex())
+    home = (await r.route(chat(SYSTEM, "q", 1), views())).winner
+    # The home is over the load bound and its engine has 30 prompts waiting: far more prefill
+    # work than the cold prefill elsewhere.
+    queued = [
+        view(n, 12 if n == home else 2, load=EngineLoad(waiting=30.0 if n == home else 0.0))
+        for n in NAMES
+    ]
+    decision = await r.route(chat(SYSTEM, "q2", 2), queued)
+    assert decision.winner != home
+    assert decision.ranking[1] == home  # still the first retry target
+    assert "load over affinity" in decision.reason and "over the load bound" in decision.reason
+
+
+async def test_a_home_busy_only_with_running_requests_keeps_its_prefix() -> None:
+    # Over the in-flight bound but nothing queued: the request starts at once at home, while
+    # a copy elsewhere would cost a cold prefill and evict another prompt (a close call the
+    # load bound alone used to win).
     r = router(MemoryPrefixIndex())
     home = (await r.route(chat(SYSTEM, "q", 1), views())).winner
     loads = [12 if n == home else 2 for n in NAMES]
     decision = await r.route(chat(SYSTEM, "q2", 2), views(loads))
-    assert decision.winner != home
-    assert decision.ranking[-1] == home  # still a retry target, last
-    assert "over the load bound" in decision.reason
+    assert decision.winner == home
+    assert "over the load bound but still cheapest" in decision.reason
 
 
 async def test_filters_run_before_the_lookup() -> None:
@@ -111,7 +129,10 @@ async def test_record_can_be_deferred_to_the_backend_actually_used() -> None:
     assert index.records == 0
     fallback = decision.ranking[1]  # say the winner refused before the first byte
     r.record(ctx, fallback)
-    again = await r.route(chat(SYSTEM, "q2", 2), views())
+    assert index.lookup_now(ctx.prefix_blocks, [fallback])[fallback] == len(ctx.prefix_blocks)
+    # The home that refused is marked down: the prefix is placed again, where it is cached.
+    up = [b for b in views() if b.name != decision.winner]
+    again = await r.route(chat(SYSTEM, "q2", 2), up)
     assert again.winner == fallback
 
 
@@ -188,9 +209,12 @@ async def test_replicas_sharing_redis_route_a_prefix_to_the_same_backend(
 ) -> None:
     a, b, c = replicas
     home = (await a.route(chat(SYSTEM, "q", 1), views())).winner
-    # A spills the prompt's next request to another backend because home is busy there...
-    loads = [20 if n == home else 0 for n in NAMES]
-    spilled = (await a.route(chat(SYSTEM + "x" * 500, "longer", 2), views(loads))).winner
+    # A spills the prompt's next request to another backend because home has a queue...
+    queued = [
+        view(n, 20 if n == home else 0, load=EngineLoad(waiting=30.0 if n == home else 0.0))
+        for n in NAMES
+    ]
+    spilled = (await a.route(chat(SYSTEM + "x" * 500, "longer", 2), queued)).winner
     assert spilled != home
     await a.index.flush()  # type: ignore[union-attr]
     # ...and B and C, which never saw either request, follow A's records, not their own hash.
@@ -239,7 +263,7 @@ async def test_scorers_run_only_when_something_reads_the_scores() -> None:
 
         scorer.score = counted  # type: ignore[method-assign]
     cold = await r.route(chat(SYSTEM, "q1", 1), views())
-    assert "cold prefix" in cold.reason and calls == []
+    assert "placed prefix" in cold.reason and calls == []
     twin = await router(MemoryPrefixIndex()).route(chat(SYSTEM, "q1", 1), views())
     assert cold.as_dict()["scores"] == twin.as_dict()["scores"]  # same values, when asked
     assert len(calls) == len(r.policy.scorers)

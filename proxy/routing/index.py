@@ -28,8 +28,8 @@ import logging
 import time
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis import exceptions as redis_errors
@@ -38,6 +38,7 @@ log = logging.getLogger("warmroute.routing.index")
 
 DEFAULT_CAPACITY_BLOCKS = 32768  # ~2M chars ≈ 500k tokens: an 80 GB GPU's KV pool for an 8B model
 DEFAULT_TTL_S = 1800.0
+GHOST_MIN = 1024  # trimmed blocks remembered per backend, at least
 # Scores are seconds since this epoch, not since 1970: near 6e7 a double still resolves 1e-8 s,
 # fine enough to give each block of a prompt its own, slightly older, score (see _flush).
 SCORE_EPOCH = 1_700_000_000.0
@@ -93,7 +94,16 @@ class PrefixIndex(Protocol):
         ...
 
     def set_capacity(self, backend: str, blocks: int) -> None:
-        """Bound the blocks kept for `backend` (e.g. from the engine's KV pool size)."""
+        """Bound the blocks kept for `backend` (learned from the engine's reports)."""
+        ...
+
+    def probe(self, backend: str, blocks: Sequence[int], matched: int) -> Probe:
+        """Before `blocks` are recorded on `backend`: when its matched prefix was last seen
+        there, and how far the prompt reaches into what the index holds or recently trimmed."""
+        ...
+
+    def occupancy(self, backend: str) -> int:
+        """Blocks held for `backend` (this process's view)."""
         ...
 
     def info(self) -> dict[str, Any]:
@@ -101,8 +111,19 @@ class PrefixIndex(Protocol):
         ...
 
 
+class Probe(NamedTuple):
+    """What the capacity learner needs to know about a prefix before it is recorded again."""
+
+    last_seen: float | None  # index clock time the matched prefix was last recorded
+    ghost_blocks: int  # leading blocks held by the index or trimmed by it lately
+
+
 class MemoryPrefixIndex:
-    """Per-backend LRU of block hashes, bounded by capacity and aged by TTL."""
+    """Per-backend LRU of block hashes, bounded by capacity and aged by TTL.
+
+    Blocks trimmed for lack of capacity are remembered for a while (a "ghost" list, as ARC
+    keeps one): if the engine later reports them cached, the capacity was set too small.
+    """
 
     def __init__(
         self,
@@ -116,6 +137,7 @@ class MemoryPrefixIndex:
         self.touch_s = touch_s
         self.clock = clock
         self._lru: dict[str, OrderedDict[int, float]] = {}
+        self._ghost: dict[str, OrderedDict[int, None]] = {}
         self._capacity: dict[str, int] = {}
         self.lookups = 0
         self.records = 0
@@ -183,16 +205,59 @@ class MemoryPrefixIndex:
             lru.pop(h, None)
             lru[h] = now
         cap = self._capacity.get(backend, self.default_capacity)
+        if len(lru) > cap:
+            self._trim(backend, lru, cap)
+
+    def _trim(self, backend: str, lru: OrderedDict[int, float], cap: int) -> None:
+        ghost = self._ghost.get(backend)
+        if ghost is None:
+            ghost = self._ghost[backend] = OrderedDict()
         while len(lru) > cap:
-            lru.popitem(last=False)
+            h, _ = lru.popitem(last=False)
+            ghost[h] = None
+            ghost.move_to_end(h)
             self.evictions += 1
+        # As many ghosts as live blocks (at least GHOST_MIN): enough to see a capacity that is
+        # up to twice too small in one observation.
+        limit = max(cap, GHOST_MIN)
+        while len(ghost) > limit:
+            ghost.popitem(last=False)
 
     def set_capacity(self, backend: str, blocks: int) -> None:
         self._capacity[backend] = max(1, int(blocks))
         lru = self._lru.get(backend)
-        while lru is not None and len(lru) > self._capacity[backend]:
-            lru.popitem(last=False)
-            self.evictions += 1
+        if lru is not None and len(lru) > self._capacity[backend]:
+            self._trim(backend, lru, self._capacity[backend])
+
+    def capacity(self, backend: str) -> int:
+        return self._capacity.get(backend, self.default_capacity)
+
+    def probe(self, backend: str, blocks: Sequence[int], matched: int) -> Probe:
+        lru = self._lru.get(backend)
+        seen = (
+            lru.get(blocks[matched - 1]) if lru is not None and 0 < matched <= len(blocks) else None
+        )
+        ghost = self._ghost.get(backend)
+        if not ghost:
+            return Probe(seen, matched)
+        live: Mapping[int, Any] = lru if lru is not None else {}
+
+        def held(i: int) -> bool:
+            h = blocks[i - 1]
+            return h in live or h in ghost
+
+        # Presence along the chain is monotone in both (tails go first), so binary search.
+        lo, hi = matched, len(blocks)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if held(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return Probe(seen, lo)
+
+    def occupancy(self, backend: str) -> int:
+        return len(self._lru.get(backend, ()))
 
     def backends(self) -> list[str]:
         return list(self._lru)
@@ -425,6 +490,13 @@ class RedisPrefixIndex:
     def set_capacity(self, backend: str, blocks: int) -> None:
         self._capacity[backend] = max(1, int(blocks))
         self.local.set_capacity(backend, blocks)
+
+    def probe(self, backend: str, blocks: Sequence[int], matched: int) -> Probe:
+        # The local copy holds what this replica recorded (wall-clock times, as Redis does).
+        return self.local.probe(backend, blocks, matched)
+
+    def occupancy(self, backend: str) -> int:
+        return self.local.occupancy(backend)
 
     # -- background --------------------------------------------------------------------------
 

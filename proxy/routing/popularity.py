@@ -38,6 +38,12 @@ class PrefixPopularity:
         while len(self._counts) > self.max_keys:
             self._counts.popitem(last=False)
 
+    def current(self, key: int) -> float:
+        """The share without the warm-up rule (placement needs a value from the first request)."""
+        # Shrunk toward zero by `warmup` requests' worth of prior: after 16 requests a prompt
+        # seen 4 times is 1/8 of the traffic, not 1/4 (a count that small is mostly noise).
+        return self._value(key) / (self.total + float(self.warmup))
+
     def share(self, key: int) -> float:
         """Fraction of recent requests (decayed) that started with this head, 0..1; 0 while
         fewer than `warmup` requests were seen (the first few would all look hot)."""

@@ -59,6 +59,12 @@ def hrw_order(key: int, candidates: Sequence[BackendView]) -> list[BackendView]:
     return [candidates[i] for _, i in scored]
 
 
+def hrw_names(key: int, names: Sequence[str]) -> list[str]:
+    """Backend names in unweighted rendezvous order for `key` (placement's tie-break)."""
+    seed = key & 0xFFFFFFFFFFFFFFFF
+    return sorted(names, key=lambda n: _h64(_name_bytes(n), seed), reverse=True)
+
+
 def split_by_load(
     candidates: Sequence[BackendView], epsilon: float, slack: int = 1
 ) -> tuple[list[BackendView], list[BackendView]]:

@@ -8,16 +8,22 @@ pick so the next request with this prefix finds it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from proxy.routing.backlog import PrefillBacklog
-from proxy.routing.index import PrefixIndex
+from proxy.routing.capacity import CapacityLearner, Outcome
+from proxy.routing.index import DEFAULT_CAPACITY_BLOCKS, PrefixIndex
 from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S, PrefillLearner
+from proxy.routing.placement import Placement
 from proxy.routing.popularity import PrefixPopularity
 from proxy.routing.prefix import PrefixHasher
+from proxy.routing.rendezvous import hrw_names
 from proxy.routing.types import BackendView, Decision, Policy, RouteContext, Scores, ScoresByBackend
+
+log = logging.getLogger("warmroute.routing")
 
 PREFIX_BLOCK = "prefix"  # RoutingConfig.plugins key for hashing settings (shared with the scorer)
 
@@ -33,6 +39,8 @@ class Router:
         record_on_route: bool = True,
         learner: PrefillLearner | None = None,
         backlog: PrefillBacklog | None = None,
+        capacity: CapacityLearner | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.policy = policy
         self.index = index
@@ -40,8 +48,16 @@ class Router:
         self.learner = learner or PrefillLearner()
         self.backlog = backlog or PrefillBacklog()
         self.popularity = PrefixPopularity()
+        default_cap = getattr(index, "default_capacity", DEFAULT_CAPACITY_BLOCKS)
+        self.capacity = capacity or CapacityLearner(default_blocks=int(default_cap))
         # The prompt head whose popularity counts: the picker's affinity key, where it has one.
         self.head_blocks = int(getattr(policy.picker, "affinity_blocks", 8))
+        self.warm_blocks = int(getattr(policy.picker, "warm_blocks", 4))
+        # Pickers that route hot prefixes to assigned homes get an explicit placement.
+        if placement is None and getattr(policy.picker, "uses_placement", False):
+            placement = Placement(**getattr(policy.picker, "placement_config", {}))
+        self.placement = placement
+        self.learn_capacity = True
         # True: the winner's blocks are recorded inside route(). Set False to record only once
         # the upstream accepted the request (call record() with the backend actually used).
         self.record_on_route = record_on_route
@@ -60,7 +76,13 @@ class Router:
         policy_cfg = {**blocks.get(name, {}), "plugins": blocks}
         policy = plugins.build(name, policy_cfg)
         hasher = PrefixHasher.from_config(blocks.get(PREFIX_BLOCK, {}))
-        return cls(policy, index=index, hasher=hasher)
+        prefix_cfg = blocks.get(PREFIX_BLOCK, {})
+        learn = bool(prefix_cfg.get("learn_capacity", True))
+        default_cap = int(getattr(index, "default_capacity", DEFAULT_CAPACITY_BLOCKS))
+        capacity = CapacityLearner(default_blocks=default_cap) if learn else None
+        router = cls(policy, index=index, hasher=hasher, capacity=capacity)
+        router.learn_capacity = learn
+        return router
 
     async def route(
         self, ctx: RouteContext, backends: Sequence[BackendView], *, record: bool = True
@@ -78,6 +100,8 @@ class Router:
                 if record:
                     self.popularity.observe(head)
                 ctx.prefix_share = self.popularity.share(head)
+                if self.placement is not None and len(ctx.prefix_blocks) >= self.warm_blocks:
+                    self._place(ctx, head, candidates, record)
         decision = self.decide(ctx, candidates, dropped)
         decision.decision_s = time.perf_counter() - started
         if record and self.record_on_route and decision.winner is not None:
@@ -95,14 +119,119 @@ class Router:
                 ctx.prefix_blocks, [b.name for b in candidates]
             )
 
+    def _place(
+        self, ctx: RouteContext, head: int, candidates: list[BackendView], record: bool
+    ) -> None:
+        """Look up (or make) the prefix's assigned homes among the candidates."""
+        placement = self.placement
+        assert placement is not None
+        names = [b.name for b in candidates]
+        if not names:
+            return
+        weights = {b.name: b.weight for b in candidates}
+        share = self.popularity.current
+        if record:
+            placement.observe(head, ctx.prefix_blocks)
+            if placement.due():
+                placement.rebalance(names, weights, self.capacity.capacity, share, hrw_names)
+        ctx.homes = placement.homes(
+            head,
+            ctx.prefix_blocks,
+            names,
+            weights,
+            self.capacity.capacity,
+            share,
+            ctx.matched_blocks,
+            hrw_names,
+            self.warm_blocks,
+            {b.name: b.inflight / max(b.weight, 1e-9) for b in candidates},
+        )
+        ctx.full = placement.full_for(head, names)
+        placed = placement.placed.get(head)
+        ctx.shared_blocks = placed.size if placed is not None else 0.0
+
     def record(self, ctx: RouteContext, backend: str) -> None:
         """Note that `backend` is about to hold ctx's prefix and prefill the rest of it."""
         if self.index is not None and ctx.prefix_blocks:
+            probe = getattr(self.index, "probe", None)
+            if probe is not None:
+                matched = ctx.matched_blocks.get(backend, 0)
+                seen, ctx.ghost_blocks = probe(backend, ctx.prefix_blocks, matched)
+                ctx.recorded_on = backend
+                ctx.recorded_age_s = None if seen is None else max(self._index_now() - seen, 0.0)
             self.index.record(backend, ctx.prefix_blocks)
         if ctx.prompt_chars:
             cached = ctx.matched_blocks.get(backend, 0) * ctx.block_chars
             uncached = max(ctx.prompt_chars - cached, 0) / self.hasher.chars_per_token
             self.backlog.add(backend, uncached, self.prefill_rate(backend))
+
+    def _index_now(self) -> float:
+        """The index's clock (monotonic in memory, wall time with Redis, virtual in the sim)."""
+        clock: Any = getattr(self.index, "clock", None)
+        if clock is None:
+            clock = getattr(getattr(self.index, "local", None), "clock", time.time)
+        return float(clock())
+
+    def observe(
+        self,
+        ctx: RouteContext | None,
+        backend: str,
+        input_tokens: int | None,
+        cached_tokens: int | None,
+        ttft_s: float | None,
+        settle_s: float | None = None,
+    ) -> None:
+        """A response from `backend` finished: teach the prefill-rate and capacity learners.
+
+        `input_tokens` and `cached_tokens` are the engine's own usage numbers (cached_tokens
+        None when the engine does not report it); `ttft_s` the upstream time to first token
+        (None: not streamed; `settle_s`, the response time, then bounds when prefill ended)."""
+        if ttft_s is not None and input_tokens:
+            self.learner.observe(backend, input_tokens - (cached_tokens or 0), ttft_s)
+        if ctx is None or not ctx.prefix_blocks or not self.learn_capacity:
+            return
+        if self.index is None or ctx.recorded_on != backend:
+            return  # recorded elsewhere (or not at all): no prediction to check
+        fraction = None
+        if cached_tokens is not None and input_tokens:
+            fraction = cached_tokens / input_tokens
+        occupancy = getattr(self.index, "occupancy", None)
+        outcome = Outcome(
+            predicted_blocks=ctx.matched_blocks.get(backend, 0),
+            prompt_blocks=len(ctx.prefix_blocks),
+            cached_fraction=fraction,
+            occupancy=occupancy(backend) if occupancy is not None else 0,
+            ghost_blocks=ctx.ghost_blocks,
+            recorded_age_s=ctx.recorded_age_s,
+            ttft_s=ttft_s if ttft_s is not None else settle_s,
+        )
+        moved = self.capacity.observe(backend, outcome)
+        if moved is not None:
+            blocks = self.capacity.capacity(backend)
+            self.index.set_capacity(backend, blocks)
+            log.debug(
+                "prefix index: %s's learned cache is now %d blocks (%s)",
+                backend,
+                blocks,
+                self.capacity.estimate(backend).last_change,
+            )
+
+    def set_published_capacity(self, backend: str, blocks: int) -> None:
+        """The engine published its KV pool size: the upper bound of what the index keeps."""
+        self.capacity.set_upper(backend, blocks)
+        if self.index is not None:
+            self.index.set_capacity(backend, self.capacity.capacity(backend))
+
+    def cache_info(self) -> dict[str, Any]:
+        """Per backend, the learned cache and how well the index predicts it; the placement of
+        the hottest prefixes (for /admin/routing)."""
+        out: dict[str, Any] = {
+            "learn_capacity": self.learn_capacity,
+            "backends": self.capacity.snapshot(),
+        }
+        if self.placement is not None:
+            out["placement"] = self.placement.snapshot(self.popularity.current)
+        return out
 
     def prefill_rate(self, backend: str) -> float:
         """Learned prompt tokens/s of `backend` (a default before the first measurements)."""

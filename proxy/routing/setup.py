@@ -7,7 +7,7 @@ BackendView(..., inflight=routing.board.get(name),
             mean_prefill_s=routing.learner.mean_prefill_s(name))
 decision = await routing.router.route(ctx, views)
 routing.board.acquire(decision.winner) ... routing.board.release(backend)
-routing.learner.observe(backend, uncached_tokens, upstream_ttft_s)
+routing.router.observe(ctx, backend, input_tokens, cached_tokens, upstream_ttft_s)
 await routing.close()                  # in lifespan shutdown
 """
 
@@ -59,6 +59,7 @@ class Routing:
             "inflight": self.board.info(),
             "prefill": self.learner.snapshot(),
             "backlog_tokens": self.router.backlog.snapshot(self.router.prefill_rate),
+            "cache": self.router.cache_info(),
         }
 
 

@@ -65,6 +65,14 @@ class RouteContext:
     prefix_share: float = 0.0  # share of recent requests that began with this prompt's head
     block_chars: int = 64
     matched_blocks: dict[str, int] = field(default_factory=dict)  # backend name -> blocks
+    # Filled by the router when the picker follows the placement (proxy.routing.placement):
+    homes: tuple[str, ...] = ()  # the backends this prompt's prefix is assigned to
+    full: frozenset[str] = frozenset()  # backends whose learned cache has no room for it
+    shared_blocks: float = 0.0  # blocks its prefix's requests share (more: its own history)
+    # Filled when the prefix is recorded (for the capacity learner, once the engine reports):
+    recorded_on: str | None = None
+    recorded_age_s: float | None = None  # since the matched prefix was last recorded there
+    ghost_blocks: int = 0  # leading blocks the index held or had trimmed on that backend
 
 
 class Scores(Mapping[str, float]):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -34,6 +34,8 @@ from proxy.sim import tokens
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Scheduler, StepPlan, make_seq
 
+STATIC_AFFINITY = "static_affinity"
+
 
 @dataclass
 class _Open:
@@ -43,6 +45,7 @@ class _Open:
     result: RequestResult
     engine: int
     start: float
+    ctx: RouteContext
     last: float = 0.0
     reply: list[str] = field(default_factory=list)
     history: list[Message] = field(default_factory=list)
@@ -58,6 +61,7 @@ class VirtualFleet:
         policy: str,
         plugins: Mapping[str, Any] | None = None,
         scrape_s: float = 2.0,
+        publish_kv_pool: bool = True,
     ) -> None:
         self.cfgs = [sim.replace() for _ in range(engines)]
         self.scheds = [Scheduler(c) for c in self.cfgs]
@@ -66,23 +70,33 @@ class VirtualFleet:
         self.now = 0.0
         # The index ages entries on the virtual clock, not the wall clock.
         self.index = MemoryPrefixIndex(clock=lambda: self.now)
+        # STATIC_AFFINITY is a bound to compare with, not a policy: system prompt i on engine
+        # i mod n, chosen by whoever wrote the workload. The router still hashes and records.
+        self.static = policy == STATIC_AFFINITY
         self.router = Router.from_config(
-            {"policy": policy, "plugins": dict(plugins or {})}, index=self.index
+            {"policy": "prefix_aware" if self.static else policy, "plugins": dict(plugins or {})},
+            index=self.index,
         )
         self.router.backlog = PrefillBacklog(clock=lambda: self.now)
         hasher = self.router.hasher
+        # Like the proxy's scrape of vllm:cache_config_info; an engine that hides it (most
+        # real ones) leaves the router to learn its cache from the cached_tokens it reports.
+        self.publish_kv_pool = publish_kv_pool
         for name, cfg in zip(self.names, self.cfgs, strict=True):
-            self.index.set_capacity(
-                name,
-                capacity_blocks_from_tokens(
-                    cfg.kv_pool_tokens, hasher.block_chars, hasher.chars_per_token
-                ),
-            )
+            if publish_kv_pool:
+                self.router.set_published_capacity(
+                    name,
+                    capacity_blocks_from_tokens(
+                        cfg.kv_pool_tokens, hasher.block_chars, hasher.chars_per_token
+                    ),
+                )
         self.learner = self.router.learner
         self.inflight = [0] * engines
         self.inflight_area = [0.0] * engines  # integral of in-flight over time: mean load
         self.served = [0] * engines
-        self.loads = [EngineLoad(kv_tokens=c.kv_pool_tokens) for c in self.cfgs]
+        self.loads = [
+            EngineLoad(kv_tokens=c.kv_pool_tokens if publish_kv_pool else None) for c in self.cfgs
+        ]
         self.scrape_s = scrape_s
         self._busy = [False] * engines
         self._events: list[tuple[float, int, int, StepPlan]] = []
@@ -113,11 +127,13 @@ class VirtualFleet:
                 waiting=float(len(s.waiting)),
                 running=float(len(s.running)),
                 kv_usage=s.pool.usage,
-                kv_tokens=self.cfgs[i].kv_pool_tokens,
+                kv_tokens=self.cfgs[i].kv_pool_tokens if self.publish_kv_pool else None,
                 scraped_at=self.now,
             )
 
-    async def route(self, request_id: str, body: dict[str, Any]) -> int:
+    async def route(
+        self, request_id: str, body: dict[str, Any], system_id: int | None = None
+    ) -> tuple[int, RouteContext]:
         ctx = RouteContext(
             request_id=request_id,
             model=body["model"],
@@ -127,10 +143,15 @@ class VirtualFleet:
             now=self.now,
             session_key=body.get("user"),  # as the proxy does (or the x-session-id header)
         )
+        if self.static and system_id is not None:
+            await self.router.route(ctx, self.views(), record=False)
+            i = system_id % len(self.names)
+            self.router.record(ctx, self.names[i])
+            return i, ctx
         decision = await self.router.route(ctx, self.views())
         winner = decision.winner
         assert winner is not None, decision.reason
-        return self.names.index(winner)
+        return self.names.index(winner), ctx
 
     def kick(self, i: int) -> None:
         """Start engine i's next step if it is idle and has work."""
@@ -165,9 +186,16 @@ async def run_virtual(
     concurrency: int = 32,
     plugins: Mapping[str, Any] | None = None,
     scrape_s: float = 2.0,
+    publish_kv_pool: bool = True,
+    events: Sequence[tuple[int, Callable[[VirtualFleet], None]]] = (),
 ) -> tuple[RunResult, VirtualFleet]:
-    """Replay `workload` through `policy` on `engines` simulated engines; virtual seconds."""
-    fleet = VirtualFleet(sim, engines, policy, plugins, scrape_s)
+    """Replay `workload` through `policy` on `engines` simulated engines; virtual seconds.
+
+    `policy` may be STATIC_AFFINITY (system prompt i on engine i mod n: a bound, not a policy).
+    `events`: (request index, action) pairs run just before that request is sent, e.g. to
+    resize the engines' caches mid-run."""
+    fleet = VirtualFleet(sim, engines, policy, plugins, scrape_s, publish_kv_pool)
+    actions = dict(events)
     plan = workload.plan(requests)
     queue: deque[RequestSpec] = deque(plan)
     history: dict[int, list[Message]] = {}
@@ -189,7 +217,10 @@ async def run_virtual(
         if (user := workload.user(spec)) is not None:
             body["user"] = user
         rid = f"req-{spec.index}"
-        i = await fleet.route(rid, body)
+        action = actions.pop(spec.index, None)
+        if action is not None:
+            action(fleet)
+        i, ctx = await fleet.route(rid, body, spec.system_id)
         prompt = tokens.tokenize(tokens.render_chat(messages), sim.chars_per_token)
         seq = make_seq(fleet.cfgs[i], rid, prompt, spec.max_tokens)
         fleet.scheds[i].now = fleet.now
@@ -212,7 +243,7 @@ async def run_virtual(
             return
         fleet.inflight[i] += 1
         fleet.served[i] += 1
-        open_[rid] = _Open(spec, r, i, fleet.now, history=past)
+        open_[rid] = _Open(spec, r, i, fleet.now, ctx, history=past)
         fleet.kick(i)
 
     async def start(spec: RequestSpec) -> None:
@@ -279,8 +310,8 @@ async def run_virtual(
             if r.output_chunks == 0:
                 r.ttft = now - o.start
                 r.cached_tokens = max(out.seq.num_cached, 0)
-                fleet.learner.observe(
-                    fleet.names[i], (r.prompt_tokens or 0) - r.cached_tokens, r.ttft
+                fleet.router.observe(
+                    o.ctx, fleet.names[i], r.prompt_tokens, r.cached_tokens, r.ttft
                 )
             else:
                 r.itl.append(now - o.last)

@@ -1,0 +1,166 @@
+"""Each backend's effective prefix-cache size, learned from what its engine reports (pure).
+
+Most engines never say how much prefix cache they have (llama.cpp, SGLang, any OpenAI-compatible
+server, vLLM behind a gateway), and where they do (vLLM's `cache_config_info`) running
+sequences share the pool, so the cache that survives between two requests is smaller and moves
+with load. An index that believes a larger cache predicts hits the engine no longer has, and a
+router that trusts it keeps prompts on backends that evicted them.
+
+The ground truth arrives with every metered response: the engine's own `cached_tokens`. Each
+one is compared with what the index predicted for that backend when the request was routed:
+
+- **false hit** (the index predicted a cached prefix, the engine reported much less, and the
+  prefix was recorded long enough before this request to have been prefilled): the engine
+  evicted what the index still holds, so the index is too big. The estimate drops to a
+  fraction (`shrink`) of what the index holds for that backend now.
+- **ghost hit** (the engine reported more than the index predicted, and the extra blocks are
+  ones the index itself trimmed for lack of capacity): the engine holds more than the index
+  believes; the estimate grows by the blocks the engine proved it kept, times `grow`.
+- anything else agrees (or is not evidence: no `cached_tokens`, a prompt too short to tell).
+
+Between the two the estimate settles where the index forgets a little before the engine does.
+A published pool size is the upper bound, never the estimate itself. Units are the index's
+blocks (64 characters by default), so the estimate sizes the index directly; the engine's
+tokens are compared as fractions of the prompt, which needs no tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.routing.index import DEFAULT_CAPACITY_BLOCKS
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One response's evidence about its backend's cache (index blocks unless stated)."""
+
+    predicted_blocks: int  # the index's match for this backend when the request was routed
+    prompt_blocks: int  # the prompt's length
+    cached_fraction: float | None  # engine-reported cached_tokens / prompt_tokens (None: silent)
+    occupancy: int  # blocks the index holds for this backend now
+    ghost_blocks: int = 0  # leading blocks found in the index or among those it trimmed
+    recorded_age_s: float | None = None  # how long before this request the match was recorded
+    ttft_s: float | None = None  # this request's upstream time to first token
+
+
+@dataclass(slots=True)
+class CacheEstimate:
+    """The learned capacity of one backend, and how well the index has been predicting it."""
+
+    capacity: float
+    upper: float  # the published pool size, or the configured default
+    samples: int = 0  # responses that carried cached_tokens
+    ignored: int = 0  # responses without it
+    predicted_hits: int = 0
+    false_hits: int = 0
+    ghost_hits: int = 0
+    predicted_ratio: float = 0.0  # EWMA of predicted cached share of the prompt
+    actual_ratio: float = 0.0  # EWMA of the engine-reported cached share
+    agreement: float = 1.0  # EWMA of "prediction and report agree"
+    last_change: str = "initial"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "capacity_blocks": round(self.capacity),
+            "upper_blocks": round(self.upper),
+            "samples": self.samples,
+            "ignored": self.ignored,
+            "predicted_hits": self.predicted_hits,
+            "false_hits": self.false_hits,
+            "ghost_hits": self.ghost_hits,
+            "predicted_hit_ratio": round(self.predicted_ratio, 4),
+            "actual_hit_ratio": round(self.actual_ratio, 4),
+            "agreement": round(self.agreement, 4),
+            "last_change": self.last_change,
+        }
+
+
+@dataclass
+class CapacityLearner:
+    """A CacheEstimate per backend, fed one Outcome per metered response."""
+
+    default_blocks: int = DEFAULT_CAPACITY_BLOCKS
+    shrink: float = 0.85  # a false hit leaves this share of what the index held
+    grow: float = 1.5  # a ghost hit adds this multiple of the blocks the engine proved it kept
+    min_blocks: int = 32  # never below this, nor below the prompt being observed
+    min_predicted: int = 4  # predictions shorter than this say too little to act on
+    tolerance: float = 0.25  # share of the prediction that engines' rounding may lose
+    half_life: float = 32.0  # responses, for the ratio and agreement averages
+    estimates: dict[str, CacheEstimate] = field(default_factory=dict)
+
+    def estimate(self, backend: str) -> CacheEstimate:
+        est = self.estimates.get(backend)
+        if est is None:
+            est = self.estimates[backend] = CacheEstimate(
+                float(self.default_blocks), float(self.default_blocks)
+            )
+        return est
+
+    def capacity(self, backend: str) -> int:
+        """Index blocks to keep for `backend` now."""
+        return round(self.estimate(backend).capacity)
+
+    def set_upper(self, backend: str, blocks: int) -> None:
+        """The engine published its pool size: a bound on the estimate, not the estimate.
+
+        A backend without evidence yet starts at the bound (the best guess there is)."""
+        est = self.estimate(backend)
+        est.upper = float(max(blocks, self.min_blocks))
+        if est.samples == 0 or est.capacity > est.upper:
+            est.capacity = est.upper
+            est.last_change = "published pool size"
+
+    def observe(self, backend: str, o: Outcome) -> str | None:
+        """Take one response into account; returns "shrink" or "grow" when the estimate moved."""
+        est = self.estimate(backend)
+        if o.cached_fraction is None or o.prompt_blocks <= 0:
+            est.ignored += 1
+            return None
+        est.samples += 1
+        frac = min(max(o.cached_fraction, 0.0), 1.0)
+        actual = frac * o.prompt_blocks
+        predicted = min(o.predicted_blocks, o.prompt_blocks)
+        alpha = 1.0 - 0.5 ** (1.0 / self.half_life)
+        est.predicted_ratio += alpha * (predicted / o.prompt_blocks - est.predicted_ratio)
+        est.actual_ratio += alpha * (frac - est.actual_ratio)
+        slack = max(2.0, self.tolerance * predicted)
+        agree = abs(actual - predicted) <= slack
+        est.agreement += alpha * (float(agree) - est.agreement)
+        floor = float(max(self.min_blocks, o.prompt_blocks))
+        if predicted >= self.min_predicted:
+            est.predicted_hits += 1
+            if actual < predicted - slack and self._settled(o):
+                est.false_hits += 1
+                held = min(est.capacity, float(max(o.occupancy, 1)))
+                est.capacity = min(max(floor, held * self.shrink), est.upper)
+                est.last_change = (
+                    f"shrink: predicted {predicted} blocks cached, engine reported {actual:.0f}"
+                )
+                return "shrink"
+        proven = min(actual, float(o.ghost_blocks))
+        if actual > predicted + slack and proven > predicted + slack:
+            est.ghost_hits += 1
+            before = est.capacity
+            est.capacity = min(est.capacity + self.grow * (proven - predicted), est.upper)
+            est.last_change = (
+                f"grow: engine still held {proven - predicted:.0f} blocks the index had trimmed"
+            )
+            return "grow" if est.capacity > before else None
+        return None
+
+    @staticmethod
+    def _settled(o: Outcome) -> bool:
+        """Whether the predicted prefix had time to be prefilled before this request.
+
+        A prefix recorded moments ago may still be queued or prefilling on the engine for the
+        request that brought it; a miss then says nothing about eviction. The earlier request
+        needed about as long to its first token as this one did, so it is done once the record
+        is older than this request's own TTFT."""
+        if o.recorded_age_s is None:
+            return True
+        return o.recorded_age_s > (o.ttft_s or 0.0)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        return {b: e.as_dict() for b, e in sorted(self.estimates.items())}

@@ -1,0 +1,318 @@
+"""Which backends are home to each hot prompt prefix: an explicit assignment (pure).
+
+Routing by "stay where the prefix is cached, spill when loaded" keeps whatever placement the
+first requests and the load bound happened to make. When the engines' caches are small, that
+placement decides everything: each spill makes a second copy, every copy evicts another prompt
+from a full cache, and the fleet thrashes while the request counts look perfectly balanced.
+
+So the hot prefixes (their heads, the same key the picker's rendezvous hashing uses) are
+assigned homes explicitly, from three measured inputs: each prefix's share of recent traffic,
+its size (the blocks its requests share), and each backend's learned cache capacity
+(proxy.routing.capacity). Hottest first, each prefix gets as many homes as its share needs
+(share x backends / copy_load, at least one), each on the backend that keeps the load most even
+among those with room left in their cache (`fill` of the capacity, leaving the rest for the
+unique suffixes and running sequences):
+
+- a prefix keeps its homes while they stay within twice the load bound (a new home must be
+  within `imbalance` above the fair share) and have room: moving a prompt costs a cold
+  prefill and an eviction, so the assignment changes only when the traffic does (hysteresis);
+- a new home prefers a backend that already holds the prefix, then the less loaded (assigned
+  traffic, then requests in flight) of the first two backends in the prefix's rendezvous order
+  that are within the bound and have room: at most two possible homes, whichever replica
+  places it;
+- a prefix no backend has room for is still placed for load (marked overflow): its requests
+  will prefill, wherever they go.
+
+The assignment is recomputed every `rebalance_every` requests (hottest `max_keys` prefixes);
+in between, a prefix seen for the first time is placed at once against the current loads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Placed:
+    """One prefix's homes and the measurements they were chosen from."""
+
+    homes: tuple[str, ...]
+    size: float  # index blocks its requests share (running average of common prefixes)
+    last: Sequence[int]  # the previous request's blocks, to measure the shared part
+    share: float = 0.0
+    overflow: bool = False  # no home had room for it in its learned cache
+    moves: int = 0  # times its homes changed after the first placement
+
+
+@dataclass
+class Placement:
+    fill: float = 0.8  # share of a backend's learned cache that placed prefixes may take
+    copy_load: float = 0.8  # a home should carry at most this share of a fair backend load
+    imbalance: float = 0.25  # a home keeps its prefixes up to (1 + imbalance) x fair load
+    rebalance_every: int = 64  # requests between recomputations
+    max_keys: int = 256  # most prefixes placed explicitly; the rest route by the old rules
+    choices: int = 2  # a new prefix takes the less loaded of its first rendezvous choices
+    size_alpha: float = 0.2  # weight of a new measurement in a prefix's size
+    placed: dict[int, Placed] = field(default_factory=dict)
+    room: dict[str, float] = field(default_factory=dict)  # free cache per backend, as placed
+    requests: int = 0
+    rebalances: int = 0
+    moves: int = 0
+
+    def observe(self, key: int, blocks: Sequence[int]) -> Placed | None:
+        """Note one request whose prompt starts with `key`; returns its placement, if any."""
+        self.requests += 1
+        p = self.placed.get(key)
+        if p is None:
+            return None
+        shared = _common_prefix(p.last, blocks)
+        p.size += self.size_alpha * (shared - p.size)
+        p.last = blocks
+        return p
+
+    def due(self) -> bool:
+        return self.requests >= (self.rebalances + 1) * self.rebalance_every
+
+    def homes(
+        self,
+        key: int,
+        blocks: Sequence[int],
+        backends: Sequence[str],
+        weights: Mapping[str, float],
+        capacity: Callable[[str], float],
+        share_of: Callable[[int], float],
+        warm: Mapping[str, int],
+        order: Callable[[int, Sequence[str]], list[str]],
+        warm_blocks: int = 4,
+        busy: Mapping[str, float] | None = None,
+    ) -> tuple[str, ...]:
+        """The homes of the prefix `key` among `backends`, placing it now if it has none there."""
+        p = self.placed.get(key)
+        if p is not None and any(h in backends for h in p.homes):
+            homes = tuple(h for h in p.homes if h in backends)
+            share = share_of(key)
+            n = len(backends)
+            if len(homes) >= n or self._needed(share, n, len(homes)) <= len(homes):
+                return homes
+            # Its traffic grew past what its homes should carry: add homes now, not at the
+            # next rebalance (a hot prompt arriving in a burst would pile onto one backend).
+            p.share = share
+            loads, room = self._accounting(backends, weights, capacity, share_of, skip=key)
+            p.homes, p.overflow = self._choose(
+                key, p, backends, weights, loads, room, [], order, homes, 1.0, busy
+            )
+            for h in p.homes:
+                room[h] -= p.size
+            self.room = room
+            return p.homes
+        if p is None:
+            if len(self.placed) >= self.max_keys:
+                self._forget_coolest(share_of)
+            p = self.placed[key] = Placed((), float(len(blocks)), blocks)
+        loads, room = self._accounting(backends, weights, capacity, share_of, skip=key)
+        p.share = share_of(key)
+        holders = [b for b in backends if warm.get(b, 0) >= warm_blocks]
+        previous = p.homes
+        # At first sight the bound is a share of all traffic: the prefix goes to the first
+        # backend in its rendezvous order that stays within it, as it would on any replica.
+        p.homes, p.overflow = self._choose(
+            key, p, backends, weights, loads, room, holders, order, (), 1.0, busy
+        )
+        for h in p.homes:
+            room[h] -= p.size
+        self.room = room
+        if previous and p.homes != previous:
+            p.moves += 1
+            self.moves += 1
+        return p.homes
+
+    def full_for(self, key: int, backends: Sequence[str]) -> frozenset[str]:
+        """Backends (not homes of `key`) whose placed prefixes leave no room for it: sending
+        the prompt there evicts a prefix placed there."""
+        p = self.placed.get(key)
+        if p is None:
+            return frozenset()
+        room = self.room
+        return frozenset(b for b in backends if b not in p.homes and room.get(b, math.inf) < p.size)
+
+    def rebalance(
+        self,
+        backends: Sequence[str],
+        weights: Mapping[str, float],
+        capacity: Callable[[str], float],
+        share_of: Callable[[int], float],
+        order: Callable[[int, Sequence[str]], list[str]],
+    ) -> None:
+        """Recompute every placed prefix's homes, hottest first, keeping homes that still fit."""
+        self.rebalances = max(self.rebalances + 1, self.requests // max(self.rebalance_every, 1))
+        if not backends:
+            return
+        for key, p in self.placed.items():
+            p.share = share_of(key)
+        ranked = sorted(self.placed.items(), key=lambda kv: (-kv[1].share, kv[0]))
+        keep = ranked[: self.max_keys]
+        self.placed = dict(keep)
+        loads = dict.fromkeys(backends, 0.0)
+        room = {b: self.fill * capacity(b) for b in backends}
+        total = sum(p.share for _, p in keep)
+        for key, p in keep:
+            previous = p.homes
+            p.homes, p.overflow = self._choose(
+                key, p, backends, weights, loads, room, [], order, previous, total
+            )
+            if previous and p.homes != previous:
+                p.moves += 1
+                self.moves += 1
+            need = len(p.homes)
+            for h in p.homes:
+                loads[h] += p.share / need / _weight(weights, h)
+                room[h] -= p.size
+        self.room = room
+
+    def _accounting(
+        self,
+        backends: Sequence[str],
+        weights: Mapping[str, float],
+        capacity: Callable[[str], float],
+        share_of: Callable[[int], float],
+        skip: int,
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Assigned load (weight-normalised share) and free cache room per backend now."""
+        loads = dict.fromkeys(backends, 0.0)
+        room = {b: self.fill * capacity(b) for b in backends}
+        for key, p in self.placed.items():
+            if key == skip or not p.homes:
+                continue
+            share = share_of(key)
+            for h in p.homes:
+                if h in loads:
+                    loads[h] += share / len(p.homes) / _weight(weights, h)
+                    room[h] -= p.size
+        return loads, room
+
+    def _choose(
+        self,
+        key: int,
+        p: Placed,
+        backends: Sequence[str],
+        weights: Mapping[str, float],
+        loads: Mapping[str, float],
+        room: Mapping[str, float],
+        holders: Sequence[str],
+        order: Callable[[int, Sequence[str]], list[str]],
+        previous: Sequence[str],
+        total: float,
+        busy: Mapping[str, float] | None = None,
+    ) -> tuple[tuple[str, ...], bool]:
+        """Homes for one prefix against the loads and room placed so far; `total` is the
+        traffic share of every placed prefix (this one included), which sets the bound."""
+        n = len(backends)
+        share = max(p.share, 0.0)
+        need = self._needed(share, n, len(previous))
+        total_weight = sum(_weight(weights, b) for b in backends)
+        per_copy = share / need
+        hrw = order(key, backends)
+        rank = {b: i for i, b in enumerate(hrw)}
+
+        def within(b: str, slack: float = 1.0) -> bool:
+            over = 1.0 + self.imbalance * slack
+            bound = over * total / total_weight if total > 0 else math.inf
+            return loads[b] + per_copy / _weight(weights, b) <= bound + 1e-12
+
+        def fits(b: str) -> bool:
+            return room[b] >= p.size
+
+        chosen: list[str] = []
+        # Previous homes that still fit and are within the bound stay (hysteresis).
+        # Previous homes keep their prefix up to twice the imbalance: shares measured over a
+        # few hundred requests are noisy, and a move costs a cold prefill and an eviction.
+        for b in previous:
+            if len(chosen) < need and b in loads and b not in chosen and within(b, 2.0) and fits(b):
+                chosen.append(b)
+        # Then backends that already hold it (with a shared index, what another replica
+        # placed), then the first within the bound and with room in the prefix's rendezvous
+        # order: the same choice on every replica, where the least loaded would not be.
+        for b in sorted(holders, key=lambda b: (loads[b], rank[b])):
+            if len(chosen) < need and b not in chosen and within(b) and fits(b):
+                chosen.append(b)
+        overflow = False
+        if len(chosen) < need:
+            spare = [b for b in hrw if b not in chosen and fits(b)]
+            spare.sort(key=lambda b: (not within(b), rank[b]))
+            # The less loaded of the first two: hashing alone can give one backend 3 of 8
+            # prompts, and two possible homes still mostly agree across replicas.
+            # Assigned load first, then what is in flight now (shared by replicas via Redis).
+            now = busy or {}
+            pair = spare[: self.choices]
+            if len(pair) == 2 and within(pair[1]):
+                first, second = pair
+                if (loads[second], now.get(second, 0.0)) < (loads[first], now.get(first, 0.0)):
+                    spare[0], spare[1] = second, first
+            chosen += spare[: need - len(chosen)]
+        if len(chosen) < need:
+            # No room anywhere: placed for load alone; its requests prefill wherever they go.
+            overflow = True
+            rest = sorted(
+                (b for b in hrw if b not in chosen), key=lambda b: (not within(b), rank[b])
+            )
+            chosen += rest[: need - len(chosen)]
+        return tuple(chosen), overflow
+
+    def _needed(self, share: float, backends: int, have: int = 0) -> int:
+        """Homes a prefix with this share of the traffic needs: no home above copy_load of a
+        fair backend load. One more than it `have`s only a quarter of a home past the line:
+        a share measured over a few hundred requests wobbles, and every copy evicts."""
+        x = share * backends / self.copy_load
+        need = math.ceil(x - 1e-9)
+        if need > have > 0:
+            need = max(have, math.ceil(x - 0.25 - 1e-9))
+        return min(backends, max(1, need))
+
+    def _forget_coolest(self, share_of: Callable[[int], float]) -> None:
+        coolest = min(self.placed, key=share_of)
+        del self.placed[coolest]
+
+    def snapshot(self, share_of: Callable[[int], float], top: int = 32) -> dict[str, Any]:
+        ranked = sorted(self.placed.items(), key=lambda kv: -share_of(kv[0]))[:top]
+        copies: dict[str, int] = {}
+        for _, p in self.placed.items():
+            copies[str(len(p.homes))] = copies.get(str(len(p.homes)), 0) + 1
+        return {
+            "placed_prefixes": len(self.placed),
+            "rebalances": self.rebalances,
+            "moves": self.moves,
+            "prefixes_by_copies": copies,
+            "hottest": [
+                {
+                    "prefix": f"{key & 0xFFFFFFFFFFFFFFFF:016x}",
+                    "share": round(share_of(key), 4),
+                    "size_blocks": round(p.size),
+                    "homes": list(p.homes),
+                    "overflow": p.overflow,
+                    "moves": p.moves,
+                }
+                for key, p in ranked
+            ],
+        }
+
+
+def _weight(weights: Mapping[str, float], backend: str) -> float:
+    w = weights.get(backend, 1.0)
+    return w if w > 1e-9 else 1e-9
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n and a[n - 1] == b[n - 1]:
+        return n  # chain hashes: the last common block implies every block before it
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
