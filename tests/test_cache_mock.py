@@ -302,28 +302,35 @@ def test_help_teaches_the_engine_model_and_flags_need_it(
     assert exit_.value.code == 2 and "--cache-tokens" in capsys.readouterr().err
 
 
-def test_the_command_serves_engines_on_consecutive_ports_until_sigterm() -> None:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.bench.mock", "--port", str(port), "--instances", "2",
-         "--cache-tokens", "3000", "--cache-tokens-schedule", "0:1000"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    try:
+def _start_mock(*args: str) -> tuple[subprocess.Popen[str], int, list[str]]:
+    """Start the mock on two consecutive ports and read stderr up to its ready line. Another
+    process may take port + 1 before the mock binds it: then it exits and we try again."""
+    lines: list[str] = []
+    for _ in range(3):
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.bench.mock", "--port", str(port), "--instances", "2",
+             *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
         assert proc.stderr is not None
-        assert "capacity now 1000 tokens" in proc.stderr.readline()
-        stats = []
-        for p in (port, port + 1):
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    stats.append(httpx.get(f"http://127.0.0.1:{p}/mock/cache").json())
-                    break
-                except httpx.ConnectError:
-                    assert time.monotonic() < deadline and proc.poll() is None
-                    time.sleep(0.05)
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "engine(s) on" in line:
+                return proc, port, lines
+        proc.wait(timeout=10)
+    raise AssertionError(f"the mock did not start: {lines}")
+
+
+def test_the_command_serves_engines_on_consecutive_ports_until_sigterm() -> None:
+    proc, port, lines = _start_mock("--cache-tokens", "3000", "--cache-tokens-schedule", "0:1000")
+    try:
+        assert any("capacity now 1000 tokens" in line for line in lines), lines
+        assert f"http://127.0.0.1:{port}..{port + 1}" in lines[-1]
+        stats = [httpx.get(f"http://127.0.0.1:{p}/mock/cache").json() for p in (port, port + 1)]
         assert [s["capacity_tokens"] for s in stats] == [1000, 1000]
         proc.send_signal(signal.SIGTERM)
         # uvicorn shuts down gracefully, then re-raises the signal it caught

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import socket
 import sys
 import time
 from collections import OrderedDict
@@ -573,7 +574,7 @@ async def serve(
     if not engine:
         apps = [make_app(chunks, model) for _ in range(instances)]
     servers = [
-        uvicorn.Server(
+        _Server(
             uvicorn.Config(
                 app,
                 host="127.0.0.1",
@@ -585,14 +586,42 @@ async def serve(
         )
         for i, app in enumerate(apps)
     ]
-    resizer = asyncio.create_task(resize_on_schedule(engines, schedule)) if schedule else None
+    helpers = [asyncio.create_task(resize_on_schedule(engines, schedule))] if schedule else []
+    if engine:
+        helpers.append(asyncio.create_task(_announce(servers, engine, port)))
     try:
         await asyncio.gather(*(s.serve() for s in servers))
     finally:
-        if resizer is not None:
-            resizer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await resizer
+        for task in helpers:
+            task.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with an event set once it listens."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = asyncio.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.listening.set()
+
+
+async def _announce(servers: Sequence[_Server], engine: EngineSettings, port: int) -> None:
+    """One line on stderr once every instance listens: what runs where (scripts wait on it)."""
+    for server in servers:
+        await server.listening.wait()
+    last = port + len(servers) - 1
+    print(
+        f"mock: {len(servers)} engine(s) on http://127.0.0.1:{port}..{last}, "
+        f"{engine.cache_tokens}-token prefix cache each ({engine.block_tokens}-token blocks), "
+        f"prefill {engine.prefill_tokens_per_s:g} tokens/s; GET/POST /mock/cache",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
