@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from proxy.bench.client import MAX_REQUESTS, BenchError, run_bench, run_paired
+from proxy.bench.client import AFFINITIES, MAX_REQUESTS, BenchError, run_bench, run_paired
 from proxy.bench.metrics import parse_slo, summarize
 from proxy.bench.report import (
     format_table,
@@ -59,6 +59,12 @@ examples:
   warmroute bench --base-url http://127.0.0.1:8080 --direct http://127.0.0.1:8001 \\
       --direct http://127.0.0.1:8002 --workload hot-prompt --requests 300 --concurrency 32
 
+  # the static-affinity bound on engines that keep their cache to themselves: system prompt
+  # i always on backend i mod N (see "direct affinity" below; python -m proxy.bench.mock -h)
+  warmroute bench --direct http://127.0.0.1:9301 --direct http://127.0.0.1:9302 \\
+      --direct-affinity system --workload shared-prefix --zipf 0 --requests 400 \\
+      --concurrency 32
+
   # the proxy's added TTFT at concurrency 1, paired request by request with direct access
   warmroute bench --base-url http://127.0.0.1:8080 --direct http://127.0.0.1:8001 \\
       --interleave --requests 2000 --concurrency 1
@@ -70,6 +76,13 @@ examples:
   # compare two proxies side by side, then merge saved runs into one table
   warmroute bench --base-url http://127.0.0.1:8080 --compare http://127.0.0.1:9090 ...
   warmroute bench report a.json b.json --out-md results.md --plots plots/
+
+direct affinity (--direct-affinity, how a run with several --direct URLs picks one):
+  round-robin  (default) requests in turn by index; a multi-turn conversation stays on one
+  system       system prompt i always on backend i mod N: each backend's cache holds only
+               its share of the prompts. A cache-aware router should come close to this
+               bound's cache hit ratio and TTFT while also spreading load; requests without
+               a system prompt (long-doc) still go round-robin
 
 Runs go one after another (target, --compare targets, then --direct), never at once, so they
 do not compete; engines with a prefix cache will be warmer for the later runs (the same
@@ -153,7 +166,15 @@ def register(sub: Any) -> None:
         default=_env_list("direct"),
         metavar="URL",
         help="the backend(s) behind the proxy: run the workload against them directly "
-        "(round-robin when repeated) and report the proxy's added TTFT",
+        "(spread by --direct-affinity when repeated) and report the proxy's added TTFT; "
+        "without --base-url only the direct run is made",
+    )
+    g.add_argument(
+        "--direct-affinity",
+        choices=AFFINITIES,
+        default=_env("direct-affinity", "round-robin"),
+        help="how requests are spread over several --direct URLs: round-robin (default) or "
+        "system (system prompt i on URL i mod N, the static-affinity bound; see below)",
     )
     g.add_argument(
         "--api-key-env",
@@ -382,8 +403,8 @@ def process_cpu_s(pids: Sequence[int] | None) -> float | None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    if not args.base_url:
-        return _fail("--base-url is required (or WARMROUTE_BENCH_BASE_URL)")
+    if not args.base_url and not args.direct:
+        return _fail("--base-url is required (or WARMROUTE_BENCH_BASE_URL), or --direct alone")
     if args.concurrency is None and args.rate is None:
         return _fail("give --concurrency C (closed loop) or --rate R (open loop)")
     if args.interleave and args.rate is not None:
@@ -413,10 +434,14 @@ def run_command(args: argparse.Namespace) -> int:
     except (ValueError, orjson.JSONDecodeError) as e:
         return _fail(str(e))
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
-    plan: list[tuple[str | list[str], str | None, str]] = [(args.base_url, args.label, "target")]
+    plan: list[tuple[str | list[str], str | None, str]] = []
+    if args.base_url:
+        plan.append((args.base_url, args.label, "target"))
     plan += [(u, None, "compare") for u in args.compare or []]
     if args.direct:
-        plan.append((list(args.direct), "direct", "direct"))
+        direct_label = "direct" if args.direct_affinity == "round-robin" else "direct-system"
+        label = direct_label if args.base_url else (args.label or direct_label)
+        plan.append((list(args.direct), label, "direct"))
 
     common: dict[str, Any] = {
         "requests": args.requests,
@@ -430,6 +455,7 @@ def run_command(args: argparse.Namespace) -> int:
         "extra_body": extra,
         "api_key": api_key,
         "allow_remote": args.allow_remote,
+        "affinity": args.direct_affinity,
     }
 
     async def go() -> list[RunResult]:

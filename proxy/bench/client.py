@@ -27,6 +27,8 @@ from proxy.bench.results import RequestResult, RunResult
 from proxy.bench.workloads import Message, RequestSpec, Workload
 
 MAX_REQUESTS = 100_000
+# How a run with several targets picks one per request (see _Run.target_for).
+AFFINITIES = ("round-robin", "system")
 MAX_DURATION_S = 24 * 3600.0
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=5)
 _ERROR_BODY_LIMIT = 2000
@@ -117,8 +119,10 @@ class _Run:
         extra_body: dict[str, Any] | None,
         headers: dict[str, str],
         pbar: tqdm[Any] | None,
+        affinity: str = "round-robin",
     ) -> None:
         self.targets = targets
+        self.affinity = affinity
         self.workload = workload
         self.plan = plan
         self.model = model
@@ -136,8 +140,13 @@ class _Run:
         self.failed_conversations: set[int] = set()
 
     def target_for(self, spec: RequestSpec) -> str:
+        if self.affinity == "system" and spec.system_id is not None:
+            # Static affinity: system prompt i always on target i mod N, so each target's cache
+            # holds only its share of the prompts; the bound a cache-aware router is judged by.
+            return self.targets[spec.system_id % len(self.targets)]
         # Round-robin by conversation keeps a conversation on one backend, as a cache-aware
-        # proxy would; single requests are spread by index.
+        # proxy would; single requests (and, with affinity "system", requests without a
+        # system prompt) are spread by index.
         key = spec.conversation if spec.conversation is not None else spec.index
         return self.targets[key % len(self.targets)]
 
@@ -330,8 +339,10 @@ async def run_bench(
     extra_body: dict[str, Any] | None = None,
     api_key: str | None = None,
     allow_remote: bool = False,
+    affinity: str = "round-robin",
 ) -> RunResult:
-    """Run `requests` requests of `workload` against `base_url` (several: round-robin).
+    """Run `requests` requests of `workload` against `base_url` (several: spread by `affinity`,
+    "round-robin" by conversation or index, or "system": system prompt i on target i mod N).
 
     Closed loop with `concurrency` workers, or open loop at `rate` req/s (Poisson, seeded by
     the workload's seed) capped at `concurrency` in flight when both are given. Raises
@@ -351,6 +362,7 @@ async def run_bench(
         extra_body=extra_body,
         api_key=api_key,
         allow_remote=allow_remote,
+        affinity=affinity,
     )
     return runs[0]
 
@@ -370,6 +382,7 @@ async def run_paired(
     extra_body: dict[str, Any] | None = None,
     api_key: str | None = None,
     allow_remote: bool = False,
+    affinity: str = "round-robin",
 ) -> list[RunResult]:
     """One run per (targets, label, role) group, their requests interleaved.
 
@@ -389,6 +402,8 @@ async def run_paired(
         raise BenchError("rate must be > 0 requests per second")
     if endpoint not in ("chat", "completions"):
         raise BenchError("endpoint must be 'chat' or 'completions'")
+    if affinity not in AFFINITIES:
+        raise BenchError(f"affinity must be one of {', '.join(AFFINITIES)}, got {affinity!r}")
     if len(groups) > 1 and rate is not None:
         raise BenchError("interleaved runs are closed loop: give --concurrency, not --rate")
     deadline_s = min(max_duration or MAX_DURATION_S, MAX_DURATION_S)
@@ -434,6 +449,12 @@ async def run_paired(
             note = "interleaved with " + ", ".join(r.label for r in runs)
             for r in runs:
                 r.notes.append(note + ": compare latencies; throughput is the mix's")
+        if affinity == "system":
+            for r in runs:
+                if len(r.targets) > 1:
+                    r.notes.append(
+                        f"static affinity: system prompt i went to target i mod {len(r.targets)}"
+                    )
         pbar = tqdm(
             total=requests * len(runs),
             desc=" + ".join(r.label for r in runs),
@@ -452,6 +473,7 @@ async def run_paired(
                 extra_body=extra_body,
                 headers=headers,
                 pbar=pbar,
+                affinity=affinity,
             )
             for targets in group_targets
         ]
