@@ -132,6 +132,8 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
     )
     board = state.routing.board
     state.telemetry.read_inflight(lambda: board.local)
+    capacity = state.routing.router.capacity
+    state.telemetry.read_cache(capacity.snapshot)
 
     hasher = state.routing.router.hasher
 

@@ -264,6 +264,35 @@ class _Counts:
 # ---------------------------------------------------------------------------------------------
 
 
+# (metric, CacheEstimate.as_dict() field, unit, description): read at collection time.
+CACHE_GAUGES = (
+    (
+        "warmroute.prefix.capacity",
+        "capacity_blocks",
+        "{block}",
+        "Prefix-index blocks kept per backend: its cache as learned from reported cached_tokens.",
+    ),
+    (
+        "warmroute.prefix.predicted_hit_ratio",
+        "predicted_hit_ratio",
+        "1",
+        "Share of prompts the index predicted cached on each backend (moving average).",
+    ),
+    (
+        "warmroute.prefix.reported_hit_ratio",
+        "actual_hit_ratio",
+        "1",
+        "Share of prompts each backend's engine reported cached (moving average).",
+    ),
+    (
+        "warmroute.prefix.agreement",
+        "agreement",
+        "1",
+        "Share of responses where prediction and report agreed (moving average).",
+    ),
+)
+
+
 class Telemetry:
     """Owns the tracer and meter providers (no process globals) and the instruments."""
 
@@ -451,6 +480,12 @@ class Telemetry:
             unit="{request}",
             description="Requests this proxy has open on each backend.",
         )
+        # per backend: the learned prefix cache and how well the index predicts it
+        self._cache: Callable[[], Mapping[str, Mapping[str, Any]]] = dict
+        for name, field_, unit, text in CACHE_GAUGES:
+            meter.create_observable_gauge(
+                name, [self._cache_gauge(field_)], unit=unit, description=text
+            )
         self._routes: dict[tuple[str, str], tuple[tuple[str, str], _Point]] = {}
         self._labels: dict[tuple[Any, ...], _Labels] = {}
         self._pending: list[_Row] = []  # requests' one-value samples, until _fold()
@@ -553,6 +588,22 @@ class Telemetry:
         """Report `source()` (backend -> requests this proxy has open on it) as
         warmroute.backend.inflight: the count routing keeps anyway, not a second one."""
         self._inflight = source
+
+    def read_cache(self, source: Callable[[], Mapping[str, Mapping[str, Any]]]) -> None:
+        """Report `source()` (backend -> the capacity learner's estimate, as in
+        /admin/routing) as the warmroute.prefix.* gauges in CACHE_GAUGES."""
+        self._cache = source
+
+    def _cache_gauge(self, field_: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            if not self.enabled:
+                return
+            for backend, est in dict(self._cache()).items():
+                value = est.get(field_)
+                if value is not None:
+                    yield Observation(value, {"warmroute.backend": backend})
+
+        return observe
 
     def _observe_inflight(self, _options: CallbackOptions) -> Iterable[Observation]:
         if not self.enabled:
