@@ -44,6 +44,9 @@ def _positive(text: str) -> int:
     return value
 
 
+STATIC_AFFINITY = "static_affinity"  # as proxy.sim.virtual names it (imported lazily there)
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
@@ -116,6 +119,13 @@ def register(sub: Any) -> None:
         help="no sockets, no wall clock: the same router and engine physics in simulated time "
         "(exact and reproducible, seconds to run; latencies are the device's, without the "
         "CPU contention of running every process on this machine)",
+    )
+    p.add_argument(
+        "--hide-kv-pool",
+        action="store_true",
+        help="engines do not publish their KV pool size (like most real ones): the proxy "
+        "learns each cache from the cached_tokens it reports. With --virtual, the policy "
+        f"{STATIC_AFFINITY} (system prompt i on engine i mod n) gives the bound to compare with",
     )
     p.add_argument(
         "--keep-running",
@@ -248,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
 
     available = plugins.policy_names()
     policies = args.policies.split(",") if args.policies else available
+    if args.virtual:
+        available = [*available, STATIC_AFFINITY]
     unknown = [p for p in policies if p not in available]
     if unknown:
         print(
@@ -277,7 +289,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sim_args = [
+    sim_args = ["--hide-kv-pool"] if args.hide_kv_pool else []
+    sim_args += [
         "--device",
         args.device,
         "--kv-blocks",
@@ -312,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
                     engines=args.engines,
                     requests=args.requests,
                     concurrency=args.concurrency,
+                    publish_kv_pool=not args.hide_kv_pool,
                 )
             )
             runs.append(run)

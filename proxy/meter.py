@@ -185,6 +185,18 @@ class _Facts:
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             self.cached_tokens = details["cached_tokens"]
 
+    def timings(self, t: Any) -> None:
+        """llama.cpp's `timings` (prompt_n computed + cache_n from its cache): the prompt and
+        cached counts when no usage says them (a client that did not ask for usage)."""
+        if not isinstance(t, dict):
+            return
+        cached, computed = t.get("cache_n"), t.get("prompt_n")
+        if isinstance(cached, int) and isinstance(computed, int):
+            if self.cached_tokens is None:
+                self.cached_tokens = cached
+            if self.input_tokens is None:
+                self.input_tokens = cached + computed
+
     def ident(self, obj: dict[str, Any]) -> None:
         rid, model = obj.get("id"), obj.get("model")
         if self.response_id is None and isinstance(rid, str):
@@ -554,6 +566,8 @@ class StreamMeter:
             f.usage(usage)
             if obj.get("choices") == []:
                 return USAGE_ONLY
+        if "timings" in obj:
+            f.timings(obj["timings"])
         return OTHER
 
     def _responses(self, p: bytes) -> int:
@@ -623,6 +637,7 @@ def meter_json(api: str, body: bytes, *, t0: float, now: float) -> StreamFacts:
         f.ident(obj)
         f.choices(obj)
         f.usage(obj.get("usage"))
+        f.timings(obj.get("timings"))
     reasons = f.finish_reasons
     if f.error is not None and "error" not in reasons:
         reasons.append("error")

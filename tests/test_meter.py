@@ -821,3 +821,24 @@ def test_garbage_never_raises_and_strip_mode_loses_no_bytes(
     out = b"".join(m.feed(p, 1.0) for p in pieces)
     rest, _ = m.finish(2.0)
     assert out + rest == b"".join(pieces) or strip
+
+
+def test_llamacpp_timings_give_prompt_and_cached_tokens_when_no_usage_does() -> None:
+    # llama.cpp without include_usage: its last chunk carries `timings` (cache_n tokens came
+    # from its prompt cache, prompt_n were computed), which is all the cache learner needs.
+    stream = (
+        b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}],'
+        b'"id":"c1","model":"m","object":"chat.completion.chunk"}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}],"id":"c1",'
+        b'"model":"m","object":"chat.completion.chunk","timings":{"cache_n":96,"prompt_n":7,'
+        b'"prompt_ms":12.5,"predicted_n":1}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    _, facts = run_meter("chat", stream, [], strip=False)
+    assert facts.cached_tokens == 96 and facts.input_tokens == 103
+    whole = orjson.dumps(
+        {"id": "c1", "choices": [], "usage": {"prompt_tokens": 103, "completion_tokens": 1},
+         "timings": {"cache_n": 64, "prompt_n": 39}}
+    )  # fmt: skip
+    facts = meter_json("chat", whole, t0=0.0, now=1.0)
+    assert facts.input_tokens == 103 and facts.cached_tokens == 64  # usage first, then timings

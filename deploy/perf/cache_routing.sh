@@ -8,7 +8,7 @@
 #
 #   deploy/perf/cache_routing.sh                    # seeds 1-5, caches of ~3 and ~5 of 8 prompts
 #   SEEDS="1 2" CACHES="8500" deploy/perf/cache_routing.sh
-#   TASKSET="taskset -c 0" deploy/perf/cache_routing.sh   # pin the proxy to one core
+#   PIN=1 deploy/perf/cache_routing.sh    # the proxy on core 0, the engines and the load on core 1
 #
 # Prints one line per run (hit ratio, TTFT p50/p99) and writes results JSON under $OUT.
 set -euo pipefail
@@ -20,7 +20,8 @@ REQUESTS="${REQUESTS:-400}"
 CONCURRENCY="${CONCURRENCY:-32}"
 RATE_TPS="${RATE_TPS:-20000}"      # prefill tokens/s of each engine
 OUT="${OUT:-/tmp/warmroute-cache-routing}"
-TASKSET="${TASKSET:-}"
+PROXY_CPU=(); OTHERS_CPU=()
+if [[ "${PIN:-0}" == 1 ]]; then PROXY_CPU=(taskset -c 0); OTHERS_CPU=(taskset -c 1); fi
 MOCK_PORT=9301
 PROXY_PORT=9300
 mkdir -p "$OUT"
@@ -35,7 +36,7 @@ wait_http() {
 }
 
 start_mock() {
-  python -m proxy.bench.mock --port "$MOCK_PORT" --instances 4 --chunks 16 \
+  "${OTHERS_CPU[@]}" python -m proxy.bench.mock --port "$MOCK_PORT" --instances 4 --chunks 16 \
     --cache-tokens "$1" --prefill-tokens-per-s "$RATE_TPS" >"$OUT/mock.log" 2>&1 &
   pids+=($!)
   for i in 0 1 2 3; do wait_http "http://127.0.0.1:$((MOCK_PORT + i))/v1/models"; done
@@ -44,7 +45,7 @@ start_mock() {
 start_proxy() {
   local backends=()
   for i in 0 1 2 3; do backends+=(--backend "http://127.0.0.1:$((MOCK_PORT + i))"); done
-  $TASKSET warmroute serve --port "$PROXY_PORT" --policy "$1" "${backends[@]}" \
+  "${PROXY_CPU[@]}" warmroute serve --port "$PROXY_PORT" --policy "$1" "${backends[@]}" \
     >"$OUT/proxy.log" 2>&1 &
   pids+=($!)
   wait_http "http://127.0.0.1:$PROXY_PORT/ready"
@@ -54,7 +55,7 @@ stop_all() { cleanup; pids=(); }
 
 bench() {  # label, extra args...
   local label=$1; shift
-  warmroute bench --workload shared-prefix --prefixes 8 --system-chars 8000 --zipf 0 \
+  "${OTHERS_CPU[@]}" warmroute bench --workload shared-prefix --prefixes 8 --system-chars 8000 --zipf 0 \
     --requests "$REQUESTS" --concurrency "$CONCURRENCY" --max-tokens 16 --seed "$seed" \
     --no-progress --label "$label" --out "$OUT/$label-c$cache-s$seed.json" "$@" >/dev/null
   python - "$OUT/$label-c$cache-s$seed.json" "$label" "$cache" "$seed" <<'EOF'
