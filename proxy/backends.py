@@ -66,10 +66,12 @@ def parse_load(engine: str, text: str, now: float) -> EngineLoad | None:
         attr = wanted.get(line[:name_end])
         if attr is None:
             continue
+        # `name{labels} value [timestamp]`: the value is the first field after the labels (a
+        # trailing timestamp in ms is not the value). A line filter, not a full parser: vLLM's
+        # exposition runs to hundreds of KB and this runs on the event loop every scrape.
+        rest = line[line.rindex("}") + 1 :] if "}" in line else line[name_end:]
         try:
-            value = float(
-                line.rsplit(" ", 1)[-1] if "}" not in line else line.rsplit("}", 1)[1].split()[0]
-            )
+            value = float(rest.split()[0])
         except (ValueError, IndexError):
             continue
         sums[attr] = sums.get(attr, 0.0) + value

@@ -66,3 +66,14 @@ def test_the_prefix_index_is_bounded_by_the_engines_kv_pool(proxy_server):
         )
         routing = httpx.get(proxy.url + "/admin/routing").json()
         assert name in routing["backlog_tokens"] and routing["backlog_tokens"][name] >= 0
+
+
+def test_a_sample_timestamp_is_not_read_as_its_value() -> None:
+    text = (
+        "vllm:num_requests_waiting 3 1700000000000\n"
+        'vllm:num_requests_running{model_name="m"} 2 1700000000000\n'
+        "vllm:kv_cache_usage_perc 0.5\n"
+    )
+    load = parse_load("vllm", text, now=1.0)
+    assert load is not None
+    assert (load.waiting, load.running, load.kv_usage) == (3.0, 2.0, 0.5)
