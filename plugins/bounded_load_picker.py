@@ -73,7 +73,7 @@ class BoundedLoadPicker:
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> BoundedLoadPicker:
-        known = {"fill", "imbalance", "rebalance_every", "max_keys"}
+        known = {"fill", "imbalance", "rebalance_every", "max_keys", "copy_inflight"}
         placement_cfg = {k: v for k, v in dict(cfg.get("placement_options", {})).items()}
         unknown = set(placement_cfg) - known
         if unknown:

@@ -182,11 +182,18 @@ def test_equal_prompts_are_partitioned_two_per_backend() -> None:
     assert per_backend == [2, 2, 2, 2]
 
 
-def test_a_prompt_carrying_half_the_traffic_gets_several_homes() -> None:
+def test_a_prompt_carrying_half_the_traffic_gets_several_homes_under_load() -> None:
     shares = {0: 0.5, **{k: 0.5 / 7 for k in range(1, 8)}}
-    homes = place_all(Placement(), shares, dict.fromkeys(["a", "b", "c", "d"], 2000.0))
+    busy = Placement()
+    busy.note_load(32.0)
+    homes = place_all(busy, shares, dict.fromkeys(["a", "b", "c", "d"], 2000.0))
     assert len(homes[0]) == 3  # 0.5 x 4 backends / 0.8 of a fair backend load
     assert all(len(homes[k]) == 1 for k in range(1, 8))
+    # Two requests in flight: a copy would spread no load, only cost a prefill and an eviction.
+    quiet = Placement()
+    quiet.note_load(2.0)
+    homes = place_all(quiet, shares, dict.fromkeys(["a", "b", "c", "d"], 2000.0))
+    assert all(len(h) == 1 for h in homes.values())
 
 
 def test_prompts_no_cache_has_room_for_are_marked_overflow_but_still_spread() -> None:

@@ -234,3 +234,76 @@ def test_a_tokenizer_that_cannot_load_is_a_config_error_at_startup(monkeypatch) 
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if it were not installed
     with pytest.raises(ConfigError, match="pip install tokenizers"):
         check_config(config("/nowhere/tokenizer.json"))
+
+
+CHATML = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _word_tokenizer(tmp_path):  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = ["<s> <|im_start|> <|im_end|> system user assistant the quick brown fox policy"]
+    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return tok, path
+
+
+def test_exact_mode_renders_chat_with_the_models_own_template(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    tok, path = _word_tokenizer(tmp_path)
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(
+        orjson.dumps({"chat_template": CHATML, "bos_token": {"content": "<s>"}}).decode()
+    )
+    hasher = PrefixHasher(
+        tokenizer_file=str(path), kv_block_tokens=4, chat_template_file=str(config)
+    )
+    messages = [
+        {"role": "system", "content": "policy " * 20},
+        {"role": "user", "content": [{"type": "text", "text": "the quick"},
+                                     {"type": "text", "text": "fox"}]},
+    ]  # fmt: skip
+    key = hasher.key("m", "chat", {"messages": messages})
+    # What the engine tokenizes: the template's rendering, text parts joined, generation prompt.
+    text = (
+        "<s><|im_start|>system\n" + "policy " * 20 + "<|im_end|>\n"
+        "<|im_start|>user\nthe quick\nfox<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert key.blocks == chain_tokens(seed("m"), ids, 4, 4096)
+    assert hasher.template_errors == 0
+
+
+def test_a_template_that_refuses_a_request_falls_back_to_the_canonical_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    tok, path = _word_tokenizer(tmp_path)
+    strict = tmp_path / "strict.jinja"
+    strict.write_text(
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('no') }}{% endif %}x"
+    )
+    hasher = PrefixHasher(
+        tokenizer_file=str(path), kv_block_tokens=4, chat_template_file=str(strict)
+    )
+    body = {"messages": [{"role": "user", "content": "the quick brown fox " * 4}]}
+    key = hasher.key("m", "chat", body)
+    ids = tok.encode(render("chat", body), add_special_tokens=False).ids
+    assert key.blocks == chain_tokens(seed("m"), ids, 4, 4096)
+    assert hasher.template_errors == 1
+
+
+def test_a_chat_template_setting_that_cannot_work_names_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _, path = _word_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match=r"set prefix\.tokenizer_file"):
+        PrefixHasher(chat_template_file=str(tmp_path / "x.jinja"))
+    empty = tmp_path / "tokenizer_config.json"
+    empty.write_text("{}")
+    with pytest.raises(ValueError, match="no `chat_template` in it"):
+        PrefixHasher(tokenizer_file=str(path), chat_template_file=str(empty))
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for %}")
+    with pytest.raises(ValueError, match="not a valid Jinja chat template"):
+        PrefixHasher(tokenizer_file=str(path), chat_template_file=str(broken))

@@ -8,10 +8,11 @@ from a full cache, and the fleet thrashes while the request counts look perfectl
 So the hot prefixes (their heads, the same key the picker's rendezvous hashing uses) are
 assigned homes explicitly, from three measured inputs: each prefix's share of recent traffic,
 its size (the blocks its requests share), and each backend's learned cache capacity
-(proxy.routing.capacity). Hottest first, each prefix gets as many homes as its share needs
-(share x backends / copy_load, at least one), each on the backend that keeps the load most even
-among those with room left in their cache (`fill` of the capacity, leaving the rest for the
-unique suffixes and running sequences):
+(proxy.routing.capacity). Hottest first, each prefix gets as many homes as its load needs
+(the fewer of share x backends / copy_load and share x requests in flight / copy_inflight, at
+least one: at low concurrency a copy spreads nothing), each on the backend that keeps the
+load most even among those with room left in their cache (`fill` of the capacity, leaving the
+rest for the unique suffixes and running sequences):
 
 - a prefix keeps its homes while they stay within twice the load bound (a new home must be
   within `imbalance` above the fair share) and have room: moving a prompt costs a cold
@@ -55,6 +56,8 @@ class Placement:
     rebalance_every: int = 64  # requests between recomputations
     max_keys: int = 256  # most prefixes placed explicitly; the rest route by the old rules
     choices: int = 2  # a new prefix takes the less loaded of its first rendezvous choices
+    copy_inflight: float = 3.0  # a home should carry at most this many of its requests at once
+    inflight: float = 0.0  # running average of the fleet's requests in flight
     size_alpha: float = 0.2  # weight of a new measurement in a prefix's size
     placed: dict[int, Placed] = field(default_factory=dict)
     room: dict[str, float] = field(default_factory=dict)  # free cache per backend, as placed
@@ -261,11 +264,19 @@ class Placement:
             chosen += rest[: need - len(chosen)]
         return tuple(chosen), overflow
 
+    def note_load(self, inflight: float) -> None:
+        """The fleet's requests in flight at a decision: followed at once when it rises (a
+        burst needs its copies now), forgotten slowly when it falls (no copy churn)."""
+        self.inflight = max(inflight, self.inflight + 0.01 * (inflight - self.inflight))
+
     def _needed(self, share: float, backends: int, have: int = 0) -> int:
         """Homes a prefix with this share of the traffic needs: no home above copy_load of a
-        fair backend load. One more than it `have`s only a quarter of a home past the line:
-        a share measured over a few hundred requests wobbles, and every copy evicts."""
-        x = share * backends / self.copy_load
+        fair backend load, and none above `copy_inflight` of its requests in flight (at low
+        concurrency a copy spreads no load worth a cold prefill and an eviction). One more
+        than it `have`s only a quarter of a home past the line: a share measured over a few
+        hundred requests wobbles, and every copy evicts."""
+        by_load = share * self.inflight / self.copy_inflight if self.copy_inflight > 0 else 1e9
+        x = min(share * backends / self.copy_load, by_load)
         need = math.ceil(x - 1e-9)
         if need > have > 0:
             need = max(have, math.ceil(x - 0.25 - 1e-9))

@@ -8,6 +8,7 @@ has seen the whole prefix up to block k", so a longest-prefix match is a lookup 
 Rendering works on the parsed body, so dict key order and JSON spacing never change the key.
 It is not the engine's exact token stream (templates differ per model); what matters is that
 two requests sharing a prompt prefix share a rendered prefix, and that blocks are stable.
+Exact mode with the model's chat template (proxy.routing.template) is the engine's stream.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import orjson
 import xxhash
+
+from proxy.routing.template import ChatTemplate
 
 _h64 = xxhash.xxh3_64_intdigest
 # Separators that cannot be confused with ordinary text: one between messages, one between the
@@ -193,14 +196,24 @@ class PrefixHasher:
         tokenizer_file: str | None = None,
         kv_block_tokens: int = 16,
         chars_per_token: float = 4.0,
+        chat_template_file: str | None = None,
     ) -> None:
         if block_chars <= 0 or kv_block_tokens <= 0 or max_blocks <= 0:
             raise ValueError("block_chars, kv_block_tokens and max_blocks must be positive")
+        if chat_template_file and not tokenizer_file:
+            raise ValueError(
+                "prefix.chat_template_file renders prompts for exact mode: set "
+                "prefix.tokenizer_file (the model's tokenizer.json) too"
+            )
         self.block_chars = block_chars
         self.max_blocks = max_blocks
         self.tokenizer_file = tokenizer_file
         self.kv_block_tokens = kv_block_tokens
         self.chars_per_token = chars_per_token
+        self.template: ChatTemplate | None = None
+        self.template_errors = 0  # chat requests the template refused (keyed canonically)
+        if chat_template_file:
+            self.template = ChatTemplate.from_file(chat_template_file)
         if tokenizer_file:
             _ = self._tokenizer  # loaded now: a bad setting fails at startup, not per request
 
@@ -212,6 +225,7 @@ class PrefixHasher:
             tokenizer_file=cfg.get("tokenizer_file"),
             kv_block_tokens=int(cfg.get("kv_block_tokens", 16)),
             chars_per_token=float(cfg.get("chars_per_token", 4.0)),
+            chat_template_file=cfg.get("chat_template_file"),
         )
 
     @cached_property
@@ -231,6 +245,17 @@ class PrefixHasher:
                 f"Face tokenizer.json ({e})"
             ) from None
 
+    def _template_text(self, api: str, body: Mapping[str, Any]) -> str | None:
+        """A chat request rendered with the model's template, as the engine renders it."""
+        messages = body.get("messages")
+        if api != "chat" or not isinstance(messages, list) or self.template is None:
+            return None
+        try:
+            return self.template.render(messages, body.get("tools"))
+        except Exception:  # a template that refuses these messages: key canonically instead
+            self.template_errors += 1
+            return None
+
     @property
     def token_block_chars(self) -> int:
         return max(1, round(self.kv_block_tokens * self.chars_per_token))
@@ -247,7 +272,9 @@ class PrefixHasher:
             blocks = chain_tokens(h0, ids, self.kv_block_tokens, self.max_blocks)
             tbc = self.token_block_chars
             return PrefixKey(blocks, round(len(ids) * self.chars_per_token), tbc)
-        text = render(api, body)
+        text = self._template_text(api, body) if self.template is not None else None
+        if text is None:
+            text = render(api, body)
         if self.tokenizer_file:
             enc = self._tokenizer.encode(text, add_special_tokens=False)
             blocks = chain_tokens(h0, enc.ids, self.kv_block_tokens, self.max_blocks)

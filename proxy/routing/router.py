@@ -131,6 +131,7 @@ class Router:
         weights = {b.name: b.weight for b in candidates}
         share = self.popularity.current
         if record:
+            placement.note_load(float(sum(b.inflight for b in candidates) + 1))
             placement.observe(head, ctx.prefix_blocks)
             if placement.due():
                 placement.rebalance(names, weights, self.capacity.capacity, share, hrw_names)
