@@ -131,7 +131,7 @@ def test_a_miss_on_a_prefix_recorded_moments_ago_is_not_an_eviction() -> None:
     assert learner.observe("e0", fresh) is None  # the first request may still be prefilling
     old = Outcome(100, 120, 0.0, occupancy=5000, recorded_age_s=30.0, ttft_s=0.8)
     assert learner.observe("e0", old) == "shrink"
-    assert learner.capacity("e0") == round(5000 * 0.85)
+    assert learner.capacity("e0") == round(5000 * 0.93)
 
 
 def test_a_published_pool_bounds_the_estimate_but_is_not_taken_as_the_truth() -> None:

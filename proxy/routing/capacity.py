@@ -12,7 +12,8 @@ one is compared with what the index predicted for that backend when the request 
 - **false hit** (the index predicted a cached prefix, the engine reported much less, and the
   prefix was recorded long enough before this request to have been prefilled): the engine
   evicted what the index still holds, so the index is too big. The estimate drops to a
-  fraction (`shrink`) of what the index holds for that backend now.
+  fraction (`shrink`, 93%) of what the index holds for that backend now: engines lose the odd
+  prompt for reasons other than size (llama.cpp's slot choice, a burst of long sequences).
 - **ghost hit** (the engine reported more than the index predicted, and the extra blocks are
   ones the index itself trimmed for lack of capacity): the engine holds more than the index
   believes; the estimate grows by the blocks the engine proved it kept, times `grow`.
@@ -82,7 +83,7 @@ class CapacityLearner:
     """A CacheEstimate per backend, fed one Outcome per metered response."""
 
     default_blocks: int = DEFAULT_CAPACITY_BLOCKS
-    shrink: float = 0.85  # a false hit leaves this share of what the index held
+    shrink: float = 0.93  # a false hit leaves this share of what the index held
     grow: float = 1.5  # a ghost hit adds this multiple of the blocks the engine proved it kept
     min_blocks: int = 32  # never below this, nor below the prompt being observed
     min_predicted: int = 4  # predictions shorter than this say too little to act on
