@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.capacity import CapacityLearner, Outcome
@@ -24,6 +24,19 @@ from proxy.routing.rendezvous import hrw_names
 from proxy.routing.types import BackendView, Decision, Policy, RouteContext, Scores, ScoresByBackend
 
 log = logging.getLogger("warmroute.routing")
+
+
+class ExactCache(Protocol):
+    """What the router reads of an engine's own account of its cache (its KV events)."""
+
+    @property
+    def live(self) -> bool:
+        """Whether the account is current (events arriving, no unrepaired gap)."""
+        ...
+
+    def match(self, blocks: Sequence[int]) -> int:
+        """Longest prefix of `blocks` the engine holds."""
+        ...
 
 PREFIX_BLOCK = "prefix"  # RoutingConfig.plugins key for hashing settings (shared with the scorer)
 
@@ -57,6 +70,8 @@ class Router:
         if placement is None and getattr(policy.picker, "uses_placement", False):
             placement = Placement(**getattr(policy.picker, "placement_config", {}))
         self.placement = placement
+        # Backends whose engines publish KV events: their exact cache views (proxy.kvevents).
+        self.exact: dict[str, ExactCache] = {}
         self.learn_capacity = True
         # True: the winner's blocks are recorded inside route(). Set False to record only once
         # the upstream accepted the request (call record() with the backend actually used).
@@ -118,6 +133,16 @@ class Router:
             ctx.matched_blocks = await self.index.lookup(
                 ctx.prefix_blocks, [b.name for b in candidates]
             )
+        if self.exact and ctx.prefix_blocks:
+            # Engines that publish KV events say exactly what they hold: their word replaces
+            # the learned index's estimate while their event stream is live.
+            exact = []
+            for b in candidates:
+                view = self.exact.get(b.name)
+                if view is not None and view.live:
+                    ctx.matched_blocks[b.name] = view.match(ctx.prefix_blocks)
+                    exact.append(b.name)
+            ctx.exact = frozenset(exact)
 
     def _place(
         self, ctx: RouteContext, head: int, candidates: list[BackendView], record: bool
@@ -259,4 +284,5 @@ class Router:
             block_chars=ctx.block_chars,
             prompt_chars=ctx.prompt_chars,
             filtered_out=dropped,
+            exact=ctx.exact,
         )

@@ -65,6 +65,8 @@ class RouteContext:
     prefix_share: float = 0.0  # share of recent requests that began with this prompt's head
     block_chars: int = 64
     matched_blocks: dict[str, int] = field(default_factory=dict)  # backend name -> blocks
+    # Backends whose match came from the engine's own KV events, not the learned index:
+    exact: frozenset[str] = frozenset()
     # Filled by the router when the picker follows the placement (proxy.routing.placement):
     homes: tuple[str, ...] = ()  # the backends this prompt's prefix is assigned to
     full: frozenset[str] = frozenset()  # backends whose learned cache has no room for it
@@ -180,6 +182,13 @@ class Decision:
     prompt_chars: int = 0
     filtered_out: dict[str, str] = field(default_factory=dict)  # backend -> why
     decision_s: float = 0.0
+    exact: frozenset[str] = frozenset()  # matches read from the engines' KV events
+
+    def match_source(self, backend: str | None = None) -> str:
+        """Where `backend`'s (default: the winner's) match came from: the engine's own KV
+        events ("kv_events") or the learned prefix index ("index")."""
+        name = backend or self.winner
+        return "kv_events" if name in self.exact else "index"
 
     @property
     def winner(self) -> str | None:
@@ -212,6 +221,7 @@ class Decision:
             "block_chars": self.block_chars,
             "prompt_chars": self.prompt_chars,
             "filtered_out": self.filtered_out,
+            "match_source": {name: self.match_source(name) for name in self.matched_blocks},
             "decision_ms": round(self.decision_s * 1000, 4),
         }
 
