@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -116,7 +117,7 @@ def test_a_block_whose_parent_was_never_seen_is_an_orphan_not_a_guess() -> None:
 def test_a_cache_salt_on_the_first_block_seeds_the_chain_like_a_salted_request() -> None:
     ids = list(range(3 * BS))
     event = stored_events(ids, [])[0]
-    salted = BlockStored(**{**_fields(event), "extra_keys": [("tenant-a",), None, None]})
+    salted = replace(event, extra_keys=[("tenant-a",), None, None])
     view = KvCacheView(MODEL, BS)
     view.apply([salted])
     assert view.match(our_keys(ids, salt="tenant-a")) == 3
@@ -126,9 +127,9 @@ def test_a_cache_salt_on_the_first_block_seeds_the_chain_like_a_salted_request()
 def test_a_lora_adapters_blocks_chain_from_the_adapters_name() -> None:
     ids = list(range(2 * BS))
     event = stored_events(ids, [])[0]
-    lora = {"lora_id": 1, "lora_name": "sql-lora", "extra_keys": [("sql-lora",), ("sql-lora",)]}
+    keys = [("sql-lora",), ("sql-lora",)]
     view = KvCacheView(MODEL, BS)
-    view.apply([BlockStored(**{**_fields(event), **lora})])
+    view.apply([replace(event, lora_id=1, lora_name="sql-lora", extra_keys=keys)])
     assert view.match(our_keys(ids, model="sql-lora")) == 2
 
 
@@ -137,35 +138,31 @@ def test_blocks_whose_engine_hash_covers_an_image_are_left_out() -> None:
     event = stored_events(ids, [])[0]
     image = [None, None, (("img-sha", 0),), None]
     view = KvCacheView(MODEL, BS)
-    view.apply([BlockStored(**{**_fields(event), "extra_keys": image})])
+    view.apply([replace(event, extra_keys=image)])
     assert view.match(our_keys(ids)) == 2 and view.stats()["unkeyable"] == 2
 
 
 def test_an_old_lora_event_without_the_adapters_name_is_not_keyed() -> None:
     event = stored_events(list(range(BS)), [])[0]
     view = KvCacheView(MODEL, BS)
-    view.apply([BlockStored(**{**_fields(event), "lora_id": 3})])
+    view.apply([replace(event, lora_id=3)])
     assert len(view) == 0 and view.stats()["unkeyable"] == 1
 
 
 def test_other_tiers_groups_and_block_sizes_are_counted_and_ignored() -> None:
     ids = list(range(2 * BS))
-    event = _fields(stored_events(ids, [])[0])
+    event = stored_events(ids, [])[0]
     view = KvCacheView(MODEL, BS)
     view.apply(
         [
-            BlockStored(**{**event, "medium": "CPU"}),
-            BlockStored(**{**event, "group_idx": 1}),
-            BlockStored(**{**event, "block_size": 2 * BS}),
+            replace(event, medium="CPU"),
+            replace(event, group_idx=1),
+            replace(event, block_size=2 * BS),
         ]
     )
     stats = view.stats()
     assert len(view) == 0
     assert (stats["other_medium"], stats["other_group"], stats["other_block_size"]) == (2, 2, 2)
-    view.apply([BlockStored(**{**event, "group_idx": 0, "medium": None})])
-    view.apply([BlockRemoved(event["block_hashes"], "CPU")])  # the CPU copy going away
+    view.apply([replace(event, group_idx=0, medium=None)])
+    view.apply([BlockRemoved(event.block_hashes, "CPU")])  # the CPU copy going away
     assert len(view) == 2
-
-
-def _fields(event: BlockStored) -> dict[str, object]:
-    return {name: getattr(event, name) for name in event.__dataclass_fields__}

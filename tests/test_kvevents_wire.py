@@ -48,7 +48,7 @@ RECORDED_VLLM_BATCH = b"".join(
         b"\x00",  # data_parallel_rank
     )
 )
-RECORDED_EVENTS = [
+RECORDED_EVENTS: list[wire.KVEvent] = [
     BlockStored(
         [HASH_A, HASH_B], None, TOKENS, 4, medium="GPU", extra_keys=[None, None], group_idx=0
     ),

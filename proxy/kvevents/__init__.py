@@ -8,6 +8,8 @@ publisher.py   PUB + replay ROUTER, as vLLM's ZmqEventPublisher; `warmroute sim`
 docs/kv-events.md explains the protocol and how the keys are rebuilt.
 """
 
+from proxy.kvevents.publisher import KvEventPublisher, offset_endpoint
+from proxy.kvevents.subscriber import EventSink, KvEventSubscriber
 from proxy.kvevents.view import KvCacheView
 from proxy.kvevents.wire import (
     AllBlocksCleared,
@@ -26,10 +28,14 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "EventBatch",
+    "EventSink",
     "KVEvent",
     "KvCacheView",
+    "KvEventPublisher",
+    "KvEventSubscriber",
     "Layout",
     "WireError",
     "decode_batch",
     "encode_batch",
+    "offset_endpoint",
 ]

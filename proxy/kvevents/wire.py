@@ -65,28 +65,28 @@ class BlockStored:
     `token_ids[i * block_size : (i + 1) * block_size]`; the first block's parent is
     `parent_block_hash` (None: the first block of a prompt)."""
 
-    block_hashes: list[BlockHash]
+    block_hashes: Sequence[BlockHash]
     parent_block_hash: BlockHash | None
-    token_ids: list[int]
+    token_ids: Sequence[int]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[Any] | None = None  # per block: None or a tuple of LoRA name/salt/mm keys
+    extra_keys: Sequence[Any] | None = None  # per block: None or a tuple (LoRA name, salt, ...)
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
+    lookahead_token_ids: Sequence[Sequence[int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     """Blocks the engine evicted (their hashes no longer hit)."""
 
-    block_hashes: list[BlockHash]
+    block_hashes: Sequence[BlockHash]
     medium: str | None = None
     group_idx: int | None = None
     locality: str | None = None
@@ -106,7 +106,7 @@ class EventBatch:
     """One message's payload: the events of one engine step."""
 
     ts: float
-    events: list[KVEvent]
+    events: Sequence[KVEvent]
     data_parallel_rank: int | None = None
     skipped: int = field(default=0, compare=False)  # events dropped while decoding
 
