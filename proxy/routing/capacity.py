@@ -103,6 +103,11 @@ class CapacityLearner:
         """Index blocks to keep for `backend` now."""
         return round(self.estimate(backend).capacity)
 
+    def measured(self, backend: str) -> bool:
+        """Whether an engine report ever moved `backend`'s estimate (else it is a bound)."""
+        est = self.estimates.get(backend)
+        return est is not None and est.false_hits + est.ghost_hits > 0
+
     def set_upper(self, backend: str, blocks: int) -> None:
         """The engine published its pool size: a bound on the estimate, not the estimate.
 

@@ -61,6 +61,7 @@ class Placement:
     size_alpha: float = 0.2  # weight of a new measurement in a prefix's size
     placed: dict[int, Placed] = field(default_factory=dict)
     room: dict[str, float] = field(default_factory=dict)  # free cache per backend, as placed
+    _hosts: frozenset[str] | None = None  # backends home to any placed prefix (a cache)
     requests: int = 0
     rebalances: int = 0
     moves: int = 0
@@ -110,6 +111,7 @@ class Placement:
             for h in p.homes:
                 room[h] -= p.size
             self.room = room
+            self._hosts = None
             return p.homes
         if p is None:
             if len(self.placed) >= self.max_keys:
@@ -127,19 +129,32 @@ class Placement:
         for h in p.homes:
             room[h] -= p.size
         self.room = room
+        self._hosts = None
         if previous and p.homes != previous:
             p.moves += 1
             self.moves += 1
         return p.homes
 
-    def full_for(self, key: int, backends: Sequence[str]) -> frozenset[str]:
-        """Backends (not homes of `key`) whose placed prefixes leave no room for it: sending
-        the prompt there evicts a prefix placed there."""
+    def full_for(
+        self, key: int, backends: Sequence[str], measured: Callable[[str], bool] = bool
+    ) -> frozenset[str]:
+        """Backends (not homes of `key`) where the prompt would evict a prefix placed there:
+        their placed prefixes leave no room for it, or they host placed prefixes and their
+        cache size was never `measured` (no engine report ever contradicted the index: the
+        size is only an upper bound, and a copy is a cost until shown otherwise)."""
         p = self.placed.get(key)
         if p is None:
             return frozenset()
         room = self.room
-        return frozenset(b for b in backends if b not in p.homes and room.get(b, math.inf) < p.size)
+        hosts = self._hosts
+        if hosts is None:  # homes changed since the last request that asked
+            hosts = self._hosts = frozenset(h for q in self.placed.values() for h in q.homes)
+        return frozenset(
+            b
+            for b in backends
+            if b not in p.homes
+            and (room.get(b, math.inf) < p.size or (b in hosts and not measured(b)))
+        )
 
     def rebalance(
         self,
@@ -174,6 +189,7 @@ class Placement:
                 loads[h] += p.share / need / _weight(weights, h)
                 room[h] -= p.size
         self.room = room
+        self._hosts = None
 
     def _accounting(
         self,
@@ -285,6 +301,7 @@ class Placement:
     def _forget_coolest(self, share_of: Callable[[int], float]) -> None:
         coolest = min(self.placed, key=share_of)
         del self.placed[coolest]
+        self._hosts = None
 
     def snapshot(self, share_of: Callable[[int], float], top: int = 32) -> dict[str, Any]:
         ranked = sorted(self.placed.items(), key=lambda kv: -share_of(kv[0]))[:top]

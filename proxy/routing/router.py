@@ -38,6 +38,7 @@ class ExactCache(Protocol):
         """Longest prefix of `blocks` the engine holds."""
         ...
 
+
 PREFIX_BLOCK = "prefix"  # RoutingConfig.plugins key for hashing settings (shared with the scorer)
 
 
@@ -172,7 +173,7 @@ class Router:
             self.warm_blocks,
             {b.name: b.inflight / max(b.weight, 1e-9) for b in candidates},
         )
-        ctx.full = placement.full_for(head, names)
+        ctx.full = placement.full_for(head, names, self.capacity.measured)
         placed = placement.placed.get(head)
         ctx.shared_blocks = placed.size if placed is not None else 0.0
 
