@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +102,13 @@ class AppState:
 
 def check_config(config: Config) -> None:
     """The checks that need more than the schema (no I/O)."""
+    for i, b in enumerate(config.backends):
+        ev = b.kv_events
+        if ev is not None and not ev.model and len(b.models or ()) != 1:
+            raise ConfigError(
+                f"backends.{i}.kv_events.model: which served model do {b.key}'s KV blocks "
+                "belong to? Set kv_events.model, or list exactly one model under `models:`"
+            )
     if not config.backends:
         raise ConfigError(
             "backends: none configured; pass --backend URL (repeatable), set "
@@ -143,12 +150,16 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
         state.routing.router.set_published_capacity(backend, blocks)
 
     state.registry.on_kv_capacity = kv_capacity
+    engine_caches = kv_event_caches(config, state.registry, hasher.kv_block_tokens)
+    state.routing.router.exact.update(engine_caches)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await state.upstream.start()
         await state.routing.start()
         await state.registry.start()
+        for cache in engine_caches.values():
+            await cache.start()
         log.info(
             "warmroute ready: %d backend(s), policy %s, prefix index %s",
             len(state.registry.backends),
@@ -158,6 +169,8 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
         try:
             yield
         finally:
+            for cache in engine_caches.values():
+                await cache.close()
             await state.registry.close()
             await state.upstream.close()
             await state.routing.close()
@@ -170,6 +183,37 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
     inner = Starlette(routes=routes, lifespan=lifespan)
     inner.state.warmroute = state
     return WarmrouteApp(inner, endpoints, state)
+
+
+def kv_event_caches(
+    config: Config, registry: BackendRegistry, default_block_tokens: int
+) -> dict[str, Any]:
+    """An EngineCache per backend that publishes KV events (pyzmq loads only if one does)."""
+    wanted = [b for b in config.backends if b.kv_events is not None]
+    if not wanted:
+        return {}
+    from proxy.kvevents.source import EngineCache
+
+    caches: dict[str, Any] = {}
+    for b in wanted:
+        ev = b.kv_events
+        assert ev is not None
+        backend = registry.backends[b.key]
+        caches[b.key] = EngineCache(
+            b.key,
+            ev.model or (b.models or [""])[0],
+            ev.block_tokens or default_block_tokens,
+            ev.endpoint,
+            replay_endpoint=ev.replay_endpoint,
+            topic=ev.topic,
+            silent_after_s=ev.silent_after_s,
+            healthy=_up_now(backend),
+        )
+    return caches
+
+
+def _up_now(backend: Backend) -> Callable[[], bool]:
+    return lambda: backend.is_up(time.monotonic())
 
 
 class WarmrouteApp:

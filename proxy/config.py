@@ -29,6 +29,24 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class KvEventsConfig(_Model):
+    """Where an engine publishes its KV cache events (vLLM --kv-events-config, SGLang)."""
+
+    endpoint: str  # the engine's ZMQ PUB socket, e.g. tcp://10.0.0.5:5557
+    replay_endpoint: str | None = None  # its replay ROUTER socket, to repair lost messages
+    topic: str = ""
+    model: str | None = None  # the served model name the blocks belong to (default: models[0])
+    block_tokens: int | None = Field(None, gt=0)  # default: routing.plugins.prefix.kv_block_tokens
+    silent_after_s: float = Field(30.0, gt=0)
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "ipc://")):
+            raise ValueError("must be a ZeroMQ endpoint such as tcp://127.0.0.1:5557")
+        return v
+
+
 class BackendConfig(_Model):
     url: str
     name: str | None = None
@@ -37,6 +55,7 @@ class BackendConfig(_Model):
     role: Role = "mixed"
     api_key_env: str | None = None  # name of the env var holding the upstream key
     weight: float = Field(1.0, gt=0)
+    kv_events: KvEventsConfig | None = None  # listen to its KV events: an exact cache view
 
     @field_validator("url")
     @classmethod

@@ -178,6 +178,7 @@ class PrefixKey:
     blocks: list[int]
     chars: int  # rendered prompt length (estimated from tokens in exact mode)
     block_chars: int  # characters per block (estimated in exact mode) to turn blocks into size
+    tokens: bool = False  # blocks of token ids (exact mode, or a token-id prompt): engine blocks
 
 
 class PrefixHasher:
@@ -271,7 +272,7 @@ class PrefixHasher:
         if ids is not None:
             blocks = chain_tokens(h0, ids, self.kv_block_tokens, self.max_blocks)
             tbc = self.token_block_chars
-            return PrefixKey(blocks, round(len(ids) * self.chars_per_token), tbc)
+            return PrefixKey(blocks, round(len(ids) * self.chars_per_token), tbc, tokens=True)
         text = self._template_text(api, body) if self.template is not None else None
         if text is None:
             text = render(api, body)
@@ -280,7 +281,7 @@ class PrefixHasher:
             blocks = chain_tokens(h0, enc.ids, self.kv_block_tokens, self.max_blocks)
             # This prompt's own chars per block, so matched blocks convert to a fair size.
             per_block = len(text) * self.kv_block_tokens / max(len(enc.ids), 1)
-            return PrefixKey(blocks, len(text), max(1, round(per_block)))
+            return PrefixKey(blocks, len(text), max(1, round(per_block)), tokens=True)
         return PrefixKey(
             chain_text(h0, text, self.block_chars, self.max_blocks), len(text), self.block_chars
         )

@@ -130,13 +130,15 @@ class Router:
             ctx.prefix_blocks = key.blocks
             ctx.prompt_chars = key.chars
             ctx.block_chars = key.block_chars
+            ctx.token_keyed = key.tokens
         if self.index is not None and ctx.prefix_blocks and candidates:
             ctx.matched_blocks = await self.index.lookup(
                 ctx.prefix_blocks, [b.name for b in candidates]
             )
-        if self.exact and ctx.prefix_blocks:
+        if self.exact and ctx.prefix_blocks and ctx.token_keyed:
             # Engines that publish KV events say exactly what they hold: their word replaces
-            # the learned index's estimate while their event stream is live.
+            # the learned index's estimate while their event stream is live. Only blocks of
+            # token ids compare with theirs (exact mode, or a token-id prompt).
             exact = []
             for b in candidates:
                 view = self.exact.get(b.name)
@@ -258,6 +260,8 @@ class Router:
         }
         if self.placement is not None:
             out["placement"] = self.placement.snapshot(self.popularity.current)
+        if self.exact:
+            out["kv_events"] = {b: _exact_stats(v) for b, v in self.exact.items()}
         return out
 
     def prefill_rate(self, backend: str) -> float:
@@ -287,3 +291,8 @@ class Router:
             filtered_out=dropped,
             exact=ctx.exact,
         )
+
+
+def _exact_stats(cache: ExactCache) -> dict[str, Any]:
+    stats = getattr(cache, "stats", None)
+    return dict(stats()) if callable(stats) else {"live": cache.live}

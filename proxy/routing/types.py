@@ -65,6 +65,7 @@ class RouteContext:
     prefix_share: float = 0.0  # share of recent requests that began with this prompt's head
     block_chars: int = 64
     matched_blocks: dict[str, int] = field(default_factory=dict)  # backend name -> blocks
+    token_keyed: bool = False  # prefix_blocks are blocks of token ids (comparable to KV events)
     # Backends whose match came from the engine's own KV events, not the learned index:
     exact: frozenset[str] = frozenset()
     # Filled by the router when the picker follows the placement (proxy.routing.placement):
