@@ -57,7 +57,7 @@ async def until(sub: KvEventSubscriber, predicate: Callable[[], bool], within: f
 
 
 async def joined(pub: KvEventPublisher, sub: KvEventSubscriber) -> None:
-    """Publish empty batches until one arrives live (a SUB misses what precedes its join)."""
+    """Publish empty batches until they arrive live (a SUB misses what precedes its join)."""
     for _ in range(500):
         if await _arrives(pub, sub):
             return
@@ -65,11 +65,11 @@ async def joined(pub: KvEventPublisher, sub: KvEventSubscriber) -> None:
 
 
 async def _arrives(pub: KvEventPublisher, sub: KvEventSubscriber) -> bool:
-    applied = sub.counts["messages"]
+    received = sub.counts["received"]
     seq = pub.publish([])
     try:
         async with asyncio.timeout(0.02):
-            await sub.wait_until(lambda: sub.counts["messages"] > applied and sub.last_seq == seq)
+            await sub.wait_until(lambda: sub.counts["received"] > received and sub.last_seq == seq)
     except TimeoutError:
         return False
     return True
@@ -93,6 +93,22 @@ async def test_batches_arrive_in_order_and_a_late_subscriber_catches_up_by_repla
     assert sink.batches[-1] == [stored(1, at=9)]
     assert len(sink.batches) == pub.next_seq and sub.exact
     assert sub.counts["replays"] == 1 and sub.counts["replayed"] >= 2
+
+
+async def test_a_subscriber_learns_an_idle_engines_cache_as_soon_as_it_connects() -> None:
+    async with KvEventPublisher(ANY_PORT, replay_endpoint=ANY_PORT) as pub:
+        pub.publish([AllBlocksCleared()])
+        pub.publish([prompt(1000, 2)])
+        view = KvCacheView("m", 4)
+        async with KvEventSubscriber(
+            pub.endpoint, view, replay_endpoint=pub.replay_endpoint
+        ) as sub:
+            await until(sub, lambda: sub.last_seq == 1)
+            assert view.keys() == keys(1000, 2) and sub.exact and sub.counts["connects"] == 1
+            pub.publish([prompt(2000, 1)])  # live copies of replayed batches are not reapplied
+            await until(sub, lambda: sub.last_seq == 2)
+    assert view.keys() == keys(1000, 2) | keys(2000, 1)
+    assert sub.counts["restarts"] == 0 and sub.counts["messages"] == 3
 
 
 async def test_a_dropped_message_is_repaired_by_replay() -> None:

@@ -1,17 +1,21 @@
 """Listens to one engine's KV events and keeps a view of its cache up to date (asyncio).
 
 The I/O edge of the KV event path: a SUB socket on the engine's endpoint (and a DEALER on its
-replay endpoint, if it has one) feeding decoded batches to a pure sink such as `KvCacheView`.
-Sequence numbers make a lost message visible, and the subscriber repairs it:
+replay endpoint, if it has one) feeding decoded batches, in sequence order, to a pure sink
+such as `KvCacheView`. Sequence numbers make a lost message visible, and the subscriber
+repairs it from the engine's replay buffer:
 
-- a gap (seq jumps past last + 1): ask the replay socket for everything from last + 1 and apply
-  the missing batches in order before the one that revealed the gap;
-- the first message, or a restart (the sink is cleared): ask for everything from 0, so a
-  subscriber that joins late still learns what the engine stored before it listened. A
-  restart shows as a sequence number not above the last one, or, when the new engine has
-  already counted past it, as a replay whose copy of the last batch applied differs;
-- what the replay cannot supply (no replay socket, batches already out of the buffer) leaves
-  the view `exact = False` until the engine says AllBlocksCleared or a catch-up from 0 works.
+- on connecting (ZeroMQ reports it), everything from 0 is replayed, so a subscriber that
+  starts after the engine still learns what it stored, as far back as the buffer reaches;
+- on a gap (a live seq past last + 1), the missing batches are replayed and applied in order
+  before the one that revealed the gap;
+- on reconnecting, the replay starts at the last batch applied: the same engine still has
+  that very batch, anything else is a restarted engine (so is a live seq that goes back with a
+  different payload). A restart clears the sink and replays the new engine from 0.
+
+Batches sent while the SUB socket (re)joins are lost; the next live batch reveals the gap.
+`exact` says the sink holds everything since a clean start (a replay that reached seq 0, or
+an AllBlocksCleared); a gap the replay could not fill clears it.
 
 "Silent" means nothing arrived for `silent_after_s`. An idle engine is silent too (engines
 publish only when their cache changes), so silence alone is no verdict: pair it with a
@@ -24,16 +28,20 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from proxy.kvevents import wire
 
 log = logging.getLogger("warmroute.kvevents")
+
+RECENT = 4096  # digests of the last batches applied, to tell a repeat from a restart
 
 
 class EventSink(Protocol):
@@ -74,28 +82,33 @@ class KvEventSubscriber:
         self.clock = clock
         self.last_seq: int | None = None
         self.exact = False  # the sink holds everything the engine published since a clean start
+        self.connected = False
         self.counts: dict[str, int] = dict.fromkeys(
             (
+                "received",  # live messages received
                 "messages",  # batches applied (live and replayed)
                 "events",  # events applied
                 "skipped_events",  # unknown or malformed events left out of a batch
                 "undecodable",  # messages that were not a KV event batch at all
+                "duplicates",  # live batches already applied from a replay
                 "gaps",  # live messages that came after a missing one
                 "replays",  # replay requests sent
                 "replayed",  # batches applied from a replay
-                "unrepaired",  # gaps (or catch-ups) the replay could not fill completely
+                "unrepaired",  # replays that could not supply every missing batch
                 "replay_timeouts",
-                "restarts",  # the sequence began again: the engine restarted
+                "connects",  # the SUB socket (re)connected to the engine
+                "restarts",  # another engine (a restart) behind the endpoint
                 "silences",  # times the publisher went quiet for silent_after_s
             ),
             0,
         )
-        self._last_digest: int | None = None  # of the last payload applied
+        self._recent: OrderedDict[int, int] = OrderedDict()  # seq -> digest of its payload
         self._last_heard = clock()
         self._silent = False
         self._changed = asyncio.Condition()
         self._ctx: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -104,6 +117,7 @@ class KvEventSubscriber:
         self._ctx = zmq.asyncio.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._sub.connect(self.endpoint)
         if self.replay_endpoint is not None:
             self._dealer = self._new_dealer()
@@ -116,10 +130,12 @@ class KvEventSubscriber:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for sock in (self._sub, self._dealer):
+        if self._sub is not None and self._monitor is not None:
+            self._sub.disable_monitor()
+        for sock in (self._monitor, self._sub, self._dealer):
             if sock is not None:
                 sock.close(linger=0)
-        self._sub = self._dealer = None
+        self._sub = self._monitor = self._dealer = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -139,11 +155,17 @@ class KvEventSubscriber:
         """Nothing arrived for `silent_after_s` (an idle engine is silent too)."""
         return self.clock() - self._last_heard >= self.silent_after_s
 
+    @property
+    def live(self) -> bool:
+        """Listening, and the sink holds the engine's whole cache (`exact`)."""
+        return self._task is not None and not self._task.done() and self.exact
+
     def stats(self) -> dict[str, Any]:
         return {
             "endpoint": self.endpoint,
             "last_seq": self.last_seq,
             "exact": self.exact,
+            "connected": self.connected,
             "silent": self.silent,
             **self.counts,
         }
@@ -157,32 +179,61 @@ class KvEventSubscriber:
 
     # --- the loop -------------------------------------------------------------------------
     async def _run(self) -> None:
-        sub = self._sub
-        assert sub is not None
+        sub, monitor = self._sub, self._monitor
+        assert sub is not None and monitor is not None
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while True:
             wait_s = self._last_heard + self.silent_after_s - self.clock()
             if self._silent or wait_s <= 0:
                 wait_s = self.silent_after_s
-            if not await sub.poll(max(1, round(wait_s * 1000))):
-                if self.silent and not self._silent:
-                    self._silent = True
-                    self.counts["silences"] += 1
-                    log.warning(
-                        "KV events from %s: silent for %gs", self.endpoint, self.silent_after_s
-                    )
-                    await self._notify()
-                continue
-            frames = await sub.recv_multipart()
-            self._last_heard = self.clock()
-            if self._silent:
-                self._silent = False
-                log.info("KV events from %s: publishing again", self.endpoint)
+            ready = dict(await poller.poll(max(1, round(wait_s * 1000))))
             try:
-                await self.on_frames(frames)
+                if monitor in ready:
+                    await self._on_monitor(parse_monitor_message(await monitor.recv_multipart()))
+                if sub in ready:
+                    frames = await sub.recv_multipart()
+                    self.counts["received"] += 1
+                    self._last_heard = self.clock()
+                    if self._silent:
+                        self._silent = False
+                        log.info("KV events from %s: publishing again", self.endpoint)
+                    await self.on_frames(frames)
             except Exception:
-                log.exception("KV events from %s: a message could not be applied", self.endpoint)
+                log.exception("KV events from %s: could not apply a message", self.endpoint)
                 self.exact = False
+            if not ready and self.silent and not self._silent:
+                self._silent = True
+                self.counts["silences"] += 1
+                log.warning("KV events from %s: silent for %gs", self.endpoint, self.silent_after_s)
             await self._notify()
+
+    async def _on_monitor(self, event: Any) -> None:
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            self.connected = False
+            log.info("KV events from %s: disconnected", self.endpoint)
+            return
+        self.connected = True
+        self.counts["connects"] += 1
+        if self._dealer is None:
+            if self.last_seq is not None:
+                self.exact = False  # batches may have gone by while disconnected
+            return
+        if self.last_seq is None:
+            await self._catch_up()
+            return
+        # Reconnected: does the engine behind the endpoint still have our last batch?
+        last = self.last_seq
+        items = await self._replay(last)
+        if items is None:
+            self._unrepaired(last + 1)
+        elif items and items[0].seq == last and self._recent.get(last) == hash(items[0].payload):
+            if not self._apply_replayed(items[1:], last + 1, None):
+                self.exact = False
+        else:
+            self._restarted(items[0].seq if items else None)
+            await self._catch_up()
 
     async def on_frames(self, frames: Sequence[bytes]) -> None:
         """Handle one live message (its frames as received)."""
@@ -196,30 +247,25 @@ class KvEventSubscriber:
             return  # a longer topic that only shares our prefix
         if self.last_seq is not None:
             if msg.seq <= self.last_seq:
+                if self._recent.get(msg.seq) == hash(msg.payload):
+                    self.counts["duplicates"] += 1  # already applied from a replay
+                    return
                 self._restarted(msg.seq)
             elif msg.seq > self.last_seq + 1:
                 self.counts["gaps"] += 1
-                filled = await self._fill(self.last_seq + 1, msg.seq)
-                if filled is None:
-                    self._restarted(msg.seq)
-                elif not filled:
-                    self.exact = False
+                await self._fill_gap(msg.seq)
+        if self.last_seq is None and msg.seq > 0:
+            await self._catch_up(upto=msg.seq)
         if self.last_seq is None:
-            self.exact = msg.seq == 0 or await self._fill(0, msg.seq) is True
+            self.exact = msg.seq == 0
         self._apply(msg.seq, msg.payload)
 
-    def _restarted(self, seq: int) -> None:
-        self.counts["restarts"] += 1
-        log.warning(
-            "KV events from %s: batch %d after %s, the engine restarted", self.endpoint, seq,
-            self.last_seq,
-        )  # fmt: skip
-        self.sink.clear()
-        self.last_seq = None
-
+    # --- applying -------------------------------------------------------------------------
     def _apply(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq
-        self._last_digest = hash(payload)
+        self._recent[seq] = hash(payload)
+        if len(self._recent) > RECENT:
+            self._recent.popitem(last=False)
         self.counts["messages"] += 1
         try:
             batch = wire.decode_batch(payload)
@@ -234,20 +280,46 @@ class KvEventSubscriber:
         if any(isinstance(e, wire.AllBlocksCleared) for e in batch.events):
             self.exact = True  # everything from here on is known
 
-    async def _fill(self, start: int, upto: int) -> bool | None:
-        """Apply the batches start..upto-1 from the replay socket; True if none was missing.
+    def _restarted(self, seq: int | None) -> None:
+        self.counts["restarts"] += 1
+        log.warning(
+            "KV events from %s: batch %s after %s is another engine's; it restarted",
+            self.endpoint, seq, self.last_seq,
+        )  # fmt: skip
+        self.sink.clear()
+        self.last_seq = None
+        self.exact = False
+        self._recent.clear()
 
-        After a gap the replay starts one batch early: if the publisher's copy of the last
-        batch applied differs, it is another engine that counted past us (None)."""
-        check = start > 0 and self._last_digest is not None
-        items = await self._replay(start - 1 if check else start)
-        if check and items and items[0].seq == start - 1:
-            if hash(items[0].payload) != self._last_digest:
-                return None
-            items = items[1:]
+    async def _catch_up(self, upto: int | None = None) -> None:
+        """Replay the engine from seq 0 (up to `upto`, exclusive): what it did before us."""
+        items = await self._replay(0)
+        if items is None:
+            self._unrepaired(0)
+        else:
+            self.exact = self._apply_replayed(items, 0, upto)
+
+    async def _fill_gap(self, upto: int) -> None:
+        assert self.last_seq is not None
+        last = self.last_seq
+        # From our last batch on: if the engine's copy of it differs, it is another engine
+        # that has already counted past us.
+        items = await self._replay(last)
+        if items and items[0].seq == last and self._recent.get(last) != hash(items[0].payload):
+            self._restarted(upto)
+            return
+        if items is None:
+            self._unrepaired(last + 1)
+        elif not self._apply_replayed(items, last + 1, upto):
+            self.exact = False
+
+    def _apply_replayed(
+        self, items: Sequence[wire.LiveMessage], start: int, upto: int | None
+    ) -> bool:
+        """Apply replayed batches start..upto-1 in order; True if none was missing."""
         expected, missing = start, False
         for item in items:
-            if item.seq >= upto:
+            if upto is not None and item.seq >= upto:
                 break
             if item.seq < expected:
                 continue
@@ -255,21 +327,27 @@ class KvEventSubscriber:
             self._apply(item.seq, item.payload)
             self.counts["replayed"] += 1
             expected = item.seq + 1
-        complete = not missing and expected == upto
-        if not complete:
-            self.counts["unrepaired"] += 1
-            log.warning(
-                "KV events from %s: batches %d..%d could not be replayed; the view may be stale",
-                self.endpoint,
-                start,
-                upto - 1,
-            )
-        return complete
+        if missing or (upto is not None and expected != upto):
+            self._unrepaired(start)
+            return False
+        return True
 
-    async def _replay(self, start: int) -> list[wire.LiveMessage]:
+    def _unrepaired(self, start: int) -> None:
+        self.counts["unrepaired"] += 1
+        self.exact = False
+        log.warning(
+            "KV events from %s: batches from %d on could not all be replayed; the view may be "
+            "stale",
+            self.endpoint,
+            start,
+        )
+
+    # --- replay socket --------------------------------------------------------------------
+    async def _replay(self, start: int) -> list[wire.LiveMessage] | None:
+        """The engine's buffered batches from `start` on; None without an answer."""
         dealer = self._dealer
         if dealer is None:
-            return []
+            return None
         self.counts["replays"] += 1
         await dealer.send_multipart(wire.replay_request(start))
         out: list[wire.LiveMessage] = []
@@ -280,7 +358,7 @@ class KvEventSubscriber:
                 log.warning("KV events: no replay from %s", self.replay_endpoint)
                 dealer.close(linger=0)
                 self._dealer = self._new_dealer()
-                return out
+                return None
             try:
                 msg = wire.parse_replay_reply(await dealer.recv_multipart())
             except wire.WireError as e:
