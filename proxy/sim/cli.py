@@ -11,6 +11,7 @@ import signal
 import sys
 from typing import Any
 
+from proxy.kvevents.publisher import offset_endpoint
 from proxy.sim import presets
 from proxy.sim.config import ROLES, Faults, SimConfig
 from proxy.sim.fleet import SimFleet
@@ -31,6 +32,8 @@ examples:
   warmroute sim --port 8001 --time-scale 10 --kv-blocks 512  # 10x faster, tiny KV pool
   warmroute sim --port 8001 --hide-kv-pool                   # no pool size in /metrics
   warmroute sim --port 8001 --fault-error-rate 0.05 --fault-stall-rate 0.1 --fault-stall-s 2
+  warmroute sim --port 8001 --instances 2 --kv-events-endpoint tcp://127.0.0.1:5557 \\
+    --kv-events-replay-endpoint tcp://127.0.0.1:5600   # engine i: ports 5557+i and 5600+i
   curl -N localhost:8001/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model":"sim-8b","messages":[{{"role":"user","content":"hi"}}],"stream":true}}'
 
@@ -72,6 +75,9 @@ ENGINE_OPTIONS: tuple[tuple[str, str], ...] = (
     ("max_output_tokens", "longest natural answer (without ignore_eos)"),
     ("chars_per_token", "characters per simulated token"),
     ("seed", "seed of the output words and of fault dice"),
+    ("kv_events_endpoint", "publish KV cache events like vLLM (ZeroMQ PUB; engine i: port + i)"),
+    ("kv_events_replay_endpoint", "replay missed KV events (ZeroMQ ROUTER; engine i: port + i)"),
+    ("kv_events_topic", "topic frame of every KV event message"),
 )
 FAULT_HELP = {
     "error_rate": "share of requests answered with --fault-error-status",
@@ -142,6 +148,8 @@ NULLABLE: dict[str, type] = {
     "tflops": float,
     "memory_gb": float,
     "kv_blocks": int,
+    "kv_events_endpoint": str,
+    "kv_events_replay_endpoint": str,
 }
 
 
@@ -196,7 +204,11 @@ def run(args: argparse.Namespace) -> int:
     if args.instances < 1:
         print("warmroute sim: --instances must be >= 1", file=sys.stderr)
         return 2
-    cfgs = [base] + [base.replace() for _ in range(args.instances - 1)]
+    try:
+        cfgs = engine_configs(base, args.instances)
+    except ValueError as e:
+        print(f"warmroute sim: {e}", file=sys.stderr)
+        return 2
     ports = [args.port + i if args.port else 0 for i in range(args.instances)]
     try:
         asyncio.run(_main(cfgs, args.host, ports, args.log_level))
@@ -204,6 +216,35 @@ def run(args: argparse.Namespace) -> int:
         print(f"warmroute sim: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def engine_configs(base: SimConfig, instances: int) -> list[SimConfig]:
+    """One config per engine: engine i publishes KV events on the endpoints' ports + i."""
+    cfgs = [base] + [
+        base.replace(
+            kv_events_endpoint=offset_endpoint(base.kv_events_endpoint, i),
+            kv_events_replay_endpoint=offset_endpoint(base.kv_events_replay_endpoint, i),
+        )
+        for i in range(1, instances)
+    ]
+    _check_distinct_endpoints(cfgs)
+    return cfgs
+
+
+def _check_distinct_endpoints(cfgs: list[SimConfig]) -> None:
+    """Each engine binds its own KV event ports: consecutive ranges must not overlap."""
+    seen: dict[str, str] = {}
+    for i, cfg in enumerate(cfgs):
+        for what, ep in (("endpoint", cfg.kv_events_endpoint),
+                         ("replay endpoint", cfg.kv_events_replay_endpoint)):  # fmt: skip
+            if ep is None or ep.endswith(":0"):
+                continue
+            if ep in seen:
+                raise ValueError(
+                    f"engine {i}'s KV events {what} {ep} is already {seen[ep]}; with "
+                    "--instances N each engine uses port + i, so space the two ports N apart"
+                )
+            seen[ep] = f"engine {i}'s {what}"
 
 
 async def _main(cfgs: list[SimConfig], host: str, ports: list[int], log_level: str) -> None:

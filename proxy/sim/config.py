@@ -93,6 +93,10 @@ class SimConfig:
     min_output_tokens: int = 64
     max_output_tokens: int = 512
     chars_per_token: int = 4
+    # KV cache events as vLLM publishes them (ZeroMQ PUB + replay ROUTER); None: off.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
     seed: int = 0
     engine_id: str = ""
     faults: Faults = field(default_factory=Faults)
@@ -211,6 +215,8 @@ class SimConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint as well")
         if self.step_overhead_s < 0:
             raise ValueError("step_overhead_s must be >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -41,6 +41,7 @@ class Seq:
     stop: tuple[str, ...] = ()
     external_tokens: int = 0  # prompt tokens whose KV arrives from a prefill engine
     cache_salt: int = 0
+    cache_salt_text: str = ""  # the request's cache_salt as sent (KV events carry it)
     request_id: str = ""
 
     hashes: list[int] = field(default_factory=list)
@@ -136,9 +137,13 @@ def kv_transfer_seconds(cfg: SimConfig, num_tokens: int) -> float:
 class Scheduler:
     """Continuous batching over a fixed KV pool with a prefix cache. Time is simulated."""
 
-    def __init__(self, cfg: SimConfig) -> None:
+    def __init__(self, cfg: SimConfig, record_kv_events: bool | None = None) -> None:
         self.cfg = cfg
-        self.pool = BlockPool(cfg.num_kv_blocks, cfg.enable_prefix_caching)
+        if record_kv_events is None:
+            record_kv_events = cfg.kv_events_endpoint is not None
+        self.pool = BlockPool(
+            cfg.num_kv_blocks, cfg.enable_prefix_caching, cfg.block_size, record_kv_events
+        )
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.seqs: dict[str, Seq] = {}
@@ -321,9 +326,17 @@ class Scheduler:
         return Output(seq, text, finish, stop_reason)
 
     def _commit_blocks(self, seq: Seq) -> None:
-        full = min(seq.num_computed // self.cfg.block_size, len(seq.hashes))
+        bs = self.cfg.block_size
+        full = min(seq.num_computed // bs, len(seq.hashes))
+        pool = self.pool
         for i in range(seq.num_committed, full):
-            self.pool.commit(seq.blocks[i], seq.hashes[i])
+            if pool.records_events:
+                parent = seq.hashes[i - 1] if i else None
+                tokens = seq.prompt_ids[i * bs : (i + 1) * bs]
+                salt = seq.cache_salt_text if i == 0 else ""
+                pool.commit(seq.blocks[i], seq.hashes[i], parent, tokens, salt)
+            else:
+                pool.commit(seq.blocks[i], seq.hashes[i])
         seq.num_committed = max(seq.num_committed, full)
 
     def _preempt(self, seq: Seq) -> None:
@@ -359,6 +372,7 @@ def make_seq(
     stop: Sequence[str] = (),
     external_tokens: int = 0,
     cache_salt: int = 0,
+    cache_salt_text: str = "",
 ) -> Seq:
     """A sequence with its deterministic output words and natural (EOS) length."""
     s = tokens.request_seed(prompt_ids, index, seed, cfg.seed)
@@ -376,4 +390,5 @@ def make_seq(
         stop=tuple(x for x in stop if x),
         external_tokens=external_tokens,
         cache_salt=cache_salt,
+        cache_salt_text=cache_salt_text,
     )

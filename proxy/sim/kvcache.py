@@ -3,14 +3,22 @@
 Modelled on vLLM's V1 block pool: a block whose last user finished keeps its contents and
 its hash, sits in the free queue, and can be revived by a later request with the same
 prefix until it is evicted (least recently freed first) to make room.
+
+With `record_events` the pool also notes every change to its prefix cache and hands them out
+as vLLM's KV events (`take_events`): stored blocks, evicted blocks, a cleared cache.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import xxhash
+
+from proxy.kvevents.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+
+GPU = "GPU"  # vLLM's `medium` for its GPU block pool
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
@@ -31,15 +39,29 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: int = 0) -> li
 class BlockPool:
     """`num_blocks` KV blocks. Blocks with ref 0 are free; their hash survives until reuse."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        block_size: int = 16,
+        record_events: bool = False,
+    ) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.block_size = block_size
         self.ref = [0] * num_blocks
         self.hash: list[int | None] = [None] * num_blocks
         # Insertion order is eviction order: the first key is the least recently freed.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.evictions = 0
+        # Changes not yet taken as events: ("stored", hash, parent, tokens, salt) | ("removed",
+        # hash) | ("cleared",); None when not recording.
+        self._changes: list[tuple[Any, ...]] | None = [] if record_events else None
+
+    @property
+    def records_events(self) -> bool:
+        return self._changes is not None
 
     @property
     def num_free(self) -> int:
@@ -83,6 +105,8 @@ class BlockPool:
             if h is not None:
                 if self.cached.get(h) == b:
                     del self.cached[h]
+                    if self._changes is not None:
+                        self._changes.append(("removed", h))
                 self.hash[b] = None
                 self.evictions += 1
             self.ref[b] = 1
@@ -96,18 +120,77 @@ class BlockPool:
             if self.ref[b] == 0:
                 self.free[b] = None
 
-    def commit(self, block: int, h: int) -> None:
-        """Publish a full, computed block under its prefix hash."""
-        if not self.enable_caching or self.hash[block] is not None:
-            return
-        if h not in self.cached:
-            self.cached[h] = block
-            self.hash[block] = h
+    def commit(
+        self,
+        block: int,
+        h: int,
+        parent: int | None = None,
+        token_ids: Sequence[int] = (),
+        salt: str = "",
+    ) -> bool:
+        """Publish a full, computed block under its prefix hash; True if it entered the cache.
+
+        `parent` (the previous block's hash), `token_ids` and `salt` (a first block's
+        cache_salt) only feed the KV events."""
+        if not self.enable_caching or self.hash[block] is not None or h in self.cached:
+            return False
+        self.cached[h] = block
+        self.hash[block] = h
+        if self._changes is not None:
+            self._changes.append(("stored", h, parent, list(token_ids), salt))
+        return True
 
     def reset(self) -> None:
-        """Drop every cached prefix (POST /reset_prefix_cache)."""
+        """Drop every cached prefix no running sequence uses (POST /reset_prefix_cache)."""
+        dropped = []
         for b in list(self.free):
             h = self.hash[b]
             if h is not None and self.cached.get(h) == b:
                 del self.cached[h]
+                dropped.append(h)
             self.hash[b] = None
+        if self._changes is not None:
+            # vLLM only resets an idle pool and says AllBlocksCleared; blocks in use here keep
+            # their hashes, so a partial reset names what it dropped.
+            if self.cached:
+                self._changes += [("removed", h) for h in dropped]
+            else:
+                self._changes.append(("cleared",))
+
+    def take_events(self) -> list[KVEvent]:
+        """The changes since the last call as vLLM's KV events, in order.
+
+        Like vLLM's: consecutive blocks stored by one request share one BlockStored (with
+        one `extra_keys` entry per block), each evicted block has its own BlockRemoved."""
+        changes, self._changes = self._changes or [], [] if self.records_events else None
+        events: list[KVEvent] = []
+        run: list[tuple[Any, ...]] = []
+        for change in changes:
+            if change[0] == "stored" and run and change[2] == run[-1][1]:
+                run.append(change)
+                continue
+            if run:
+                events.append(self._stored(run))
+                run = []
+            if change[0] == "stored":
+                run = [change]
+            elif change[0] == "removed":
+                events.append(BlockRemoved([change[1]], medium=GPU, group_idx=0))
+            else:
+                events.append(AllBlocksCleared())
+        if run:
+            events.append(self._stored(run))
+        return events
+
+    def _stored(self, run: list[tuple[Any, ...]]) -> BlockStored:
+        hashes: list[BlockHash] = [c[1] for c in run]
+        extra = [(c[4],) if c[4] and c[2] is None else None for c in run]
+        return BlockStored(
+            hashes,
+            run[0][2],
+            [t for c in run for t in c[3]],
+            self.block_size,
+            medium=GPU,
+            extra_keys=extra,
+            group_idx=0,
+        )

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.kvevents.publisher import KvEventPublisher
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Output, Scheduler, Seq
 from proxy.sim.metrics import EngineMetrics
@@ -52,6 +53,8 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self.in_step = False
         self.dead: BaseException | None = None
+        # Where the pool's KV events go, one batch per step (set by the server's startup).
+        self.kv_events: KvEventPublisher | None = None
 
     # --- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -127,10 +130,19 @@ class AsyncEngine:
             finally:
                 self.in_step = False
             outputs = self.scheduler.complete(plan)
+            self.flush_kv_events()
             now = time.monotonic()
             self.metrics.step(plan)
             for out in outputs:
                 self._emit(out, now)
+
+    def flush_kv_events(self) -> None:
+        """Publish what the pool changed since the last flush as one batch (vLLM: per step)."""
+        if self.kv_events is None or not self.scheduler.pool.records_events:
+            return
+        events = self.scheduler.pool.take_events()
+        if events:
+            self.kv_events.publish(events)
 
     def _emit(self, out: Output, now: float) -> None:
         seq = out.seq

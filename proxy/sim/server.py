@@ -22,6 +22,8 @@ import orjson
 import xxhash
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from proxy.kvevents.publisher import KvEventPublisher
+from proxy.kvevents.wire import AllBlocksCleared
 from proxy.sim import tokens
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Seq, kv_transfer_seconds, make_seq
@@ -135,9 +137,27 @@ class SimApp:
     async def startup(self) -> None:
         self.engine.start()
         logging.getLogger("uvicorn.error").addFilter(self._log_filter)
+        cfg = self.cfg
+        if cfg.kv_events_endpoint and self.engine.kv_events is None:
+            publisher = KvEventPublisher(
+                cfg.kv_events_endpoint,
+                replay_endpoint=cfg.kv_events_replay_endpoint,
+                topic=cfg.kv_events_topic,
+            )
+            try:
+                await publisher.start()
+            except Exception:
+                await self.engine.stop()
+                raise
+            # A fresh engine's first word: whatever a subscriber knew of this endpoint is gone.
+            publisher.publish([AllBlocksCleared()])
+            self.engine.kv_events = publisher
 
     async def shutdown(self) -> None:
         await self.engine.stop()
+        publisher, self.engine.kv_events = self.engine.kv_events, None
+        if publisher is not None:
+            await publisher.close()
         logging.getLogger("uvicorn.error").removeFilter(self._log_filter)
         if self._client is not None:
             await self._client.aclose()
@@ -195,7 +215,11 @@ class SimApp:
         elif path == "/reset_prefix_cache":
             _need(method, "POST")
             self.engine.scheduler.pool.reset()
+            self.engine.flush_kv_events()
             await self._respond(send, 200, b"", "text/plain")
+        elif path == "/sim/kv-cache":
+            pool = self.engine.scheduler.pool
+            await self._json(send, {"block_size": pool.block_size, "hashes": list(pool.cached)})
         elif path.startswith("/sim/bootstrap/"):
             await self._bootstrap_wait(path.rsplit("/", 1)[1], scope, send)
         else:
@@ -210,6 +234,8 @@ class SimApp:
         out = self.engine.stats()
         out["faults"] = asdict(cfg.faults)
         out["counts"] = dict(self.counts)
+        kv_events = self.engine.kv_events
+        out["kv_events"] = kv_events.stats() if kv_events is not None else None
         out["config"] = {
             "device": cfg.device,
             "params": cfg.params,
@@ -305,6 +331,7 @@ class SimApp:
             raise HTTPError(400, "seed must be an integer", "seed")
         salt = body.get("cache_salt")
         cache_salt = xxhash.xxh64_intdigest(str(salt).encode()) if salt else 0
+        salt_text = str(salt) if salt else ""
         stream = bool(body.get("stream", False))
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):
@@ -353,6 +380,7 @@ class SimApp:
                     stop=stop,
                     external_tokens=external,
                     cache_salt=cache_salt,
+                    cache_salt_text=salt_text,
                 )
                 seq.request_id = rid
                 job.seqs.append(seq)
