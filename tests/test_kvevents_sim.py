@@ -277,9 +277,8 @@ def test_each_of_several_engines_publishes_on_its_own_ports() -> None:
 
 
 async def test_a_warmroute_sim_process_with_two_instances_publishes_for_each() -> None:
-    port = free_port()
-    events = _consecutive_free_ports(4)
-    replay = events + 2
+    port = _consecutive_free_ports(6)  # HTTP, KV events, replay: two engines each
+    events, replay = port + 2, port + 4
     proc = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "proxy", "sim", "--port", str(port), "--instances", "2"),
         *("--time-scale", "100", "--kv-events-endpoint", f"tcp://127.0.0.1:{events}"),
@@ -290,7 +289,8 @@ async def test_a_warmroute_sim_process_with_two_instances_publishes_for_each() -
     )
     try:
         assert proc.stdout is not None
-        assert b"2 x sim-8b" in await proc.stdout.readline()
+        banner = await proc.stdout.readline()
+        assert b"2 x sim-8b" in banner, banner + await proc.stdout.read()
         views = [KvCacheView(MODEL, BS), KvCacheView(MODEL, BS)]
         subs = [
             KvEventSubscriber(
