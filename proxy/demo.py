@@ -128,6 +128,13 @@ def register(sub: Any) -> None:
         f"{STATIC_AFFINITY} (system prompt i on engine i mod n) gives the bound to compare with",
     )
     p.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="with --virtual: the engines publish their KV events and the router reads each "
+        "engine's cache from them (requests keyed by the engine's own token blocks) instead of "
+        "the learned prefix index",
+    )
+    p.add_argument(
         "--keep-running",
         action="store_true",
         help="after the last policy, keep its proxy and engines up until Ctrl-C",
@@ -326,6 +333,7 @@ def run(args: argparse.Namespace) -> int:
                     requests=args.requests,
                     concurrency=args.concurrency,
                     publish_kv_pool=not args.hide_kv_pool,
+                    kv_events=args.kv_events,
                 )
             )
             runs.append(run)

@@ -46,6 +46,7 @@ async def test_a_live_event_view_overrides_the_index_and_says_so() -> None:
     other = "e1" if home == "e0" else "e0"
     # The engine behind `home` reports it evicted everything; `other` holds the prompt.
     r.exact = {home: FakeView(), other: FakeView(ctx.prefix_blocks)}  # type: ignore[dict-item]
+    r.pending_s = 0.0  # (the first request's prefill is long done)
     again = await r.route(_keyed(r, 2), [backend("e0"), backend("e1")], record=False)
     assert again.matched_blocks[home] == 0
     assert again.matched_blocks[other] >= len(ctx.prefix_blocks) - 2
@@ -71,3 +72,15 @@ async def test_character_keyed_requests_never_compare_with_engine_blocks() -> No
     r.exact = {home: FakeView()}  # type: ignore[dict-item]
     again = await r.route(chat(SYSTEMS[0], 2), [backend("e0"), backend("e1")], record=False)
     assert again.match_source(home) == "index" and again.matched_blocks[home] > 0
+
+
+async def test_a_prefix_sent_moments_ago_counts_as_held_before_its_events_arrive() -> None:
+    # The engine publishes BlockStored once the prefill has computed the blocks; a request sent
+    # now queues behind that prefill and will find them.
+    r = router()
+    first = await r.route(_keyed(r, 1), [backend("e0"), backend("e1")])
+    home = first.winner or ""
+    r.exact = {home: FakeView()}  # type: ignore[dict-item]
+    again = await r.route(_keyed(r, 2), [backend("e0"), backend("e1")], record=False)
+    assert again.match_source(home) == "kv_events"
+    assert again.matched_blocks[home] >= first.prefix_blocks - 2

@@ -5,8 +5,10 @@ much of this prompt does the engine hold. Live means the subscriber is running a
 holds everything since a clean start (no gap it could not repair), and the engine has not
 both gone quiet and failed its health check: engines publish only when their cache changes, so
 silence alone is an idle engine, while silence and a failed health check is an engine that
-went away (its restart will publish AllBlocksCleared, and the view starts over). Whenever it is
-not live, routing uses the learned prefix index for that backend, and says so.
+went away. A restarted engine is recognised by the subscriber when it reconnects (the engine no
+longer has the last batch applied, or its sequence numbers went back with other payloads): the
+view is cleared and rebuilt from the new engine's replay. Whenever it is not live, routing uses
+the learned prefix index for that backend, and says so.
 
 Each proxy replica subscribes to every engine itself. ZeroMQ's PUB socket fans out to any
 number of subscribers at the publisher's cost of one send per subscriber; relaying through

@@ -73,6 +73,8 @@ class Router:
         self.placement = placement
         # Backends whose engines publish KV events: their exact cache views (proxy.kvevents).
         self.exact: dict[str, ExactCache] = {}
+        # Prefixes recorded on such a backend this recently count as held (being prefilled).
+        self.pending_s = 5.0
         self.learn_capacity = True
         # True: the winner's blocks are recorded inside route(). Set False to record only once
         # the upstream accepted the request (call record() with the backend actually used).
@@ -140,10 +142,20 @@ class Router:
             # the learned index's estimate while their event stream is live. Only blocks of
             # token ids compare with theirs (exact mode, or a token-id prompt).
             exact = []
+            blocks = ctx.prefix_blocks
+            fresh = getattr(self.index, "fresh_prefix", None)
+            if fresh is None:  # the Redis index's local copy holds this replica's records
+                fresh = getattr(getattr(self.index, "local", None), "fresh_prefix", None)
+            since = self._index_now() - self.pending_s
             for b in candidates:
                 view = self.exact.get(b.name)
                 if view is not None and view.live:
-                    ctx.matched_blocks[b.name] = view.match(ctx.prefix_blocks)
+                    held = view.match(blocks)
+                    if fresh is not None and held < len(blocks):
+                        # Blocks sent there moments ago are being prefilled: the engine will
+                        # hold them before a request sent now gets its turn.
+                        held = max(held, fresh(b.name, blocks, since))
+                    ctx.matched_blocks[b.name] = held
                     exact.append(b.name)
             ctx.exact = frozenset(exact)
 

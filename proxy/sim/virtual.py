@@ -26,8 +26,10 @@ from typing import Any
 
 from proxy.bench.results import RequestResult, RunResult
 from proxy.bench.workloads import Message, RequestSpec, Workload
+from proxy.kvevents.view import KvCacheView
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.index import MemoryPrefixIndex, capacity_blocks_from_tokens
+from proxy.routing.prefix import DEFAULT_MAX_BLOCKS, chain_tokens, seed
 from proxy.routing.router import Router
 from proxy.routing.types import BackendView, EngineLoad, RouteContext
 from proxy.sim import tokens
@@ -35,6 +37,18 @@ from proxy.sim.config import SimConfig
 from proxy.sim.engine import Scheduler, StepPlan, make_seq
 
 STATIC_AFFINITY = "static_affinity"
+
+
+class _LiveView:
+    """A KV-event view the router may always trust (virtual delivery is instant and lossless)."""
+
+    live = True
+
+    def __init__(self, view: KvCacheView) -> None:
+        self.view = view
+
+    def match(self, blocks: Sequence[int]) -> int:
+        return self.view.match(blocks)
 
 
 @dataclass
@@ -62,9 +76,10 @@ class VirtualFleet:
         plugins: Mapping[str, Any] | None = None,
         scrape_s: float = 2.0,
         publish_kv_pool: bool = True,
+        kv_events: bool = False,
     ) -> None:
         self.cfgs = [sim.replace() for _ in range(engines)]
-        self.scheds = [Scheduler(c) for c in self.cfgs]
+        self.scheds = [Scheduler(c, record_kv_events=kv_events) for c in self.cfgs]
         # Names like real backends' (host:port): rendezvous placement hashes them.
         self.names = [f"10.0.0.{i + 1}:8000" for i in range(engines)]
         self.now = 0.0
@@ -90,6 +105,13 @@ class VirtualFleet:
                         cfg.kv_pool_tokens, hasher.block_chars, hasher.chars_per_token
                     ),
                 )
+        # KV events: each engine's pool reports every change, a view per engine applies them
+        # (at every decision: delivery in virtual time is instant), and requests are keyed by
+        # the engine's own token blocks (exact mode with the engine's tokenizer).
+        self.kv_events = kv_events
+        self.kv_views = [KvCacheView(c.model, c.block_size) for c in self.cfgs] if kv_events else []
+        for name, view in zip(self.names, self.kv_views, strict=False):
+            self.router.exact[name] = _LiveView(view)
         self.learner = self.router.learner
         self.inflight = [0] * engines
         self.inflight_area = [0.0] * engines  # integral of in-flight over time: mean load
@@ -131,8 +153,16 @@ class VirtualFleet:
                 scraped_at=self.now,
             )
 
+    def deliver_kv_events(self) -> None:
+        for sched, view in zip(self.scheds, self.kv_views, strict=False):
+            view.apply(sched.pool.take_events())
+
     async def route(
-        self, request_id: str, body: dict[str, Any], system_id: int | None = None
+        self,
+        request_id: str,
+        body: dict[str, Any],
+        system_id: int | None = None,
+        prompt: list[int] | None = None,
     ) -> tuple[int, RouteContext]:
         ctx = RouteContext(
             request_id=request_id,
@@ -143,6 +173,15 @@ class VirtualFleet:
             now=self.now,
             session_key=body.get("user"),  # as the proxy does (or the x-session-id header)
         )
+        if self.kv_events and prompt is not None:
+            self.deliver_kv_events()
+            cfg = self.cfgs[0]
+            ctx.prefix_blocks = chain_tokens(
+                seed(ctx.model), prompt, cfg.block_size, DEFAULT_MAX_BLOCKS
+            )
+            ctx.block_chars = cfg.block_size * cfg.chars_per_token
+            ctx.prompt_chars = len(prompt) * cfg.chars_per_token
+            ctx.token_keyed = True
         if self.static and system_id is not None:
             await self.router.route(ctx, self.views(), record=False)
             i = system_id % len(self.names)
@@ -188,13 +227,14 @@ async def run_virtual(
     scrape_s: float = 2.0,
     publish_kv_pool: bool = True,
     events: Sequence[tuple[int, Callable[[VirtualFleet], None]]] = (),
+    kv_events: bool = False,
 ) -> tuple[RunResult, VirtualFleet]:
     """Replay `workload` through `policy` on `engines` simulated engines; virtual seconds.
 
     `policy` may be STATIC_AFFINITY (system prompt i on engine i mod n: a bound, not a policy).
     `events`: (request index, action) pairs run just before that request is sent, e.g. to
     resize the engines' caches mid-run."""
-    fleet = VirtualFleet(sim, engines, policy, plugins, scrape_s, publish_kv_pool)
+    fleet = VirtualFleet(sim, engines, policy, plugins, scrape_s, publish_kv_pool, kv_events)
     actions = dict(events)
     plan = workload.plan(requests)
     queue: deque[RequestSpec] = deque(plan)
@@ -220,8 +260,8 @@ async def run_virtual(
         action = actions.pop(spec.index, None)
         if action is not None:
             action(fleet)
-        i, ctx = await fleet.route(rid, body, spec.system_id)
         prompt = tokens.tokenize(tokens.render_chat(messages), sim.chars_per_token)
+        i, ctx = await fleet.route(rid, body, spec.system_id, prompt)
         seq = make_seq(fleet.cfgs[i], rid, prompt, spec.max_tokens)
         fleet.scheds[i].now = fleet.now
         r = RequestResult(
