@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import uvicorn
 
 
@@ -72,3 +75,27 @@ async def serve_lifespan(receive: Any, send: Any) -> None:
         elif msg["type"] == "lifespan.shutdown":
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+@contextlib.contextmanager
+def process(args: list[str], *, ready: str | list[str], timeout_s: float = 20.0) -> Iterator[None]:
+    """A child process (stdout and stderr discarded) that is up once every `ready` URL answers
+    200; stopped with SIGTERM (then SIGKILL after 10 s) on the way out."""
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for url in [ready] if isinstance(ready, str) else ready:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url, timeout=1).status_code == 200:
+                        break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"{url} not ready (exit code {proc.poll()})")
+                time.sleep(0.1)  # another process: nothing to wait on but its answer
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()

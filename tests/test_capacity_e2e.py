@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support import free_port
-from tests.test_e2e_routing import _wait
+from tests.support import free_port, process
 
 BIG, SMALL = 14000, 8500  # mock tokens per engine: ~5 and ~3 of the eight prompts
 
@@ -30,34 +29,21 @@ def engines(cache_tokens: int) -> Iterator[list[str]]:
     port = free_port()
     while any(_taken(port + i) for i in range(1, 4)):
         port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.bench.mock", "--port", str(port), "--instances", "4",
-         "--chunks", "4", "--cache-tokens", str(cache_tokens),
-         "--prefill-tokens-per-s", "40000"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     urls = [f"http://127.0.0.1:{port + i}" for i in range(4)]
-    try:
-        for u in urls:
-            _wait(u + "/v1/models")
+    args = [sys.executable, "-m", "proxy.bench.mock", "--port", str(port), "--instances", "4",
+            "--chunks", "4", "--cache-tokens", str(cache_tokens),
+            "--prefill-tokens-per-s", "40000"]  # fmt: skip
+    with process(args, ready=[u + "/v1/models" for u in urls]):
         yield urls
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _taken(port: int) -> bool:
-    with contextlib.suppress(OSError):
-        import socket
-
-        with socket.socket() as s:
+    with socket.socket() as s:
+        try:
             s.bind(("127.0.0.1", port))
-            return False
-    return True
+        except OSError:
+            return True
+    return False
 
 
 @contextlib.contextmanager
@@ -66,17 +52,8 @@ def proxy(backends: list[str]) -> Iterator[str]:
     args = [sys.executable, "-m", "proxy", "serve", "--port", str(port)]
     for b in backends:
         args += ["--backend", b]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(url + "/ready")
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with process(args, ready=f"http://127.0.0.1:{port}/ready"):
+        yield f"http://127.0.0.1:{port}"
 
 
 def bench(tmp: Path, name: str, seed: int, *target: str, prefixes: int = 8) -> float:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +14,7 @@ import httpx
 import yaml
 
 from proxy.sim import SimConfig, create_sim_app
-from tests.support import ServerThread, free_port
-from tests.test_e2e_routing import _wait
+from tests.support import ServerThread, free_port, process
 from tests.test_kvevents_sim import SYSTEM, endpoints
 
 MODEL = "sim-8b"
@@ -38,30 +35,13 @@ def publishing_sim(events: str, replay: str) -> Iterator[str]:
 def proxy(tmp: Path, backends: list[dict[str, Any]]) -> Iterator[str]:
     port = free_port()
     config = tmp / "warmroute.yaml"
+    routing = {"plugins": {"prefix": {"kv_block_tokens": 16}}}
     config.write_text(
-        yaml.safe_dump(
-            {
-                "backends": backends,
-                "routing": {"plugins": {"prefix": {"kv_block_tokens": 16}}},
-                "health": {"interval_s": 0.5},
-            }
-        )
+        yaml.safe_dump({"backends": backends, "routing": routing, "health": {"interval_s": 0.5}})
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(url + "/ready")
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    args = [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port)]
+    with process(args, ready=f"http://127.0.0.1:{port}/ready"):
+        yield f"http://127.0.0.1:{port}"
 
 
 def body(tail: int) -> dict[str, Any]:
