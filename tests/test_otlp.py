@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from proxy.otlp import HTTPClientTransport, http_span_exporter
+from proxy.telemetry.transport import HTTPClientTransport, http_span_exporter
 
 
 @pytest.fixture

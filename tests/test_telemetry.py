@@ -520,7 +520,7 @@ def test_a_finished_request_leaves_nothing_for_the_cyclic_gc(traced: bool) -> No
     cycle would leave them to the cyclic GC, whose collections grow with every request."""
     import gc
 
-    from proxy.otlp import EncodedBatcher
+    from proxy.telemetry.batcher import EncodedBatcher
 
     class Exporter:
         def export_encoded(self, data: bytes) -> bool:
@@ -532,8 +532,8 @@ def test_a_finished_request_leaves_nothing_for_the_cyclic_gc(traced: bool) -> No
     t = Telemetry(TelemetryConfig())
     if traced:  # the OTLP/HTTP path: spans encoded as they end, bytes queued for export
         t = Telemetry(TelemetryConfig(), span_exporter=InMemorySpanExporter())
-        sink = EncodedBatcher(Exporter(), t._resource, t._scope)  # type: ignore[arg-type]
-        t._sink, t._processors = sink, (sink,)
+        sink = EncodedBatcher(Exporter(), t.resource, t.scope)  # type: ignore[arg-type]
+        t.spans.sink, t.spans.processors = sink, (sink,)
     gc.collect()
     gc.disable()
     try:

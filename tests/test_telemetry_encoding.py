@@ -13,9 +13,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from proxy.config import TelemetryConfig
-from proxy.otlp import EncodedBatcher, encode_spans_fast
 from proxy.routing.types import Decision
-from proxy.telemetry import Telemetry, _otlp_span_exporter
+from proxy.telemetry import Telemetry, attributes
+from proxy.telemetry.batcher import EncodedBatcher
+from proxy.telemetry.providers import otlp_span_exporter
+from proxy.telemetry.render import compile_fields
+from proxy.telemetry.wire import encode_spans_fast
 from tests.test_telemetry import DECISION, facts, start
 
 
@@ -121,7 +124,7 @@ def test_sdk_made_spans_with_every_value_type_encode_as_the_sdk_encodes_them() -
 
 
 def test_the_otlp_http_exporter_uses_the_fast_encoder() -> None:
-    exporter: Any = _otlp_span_exporter(
+    exporter: Any = otlp_span_exporter(
         TelemetryConfig(traces_exporter="otlp", otlp_endpoint="http://127.0.0.1:9")
     )
     sent: list[bytes] = []
@@ -192,12 +195,12 @@ def test_spans_encoded_as_they_end_match_the_sdk_encoding(
     ReadableSpan): the same bytes as the SDK path's spans encoded, twice (the caches)."""
     import types
 
-    from proxy import telemetry as tm
+    from proxy.telemetry import record
 
     clock = types.SimpleNamespace(
         time_ns=lambda: 1_700_000_000_000_000_000, perf_counter=lambda: 5.0
     )
-    monkeypatch.setattr(tm, "time", clock)
+    monkeypatch.setattr(record, "time", clock)
 
     class Ids:
         def __init__(self) -> None:
@@ -225,11 +228,11 @@ def test_spans_encoded_as_they_end_match_the_sdk_encoding(
         mem = InMemorySpanExporter()
         cfg = TelemetryConfig(chunk_events=mode, capture_content=content)  # type: ignore[arg-type]
         t = Telemetry(cfg, span_exporter=mem)
-        t._ids = Ids()  # type: ignore[assignment]
+        t.spans.ids = Ids()  # type: ignore[assignment]
         if direct:
-            sink = EncodedBatcher(Exporter(), t._resource, t._scope)  # type: ignore[arg-type]
-            t._sink = sink
-            t._processors = (sink,)
+            sink = EncodedBatcher(Exporter(), t.resource, t.scope)  # type: ignore[arg-type]
+            t.spans.sink = sink
+            t.spans.processors = (sink,)
         return t, mem
 
     runs = []
@@ -238,7 +241,7 @@ def test_spans_encoded_as_they_end_match_the_sdk_encoding(
         scenario(t)
         scenario(t)
         if direct:
-            t._sink.shutdown()  # type: ignore[union-attr]
+            t.spans.sink.shutdown()  # type: ignore[union-attr]
             runs.append(b"".join(sent))
         else:
             assert len(mem.get_finished_spans()) == 20
@@ -249,3 +252,24 @@ def test_spans_encoded_as_they_end_match_the_sdk_encoding(
         ExportTraceServiceRequest.FromString(sdk)
     )
     assert direct_bytes == sdk
+
+
+def test_a_group_compiles_only_when_its_writer_is_used_as_writer_calls() -> None:
+    """compile_fields inlines `w.<method>(...)` statements; anything else could not be."""
+
+    def passes_its_writer_on(w: Any, v: float) -> None:
+        attributes.events(w, "first", 1, v, (0, 0.0))  # type: ignore[arg-type]
+
+    def returns_a_value(w: Any, v: float) -> Any:
+        w.double(attributes.TTFC, v)
+        return v
+
+    for group in (passes_its_writer_on, returns_a_value):
+        with pytest.raises(TypeError):
+            compile_fields(group)
+
+    def timings(w: Any, v: float) -> None:
+        w.double(attributes.TTFC, v)
+        w.double(attributes.E2E, v * 2)
+
+    assert compile_fields(timings)(0.25) == (attributes.TTFC.f(0.25) + attributes.E2E.f(0.5))

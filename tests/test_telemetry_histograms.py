@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import random
 
-from proxy.telemetry import DURATION_BUCKETS, OVERHEAD_BUCKETS, _Histogram
+from proxy.telemetry.histograms import DURATION_BUCKETS, OVERHEAD_BUCKETS, Histogram
 
 
 def test_batched_samples_fill_the_same_buckets_min_max_and_sum_as_single_adds() -> None:
     rng = random.Random(7)
     for bounds in (DURATION_BUCKETS, OVERHEAD_BUCKETS):
-        batched = _Histogram("b", "s", "", bounds)
-        single = _Histogram("s", "s", "", bounds)
+        batched = Histogram("b", "s", "", bounds)
+        single = Histogram("s", "s", "", bounds)
         expected = [0] * (len(bounds) + 1)
         for i in range(300):
             scale = rng.choice((1e-5, 1e-3, 0.05, 1.0, 100.0))
@@ -42,15 +42,15 @@ def test_requests_folded_in_batches_give_the_histograms_and_exemplars_of_single_
     from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 
     from proxy.config import TelemetryConfig
-    from proxy.telemetry import TTFT_BUCKETS, Telemetry, _Histogram
+    from proxy.telemetry import TTFT_BUCKETS, Telemetry
     from tests.test_telemetry import facts, points, start
 
     rng = random.Random(3)
     reader, spans = InMemoryMetricReader(), InMemorySpanExporter()
     t = Telemetry(TelemetryConfig(), span_exporter=spans, metric_readers=[reader])
-    t.tracer_provider.sampler = t._sampler = TraceIdRatioBased(0.3)  # some requests sampled
-    t._decide = None  # ask the sampler itself
-    ref = _Histogram("ttft", "s", "", TTFT_BUCKETS)
+    t.tracer_provider.sampler = t.spans.sampler = TraceIdRatioBased(0.3)  # some requests sampled
+    t.spans.decide = None  # ask the sampler itself
+    ref = Histogram("ttft", "s", "", TTFT_BUCKETS)
     ref_errors = 0
     for round_ in range(3):
         for i in range(rng.randint(100, 400)):  # across fold boundaries and collections

@@ -98,12 +98,12 @@ def test_compiled_samplers_decide_as_the_sdk_samplers(
     from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
     from opentelemetry.trace.span import TraceState
 
-    from proxy.telemetry import _compile_sampler
+    from proxy.telemetry.spans import compile_sampler
 
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.3")
     sdk = _get_from_env_or_default()
-    decide = _compile_sampler(sdk)
+    decide = compile_sampler(sdk)
     assert decide is not None
     rng = random.Random(7)
     state = TraceState([("vendor", "x")])

@@ -1,0 +1,423 @@
+"""The proxy's metric instruments: what one finished request records, and what readers collect.
+
+All recording happens once per request (`RequestMetrics.record`), from the facts the stream
+meter aggregated, so the per-chunk hot path pays nothing for metrics. Per-request one-value
+samples wait in a batch and are folded into the histograms every few hundred requests and
+before every collection.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.sdk.metrics.export import Metric
+
+from proxy.meter import StreamFacts
+from proxy.routing.types import Decision
+from proxy.telemetry.histograms import (
+    DURATION_BUCKETS,
+    OVERHEAD_BUCKETS,
+    RATIO_BUCKETS,
+    TOKEN_BUCKETS,
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+    Counts,
+    Histogram,
+    Point,
+    TraceRef,
+)
+
+PROVIDER = "openai"  # the wire format every backend speaks (semconv: the telemetry flavour)
+
+# (metric, CacheEstimate.as_dict() field, unit, description): read at collection time.
+CACHE_GAUGES = (
+    (
+        "warmroute.prefix.capacity",
+        "capacity_blocks",
+        "{block}",
+        "Prefix-index blocks kept per backend: its cache as learned from reported cached_tokens.",
+    ),
+    (
+        "warmroute.prefix.predicted_hit_ratio",
+        "predicted_hit_ratio",
+        "1",
+        "Share of prompts the index predicted cached on each backend (moving average).",
+    ),
+    (
+        "warmroute.prefix.reported_hit_ratio",
+        "actual_hit_ratio",
+        "1",
+        "Share of prompts each backend's engine reported cached (moving average).",
+    ),
+    (
+        "warmroute.prefix.agreement",
+        "agreement",
+        "1",
+        "Share of responses where prediction and report agreed (moving average).",
+    ),
+)
+
+_DIGITS = re.compile(r"\d+")
+
+
+class RequestMetrics:
+    """The histograms and counts, the series cache, and the batch waiting to be folded."""
+
+    def __init__(self) -> None:
+        self.start_ns = time.time_ns()
+        self.lock = threading.Lock()  # readers collect from their own threads
+        h = Histogram
+        self.h_ttft = h(
+            "gen_ai.server.time_to_first_token",
+            "s",
+            "Time to the first output token written to the client, successful responses.",
+            TTFT_BUCKETS,
+        )
+        self.h_tpot = h(
+            "gen_ai.server.time_per_output_token",
+            "s",
+            "Time per output token after the first, successful responses.",
+            TPOT_BUCKETS,
+        )
+        self.h_duration = h(
+            "gen_ai.server.request.duration",
+            "s",
+            "Request duration to the last output token (or the response) as the client saw it.",
+            DURATION_BUCKETS,
+        )
+        self.h_tokens = h(
+            "gen_ai.client.token.usage",
+            "{token}",
+            "Input and output tokens, as reported by the backend's usage.",
+            TOKEN_BUCKETS,
+        )
+        self.h_ttfc = h(
+            "gen_ai.client.operation.time_to_first_chunk",
+            "s",
+            "Time to the first output chunk written to the client (streaming, any outcome).",
+            DURATION_BUCKETS,
+        )
+        self.h_tpoc = h(
+            "gen_ai.client.operation.time_per_output_chunk",
+            "s",
+            "Gap between consecutive output chunks written to the client (streaming).",
+            DURATION_BUCKETS,
+        )
+        self.h_overhead = h(
+            "warmroute.proxy.overhead",
+            "s",
+            "Client TTFT minus upstream TTFT: time the proxy added before the first token.",
+            OVERHEAD_BUCKETS,
+        )
+        self.h_forward = h(
+            "warmroute.proxy.chunk_forward.duration",
+            "s",
+            "Time from receiving output bytes from the backend to writing them to the client.",
+            OVERHEAD_BUCKETS,
+        )
+        self.h_decision = h(
+            "warmroute.route.decision.duration",
+            "s",
+            "Time to make one routing decision.",
+            OVERHEAD_BUCKETS,
+        )
+        self.h_cached = h(
+            "warmroute.prefix.cached_tokens",
+            "{token}",
+            "Prompt tokens the backend reported as served from its prefix cache.",
+            TOKEN_BUCKETS,
+        )
+        self.h_hit = h(
+            "warmroute.prefix.hit_ratio",
+            "1",
+            "Prefix cache hit ratio: predicted by the router's index, or actual from usage.",
+            RATIO_BUCKETS,
+        )
+        self.histograms = (
+            self.h_ttft,
+            self.h_tpot,
+            self.h_duration,
+            self.h_tokens,
+            self.h_ttfc,
+            self.h_tpoc,
+            self.h_overhead,
+            self.h_forward,
+            self.h_decision,
+            self.h_cached,
+            self.h_hit,
+        )
+        self.c_decisions = Counts(("warmroute.route.policy", "warmroute.route.reason"))
+        self.c_errors = Counts(("warmroute.backend", "error.type"))
+        self.c_retries = Counts(("warmroute.backend",))
+        # this proxy's open requests per backend: the routing board's count, read when collected
+        self.inflight: Callable[[], Mapping[str, int]] = dict
+        # per backend: the learned prefix cache and how well the index predicts it
+        self.cache: Callable[[], Mapping[str, Mapping[str, Any]]] = dict
+        self._routes: dict[tuple[str, str], tuple[tuple[str, str], Point]] = {}
+        self._series: dict[tuple[Any, ...], Series] = {}
+        self._pending: list[Row] = []  # requests' one-value samples, until fold()
+
+    def observe_with(self, meter: Meter) -> None:
+        """Create the observable instruments that read the counts and sources when collected."""
+        meter.create_observable_counter(
+            "warmroute.route.decisions",
+            [self.c_decisions.observe],
+            unit="{decision}",
+            description="Routing decisions by policy and reason.",
+        )
+        meter.create_observable_counter(
+            "warmroute.upstream.errors",
+            [self.c_errors.observe],
+            unit="{error}",
+            description="Failed upstream attempts by backend and error.type.",
+        )
+        meter.create_observable_counter(
+            "warmroute.upstream.retries",
+            [self.c_retries.observe],
+            unit="{retry}",
+            description="Attempts beyond the first, by the backend retried onto.",
+        )
+        meter.create_observable_up_down_counter(
+            "warmroute.backend.inflight",
+            [self._observe_inflight],
+            unit="{request}",
+            description="Requests this proxy has open on each backend.",
+        )
+        for name, field_, unit, text in CACHE_GAUGES:
+            meter.create_observable_gauge(
+                name, [self._cache_gauge(field_)], unit=unit, description=text
+            )
+
+    def _cache_gauge(self, field_: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            for backend, est in dict(self.cache()).items():
+                value = est.get(field_)
+                if value is not None:
+                    yield Observation(value, {"warmroute.backend": backend})
+
+        return observe
+
+    def _observe_inflight(self, _options: CallbackOptions) -> Iterable[Observation]:
+        # dict() copies in one C call: the event loop thread may be changing the counts
+        for backend, n in dict(self.inflight()).items():
+            yield Observation(n, {"warmroute.backend": backend})
+
+    def collect(self) -> list[Metric]:
+        """The histograms as SDK metrics, with every pending sample folded in."""
+        now = time.time_ns()
+        with self.lock:
+            self.fold()
+            return [m for h in self.histograms if (m := h.metric(self.start_ns, now))]
+
+    def fold(self) -> None:
+        """Fold the pending per-request samples into the histograms (the lock is held)."""
+        rows = self._pending
+        if rows:
+            self._pending = []
+            _fold_rows(rows)
+
+    def routing(self, policy: str, reason: str, decision_s: float) -> None:
+        """Count one routing decision and time it."""
+        seen = self._routes.get((policy, reason))
+        with self.lock:
+            if seen is None:
+                # Reasons may embed counts ("rotated among 3 ties"); keep the label set small.
+                label = _DIGITS.sub("N", reason)[:80]
+                point = self.h_decision.point({"warmroute.route.policy": policy}, (policy,))
+                seen = ((policy, label), point)
+                if len(self._routes) >= 1024:
+                    self._routes.clear()
+                self._routes[(policy, reason)] = seen
+            self.c_decisions.add(seen[0])
+            seen[1].add(decision_s, None)
+
+    def failed_attempt(self, backend: str, error_type: str) -> None:
+        with self.lock:
+            self.c_errors.add((backend, error_type))
+
+    def retried(self, backend: str) -> None:
+        with self.lock:
+            self.c_retries.add((backend,))
+
+    def record(
+        self,
+        op: str,
+        model: str,
+        f: StreamFacts | None,
+        err: str | None,
+        backend: str,
+        address: str,
+        port: int,
+        duration: float,
+        itl: list[float] | None,
+        decision: Decision | None,
+        exemplar: TraceRef | None,
+    ) -> None:
+        """Record one finished request (`itl`: its inter-chunk gaps, sorted)."""
+        key = (op, model, address, port, backend)
+        series = self._series.get(key)
+        if series is None:
+            with self.lock:
+                series = Series(self, op, model, address, port, backend)
+            if len(self._series) < 10_000:  # models and backends are few; bound it anyway
+                self._series[key] = series
+        ok = err is None
+        if f is None:
+            row: Row = (series, exemplar, duration if ok else None, *_NO_FACTS)
+        else:
+            ttft, up, fin, cached = f.ttft_s, f.upstream_ttft_s, f.input_tokens, f.cached_tokens
+            predicted = None
+            d = decision
+            prompt_chars: int = getattr(d, "prompt_chars", 0)
+            if d is not None and backend and prompt_chars:
+                # predicted for the backend that served it (a retry may have moved it)
+                block_chars: int = getattr(d, "block_chars", 0)
+                predicted = min(1.0, d.matched_blocks.get(backend, 0) * block_chars / prompt_chars)
+            row = (
+                series,
+                exemplar,
+                duration if ok else None,
+                ttft,
+                ttft - up if ttft is not None and up is not None else None,
+                ttft if ok else None,
+                f.tpot_s if ok else None,
+                fin,
+                f.output_tokens,
+                cached,
+                min(1.0, cached / fin) if cached is not None and fin else None,
+                predicted,
+            )
+        point = series.point
+        with self.lock:
+            if not ok:
+                series.duration_with_error(err).add(duration, exemplar)  # type: ignore[arg-type]
+            if f is not None:
+                # a request's per-chunk samples go in at once (sorted, cut at the bounds)
+                if itl and f.ttft_s is not None:
+                    point(_TPOC).add_sorted(itl, sum(itl), exemplar)
+                if f.forward_s:
+                    point(_FORWARD).add_sorted(sorted(f.forward_s), sum(f.forward_s), exemplar)
+            pending = self._pending
+            pending.append(row)
+            if len(pending) >= _FOLD_EVERY:
+                self.fold()
+
+
+# The histogram points a series records into, by index in Series.points.
+(_DURATION, _TTFC, _TPOC, _OVERHEAD, _TTFT, _FORWARD, _TPOT) = range(7)
+(_TOK_IN, _TOK_OUT, _CACHED, _HIT_ACTUAL, _HIT_PREDICTED) = range(7, 12)
+
+
+class Series:
+    """Metric attribute sets (and their points) of one (operation, model, backend) series.
+
+    Built once per series and cached, so recording a request's metrics allocates no dicts and
+    looks up no keys: each histogram's point of the series is kept here once it exists.
+    """
+
+    __slots__ = ("attrs", "errors", "key", "points", "specs")
+
+    def __init__(
+        self, m: RequestMetrics, op: str, model: str, address: str, port: int, backend: str
+    ) -> None:
+        attrs: dict[str, Any] = {
+            "gen_ai.operation.name": op,
+            "gen_ai.provider.name": PROVIDER,
+        }
+        if model:
+            attrs["gen_ai.request.model"] = model
+        if address:
+            attrs["server.address"] = address
+            attrs["server.port"] = port
+        key = (op, model, address, port)
+        self.attrs, self.key = attrs, key
+        b_attrs = {"warmroute.backend": backend, "gen_ai.request.model": model}
+        b_key = (backend, model)
+        series = (attrs, key)
+        # (histogram, attributes, point key) per index; points made on first use, so that a
+        # series shows only what it recorded
+        self.specs: tuple[tuple[Histogram, dict[str, Any], tuple[Any, ...]], ...] = (
+            (m.h_duration, *series),
+            (m.h_ttfc, *series),
+            (m.h_tpoc, *series),
+            (m.h_overhead, *series),
+            (m.h_ttft, *series),
+            (m.h_forward, *series),
+            (m.h_tpot, *series),
+            (m.h_tokens, {**attrs, "gen_ai.token.type": "input"}, (*key, "input")),
+            (m.h_tokens, {**attrs, "gen_ai.token.type": "output"}, (*key, "output")),
+            (m.h_cached, b_attrs, b_key),
+            (
+                m.h_hit,
+                {**b_attrs, "warmroute.prefix.source": "actual"},
+                (backend, model, "actual"),
+            ),
+            (
+                m.h_hit,
+                {**b_attrs, "warmroute.prefix.source": "predicted"},
+                (backend, model, "predicted"),
+            ),
+        )
+        self.points: list[Point | None] = [None] * len(self.specs)
+        self.errors: dict[str, Point] = {}
+
+    def point(self, i: int) -> Point:
+        p = self.points[i]
+        if p is None:
+            h, attrs, key = self.specs[i]
+            p = self.points[i] = h.point(attrs, key)
+        return p
+
+    def duration_with_error(self, err: str) -> Point:
+        p = self.errors.get(err)
+        if p is None:
+            h = self.specs[_DURATION][0]
+            p = h.point({**self.attrs, "error.type": err}, (*self.key, err))
+            if len(self.errors) < 256:  # error.type is low-cardinality; bound it anyway
+                self.errors[err] = p
+        return p
+
+
+# A finished request's one-value samples, waiting to be folded into the histograms:
+# (series, exemplar, then one value or None per histogram point in _ROW_POINTS).
+Row = tuple[Any, ...]
+_ROW_POINTS: tuple[int, ...] = (_DURATION, _TTFC, _OVERHEAD, _TTFT, _TPOT, _TOK_IN, _TOK_OUT)
+_ROW_POINTS += (_CACHED, _HIT_ACTUAL, _HIT_PREDICTED)
+_ROW_COLUMNS = tuple(enumerate(_ROW_POINTS, start=2))
+_NO_FACTS = (None,) * (len(_ROW_POINTS) - 1)
+# Folded this often, and before every collection (scrape, export): a batch is added per point
+# with one sort, where one add per value cost ~27k instructions a request.
+_FOLD_EVERY = 256
+
+
+def _fold_rows(rows: list[Row]) -> None:
+    """Add the rows' samples to their series' points: one batch per point, then the
+    exemplars (per bucket, the latest sampled request's value, as single adds keep them)."""
+    groups: dict[Series, list[Row]] = {}
+    for r in rows:
+        g = groups.get(r[0])
+        if g is None:
+            groups[r[0]] = [r]
+        else:
+            g.append(r)
+    for series, g in groups.items():
+        for col, i in _ROW_COLUMNS:
+            values = [v for r in g if (v := r[col]) is not None]
+            if values:
+                values.sort()
+                series.point(i).add_sorted(values, sum(values), None)
+        for r in g:
+            ex = r[1]
+            if ex is None:
+                continue
+            for col, i in _ROW_COLUMNS:
+                v = r[col]
+                if v is not None:
+                    p = series.point(i)
+                    p.exemplars[bisect_left(p.bounds, v)] = (v, ex)

@@ -1,0 +1,237 @@
+"""Telemetry: the tracer and meter providers, their exporters, and /metrics.
+
+No process globals: the app owns one Telemetry, and its lifespan shuts it down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from opentelemetry.sdk.metrics import MeterProvider, TraceBasedExemplarFilter
+from opentelemetry.sdk.metrics.export import (
+    MetricReader,
+    MetricsData,
+    PeriodicExportingMetricReader,
+    ResourceMetrics,
+    ScopeMetrics,
+)
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from proxy.config import TelemetryConfig
+from proxy.telemetry import sdk_bridge
+from proxy.telemetry.batcher import EncodedBatcher
+from proxy.telemetry.metrics import RequestMetrics
+from proxy.telemetry.record import DISABLED, RequestRecord
+from proxy.telemetry.spans import Spans
+from proxy.telemetry.transport import http_span_exporter
+
+SCOPE = "warmroute"
+# How long the last export may take at shutdown (a collector that is down must not hold up a
+# rolling restart: the SDK's exporters would retry for ~15 s between them).
+SHUTDOWN_EXPORT_S = 3.0
+log = logging.getLogger("warmroute.telemetry")
+
+
+class Telemetry:
+    """Owns the tracer and meter providers (no process globals) and the instruments."""
+
+    def __init__(
+        self,
+        cfg: TelemetryConfig,
+        *,
+        span_exporter: SpanExporter | None = None,
+        metric_readers: Sequence[MetricReader] = (),
+    ) -> None:
+        self.cfg = cfg
+        # telemetry.enabled: false turns it all off: no spans, no metrics, no /metrics (the
+        # stream meter still runs: routing learns from it and it strips the usage chunk).
+        self.enabled = cfg.enabled
+        self.resource = Resource.create({"service.name": cfg.service_name})
+        self.scope = InstrumentationScope(SCOPE)
+        self._exporters: list[Any] = []  # OTLP exporters, to cut short at shutdown
+        self.spans = self._tracing(span_exporter)
+        self.metrics = RequestMetrics()
+        self._registry: Any = None
+        self.meter_provider = self._metering(metric_readers)
+
+    def _tracing(self, span_exporter: SpanExporter | None) -> Spans:
+        cfg = self.cfg
+        tracing = self.enabled and (span_exporter is not None or cfg.traces_exporter != "none")
+        self.tracer_provider = TracerProvider(
+            resource=self.resource, sampler=None if tracing else ALWAYS_OFF
+        )
+        processor: SpanProcessor | None = None
+        if not self.enabled:
+            pass
+        elif span_exporter is not None:
+            processor = SimpleSpanProcessor(span_exporter)
+        elif cfg.traces_exporter == "otlp":
+            exporter = otlp_span_exporter(cfg)
+            self._exporters.append(exporter)
+            if EncodedBatcher.can_use(exporter):
+                processor = EncodedBatcher(exporter, self.resource, self.scope)
+            else:  # gRPC, or an SDK whose HTTP exporter we do not know
+                processor = BatchSpanProcessor(exporter)
+        elif cfg.traces_exporter == "console":
+            processor = BatchSpanProcessor(ConsoleSpanExporter())
+        if processor is not None:
+            self.tracer_provider.add_span_processor(processor)
+        return Spans(self.tracer_provider, processor, tracing, self.resource, self.scope)
+
+    def _metering(self, metric_readers: Sequence[MetricReader]) -> MeterProvider:
+        cfg = self.cfg
+        readers: list[MetricReader] = list(metric_readers)
+        if cfg.prometheus and self.enabled:
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+            from prometheus_client import CollectorRegistry
+
+            self._registry = CollectorRegistry(auto_describe=True)
+            readers.append(PrometheusMetricReader(registry=self._registry))
+        if cfg.traces_exporter == "otlp" and self.enabled:
+            metric_exporter = _otlp_metric_exporter(cfg)
+            self._exporters.append(metric_exporter)
+            readers.append(PeriodicExportingMetricReader(metric_exporter))
+        provider = MeterProvider(
+            metric_readers=readers,
+            resource=self.resource,
+            exemplar_filter=TraceBasedExemplarFilter(),
+        )
+        if self.enabled:
+            self.metrics.observe_with(provider.get_meter(SCOPE))
+            for reader in readers:
+                sdk_bridge.wrap_collect(reader, self._with_histograms)
+        return provider
+
+    # -- metrics export -------------------------------------------------------------------------
+    def _with_histograms(self, data: MetricsData | None) -> MetricsData | None:
+        """A reader's collection with the pre-aggregated histograms added."""
+        metrics = self.metrics.collect()
+        if not metrics:
+            return data
+        ours = ScopeMetrics(scope=self.scope, metrics=metrics, schema_url="")
+        if data is None or not data.resource_metrics:
+            rm = [ResourceMetrics(resource=self.resource, scope_metrics=[ours], schema_url="")]
+            return MetricsData(resource_metrics=rm)
+        first, *rest = data.resource_metrics
+        # Exporters group by scope (OTLP keys a dict by it), so join the SDK's "warmroute"
+        # scope rather than add a second one with the same name.
+        scopes = list(first.scope_metrics)
+        for i, sm in enumerate(scopes):
+            if sm.scope.name == SCOPE:
+                scopes[i] = ScopeMetrics(sm.scope, [*sm.metrics, *metrics], sm.schema_url)
+                break
+        else:
+            scopes.append(ours)
+        merged = ResourceMetrics(
+            resource=first.resource, scope_metrics=scopes, schema_url=first.schema_url
+        )
+        return MetricsData(resource_metrics=[merged, *rest])
+
+    def prometheus_text(self) -> tuple[bytes, str]:
+        """The body and content type for GET /metrics (Prometheus text format 0.0.4)."""
+        from prometheus_client import generate_latest
+
+        if self._registry is None:
+            return b"# prometheus export is disabled (telemetry.prometheus: false)\n", (
+                "text/plain; charset=utf-8"
+            )
+        # The classic text format: every Prometheus version (and most scrapers) parses it.
+        return generate_latest(self._registry), "text/plain; version=0.0.4; charset=utf-8"
+
+    # -- per request ----------------------------------------------------------------------------
+    def start_request(
+        self,
+        *,
+        request_id: str,
+        api: str,
+        model: str | None,
+        stream: bool,
+        params: Mapping[str, Any],
+        headers: Mapping[str, str],
+        t0: float,
+    ) -> RequestRecord:
+        """Open the request's SERVER span (parent: the client's W3C traceparent, if any)."""
+        if not self.enabled:
+            return DISABLED
+        return RequestRecord(self, request_id, api, model, stream, params, headers, t0)
+
+    def observe_routing(self, policy: str, reason: str, decision_s: float) -> None:
+        """Count one routing decision and time it (called once per decision, not per attempt)."""
+        if self.enabled:
+            self.metrics.routing(policy, reason, decision_s)
+
+    def read_inflight(self, source: Callable[[], Mapping[str, int]]) -> None:
+        """Report `source()` (backend -> requests this proxy has open on it) as
+        warmroute.backend.inflight: the count routing keeps anyway, not a second one."""
+        self.metrics.inflight = source
+
+    def read_cache(self, source: Callable[[], Mapping[str, Mapping[str, Any]]]) -> None:
+        """Report `source()` (backend -> the capacity learner's estimate, as in
+        /admin/routing) as the warmroute.prefix.* gauges in CACHE_GAUGES."""
+        self.metrics.cache = source
+
+    def shutdown(self, deadline_s: float = SHUTDOWN_EXPORT_S) -> None:
+        """Flush and stop exporters; the Prometheus collector is unregistered.
+
+        The last spans and metrics get `deadline_s` to reach the collector. The exporters
+        retry with backoff on their own (~7 s each against a collector that is down, one after
+        the other): past the deadline they are stopped, which ends their retries at once.
+        """
+        timer = threading.Timer(deadline_s, self._stop_exporters)
+        timer.daemon = True
+        timer.start()
+        try:
+            self.tracer_provider.shutdown()
+            self.meter_provider.shutdown()
+        finally:
+            timer.cancel()
+
+    def _stop_exporters(self) -> None:
+        log.warning(
+            "telemetry: the OTLP collector did not take the last export in time; dropping it "
+            "(the SDK may then warn that its exporters are already shut down)"
+        )
+        for exporter in self._exporters:
+            try:
+                exporter.shutdown()
+            except Exception:  # already stopped, or an SDK that objects: stopping is best effort
+                log.debug("exporter shutdown failed", exc_info=True)
+
+
+def _otlp_endpoint(cfg: TelemetryConfig, signal: str) -> str | None:
+    """cfg.otlp_endpoint is a base URL like OTEL_EXPORTER_OTLP_ENDPOINT; None defers to env."""
+    if not cfg.otlp_endpoint:
+        return None
+    if cfg.otlp_protocol == "grpc":
+        return cfg.otlp_endpoint
+    return cfg.otlp_endpoint.rstrip("/") + f"/v1/{signal}"
+
+
+def otlp_span_exporter(cfg: TelemetryConfig) -> SpanExporter:
+    if cfg.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as G
+
+        return G(endpoint=_otlp_endpoint(cfg, "traces"))
+    return http_span_exporter(endpoint=_otlp_endpoint(cfg, "traces"))
+
+
+def _otlp_metric_exporter(cfg: TelemetryConfig) -> Any:
+    if cfg.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as G
+
+        return G(endpoint=_otlp_endpoint(cfg, "metrics"))
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as H
+
+    return H(endpoint=_otlp_endpoint(cfg, "metrics"))
