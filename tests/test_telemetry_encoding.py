@@ -273,3 +273,9 @@ def test_a_group_compiles_only_when_its_writer_is_used_as_writer_calls() -> None
         w.double(attributes.E2E, v * 2)
 
     assert compile_fields(timings)(0.25) == (attributes.TTFC.f(0.25) + attributes.E2E.f(0.5))
+
+
+def test_a_group_without_source_is_encoded_through_the_dict_writer() -> None:
+    namespace: dict[str, Any] = {"TTFC": attributes.TTFC}
+    exec("def timing(w, v):\n    w.double(TTFC, v)\n", namespace)  # no file to read it from
+    assert compile_fields(namespace["timing"])(0.25) == attributes.TTFC.f(0.25)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import inspect
 import logging
 import textwrap
@@ -300,7 +301,11 @@ class _Substitute(ast.NodeTransformer):
 def compile_fields(group: Callable[..., None], *, events: bool = False) -> Callable[..., bytes]:
     """group(w, *args) rendered as protobuf fields: a function of *args returning the
     Span.attributes fields (events=True: the Span.events fields) that the writer calls give."""
-    source = textwrap.dedent(inspect.getsource(group))
+    try:
+        source = textwrap.dedent(inspect.getsource(group))
+    except (OSError, TypeError):  # no source to compile (e.g. shipped as .pyc only)
+        log.warning("telemetry: %s has no source; spans are encoded through a dict", group)
+        return functools.partial(_fallback_events if events else _fallback_fields, group)
     tree = ast.parse(source)
     fn = tree.body[0]
     assert isinstance(fn, ast.FunctionDef)
