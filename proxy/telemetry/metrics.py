@@ -273,12 +273,12 @@ class RequestMetrics:
         else:
             ttft, up, fin, cached = f.ttft_s, f.upstream_ttft_s, f.input_tokens, f.cached_tokens
             predicted = None
-            d = decision
-            prompt_chars: int = getattr(d, "prompt_chars", 0)
-            if d is not None and backend and prompt_chars:
+            prompt_chars: int = getattr(decision, "prompt_chars", 0)
+            if decision is not None and backend and prompt_chars:
                 # predicted for the backend that served it (a retry may have moved it)
-                block_chars: int = getattr(d, "block_chars", 0)
-                predicted = min(1.0, d.matched_blocks.get(backend, 0) * block_chars / prompt_chars)
+                block_chars: int = getattr(decision, "block_chars", 0)
+                matched = decision.matched_blocks.get(backend, 0)
+                predicted = min(1.0, matched * block_chars / prompt_chars)
             row = (
                 series,
                 exemplar,
@@ -413,11 +413,11 @@ def _fold_rows(rows: list[Row]) -> None:
                 values.sort()
                 series.point(i).add_sorted(values, sum(values), None)
         for r in g:
-            ex = r[1]
-            if ex is None:
+            exemplar = r[1]
+            if exemplar is None:
                 continue
             for col, i in _ROW_COLUMNS:
                 v = r[col]
                 if v is not None:
                     p = series.point(i)
-                    p.exemplars[bisect_left(p.bounds, v)] = (v, ex)
+                    p.exemplars[bisect_left(p.bounds, v)] = (v, exemplar)
