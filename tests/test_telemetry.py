@@ -571,3 +571,19 @@ def test_shutdown_with_the_collector_down_gives_up_after_its_deadline(
     t.shutdown(deadline_s=0.5)
     assert time.monotonic() - began < 5.0  # the retries alone take ~15 s
     assert "did not take the last export in time" in caplog.text
+
+
+def test_the_span_says_which_source_the_winners_match_came_from(tel: Any) -> None:
+    t, spans, _ = tel
+    for exact, source in ((frozenset({"b1"}), "kv_events"), (frozenset({"b2"}), "index")):
+        rec = start(t)
+        d = Decision(policy="p", ranking=["b1"], reason="r", matched_blocks={"b1": 2}, exact=exact)
+        rec.set_decision(d)
+        rec.finish(None, status=200)
+        server = by_kind(spans.get_finished_spans(), SpanKind.SERVER)[-1]
+        assert server.attributes["warmroute.route.match_source"] == source
+    rec = start(t)
+    rec.set_decision(DECISION)  # no backend publishes KV events: the index, and no attribute
+    rec.finish(None, status=200)
+    server = by_kind(spans.get_finished_spans(), SpanKind.SERVER)[-1]
+    assert "warmroute.route.match_source" not in server.attributes

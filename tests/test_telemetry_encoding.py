@@ -42,6 +42,7 @@ def proxy_spans(cfg: TelemetryConfig | None = None) -> list[ReadableSpan]:
         prefix_blocks=5,
         prompt_chars=400,
         filtered_out={"b3": "unhealthy: connect refused ✗"},
+        exact=frozenset({"b1"}),  # b1's engine publishes KV events: the match is its word
     )
     rec = start(t, stop=["\n\n", "ünïcödé"], n=2, seed=-7, messages=[{"x": "y" * 300}])
     rec.set_decision(d)

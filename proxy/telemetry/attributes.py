@@ -66,6 +66,8 @@ FILTERED_OUT = AttrKey("warmroute.route.filtered_out")
 ROUTE_BACKEND = AttrKey("warmroute.route.backend")
 SCORE = AttrKey("warmroute.route.score")
 MATCHED_BLOCKS = AttrKey("warmroute.route.matched_blocks")
+# Where the winner's match came from when some backend's KV events were live: kv_events | index
+MATCH_SOURCE = AttrKey("warmroute.route.match_source")
 MATCHED_CHARS = AttrKey("warmroute.route.matched_chars")
 PREDICTED_HIT = AttrKey("warmroute.prefix.predicted_hit_ratio")
 # the response, from the stream facts
@@ -216,6 +218,8 @@ def decision(w: Writer, d: Decision) -> None:
             w.value(_SCORES.get(scorer) or score_key(scorer), value)
     matched = d.matched_blocks.get(winner, 0)
     w.count(MATCHED_BLOCKS, matched)
+    if d.exact:
+        w.text(MATCH_SOURCE, "kv_events" if winner in d.exact else "index")
     block_chars: int = getattr(d, "block_chars", 0)
     prompt_chars: int = getattr(d, "prompt_chars", 0)
     if block_chars:
