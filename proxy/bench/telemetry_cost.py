@@ -53,9 +53,18 @@ CONFIGS = {
 
 
 def load_old(rev: str) -> Any:
-    src = subprocess.run(
-        ["git", "show", f"{rev}:proxy/telemetry.py"], capture_output=True, check=True, text=True
-    ).stdout
+    shown = subprocess.run(
+        ["git", "show", f"{rev}:proxy/telemetry.py"], capture_output=True, text=True
+    )
+    if shown.returncode != 0:
+        # Since telemetry became a package (proxy/telemetry/), one revision's code cannot be
+        # loaded beside another's in this process.
+        raise SystemExit(
+            f"telemetry_cost: {rev} has no single-module proxy/telemetry.py to load beside this "
+            "tree's; compare whole builds instead: deploy/perf/count-instructions.sh run in a "
+            f"worktree of {rev} and in this one"
+        )
+    src = shown.stdout
     path = os.path.join(tempfile.mkdtemp(), "telemetry_old.py")
     with open(path, "w") as f:
         f.write(src)
