@@ -19,8 +19,8 @@ rest for the unique suffixes and running sequences):
   prefill and an eviction, so the assignment changes only when the traffic does (hysteresis);
 - a new home prefers a backend that already holds the prefix, then the less loaded (assigned
   traffic, then requests in flight) of the first two backends in the prefix's rendezvous order
-  that are within the bound and have room: at most two possible homes, whichever replica
-  places it;
+  that are within the bound and have room, unless both already host more placed prefixes than
+  a fair count (then the least crowded: two choices alone clumped 3 of 8 prompts on one);
 - a prefix no backend has room for is still placed for load (marked overflow): its requests
   will prefill, wherever they go.
 
@@ -270,6 +270,17 @@ class Placement:
                 first, second = pair
                 if (loads[second], now.get(second, 0.0)) < (loads[first], now.get(first, 0.0)):
                     spare[0], spare[1] = second, first
+            # Unless both already host more placed prefixes than a backend's fair count: then
+            # the least crowded one (two choices still left 3 of 8 prompts on one engine).
+            hosted = {b: 0 for b in backends}
+            for other in self.placed.values():
+                if other is not p:
+                    for h in other.homes:
+                        if h in hosted:
+                            hosted[h] += 1
+            fair = sum(hosted.values()) / max(len(backends), 1)
+            if spare and hosted[spare[0]] > fair:
+                spare.sort(key=lambda b: (not within(b), hosted[b] > fair, hosted[b], rank[b]))
             chosen += spare[: need - len(chosen)]
         if len(chosen) < need:
             # No room anywhere: placed for load alone; its requests prefill wherever they go.
