@@ -804,23 +804,71 @@ def test_meter_json_error_and_responses_bodies() -> None:
     assert (r.input_tokens, r.output_tokens, r.finish_reasons) == (37, 2, ["stop"])
 
 
+SSE_FRAGMENTS = [b"data: ", b"\n\n", b"\r\n", b'"content":"', b"{", b"[DONE]"]
+USAGE = b'data: {"id":"u","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}'
+USAGE_EVENTS = [USAGE + sep for sep in (b"\n\n", b"\r\n\r\n")]  # what strip mode may drop
+# ... and followed by another event in the same piece, so a cut is not always at a read's end
+USAGE_THEN_DONE = [USAGE + sep + b"data: [DONE]" + sep for sep in (b"\n\n", b"\r\n\r\n")]
+
+
+def framed(stream: bytes) -> tuple[list[bytes], bytes, bytes]:
+    """The stream cut as the meter cuts it: whole events (separator included), the unterminated
+    tail, and the line break (the first newline fixes CRLF or LF for the whole stream)."""
+    k = stream.find(b"\n")
+    if k < 0:
+        return [], stream, b"\n"
+    nl = b"\r\n" if k > 0 and stream[k - 1] == 0x0D else b"\n"
+    sep = nl + nl
+    events, pos = [], 0
+    while (end := stream.find(sep, pos)) >= 0:
+        events.append(stream[pos : end + len(sep)])
+        pos = end + len(sep)
+    return events, stream[pos:], nl
+
+
+def is_usage_only_event(api: str, event: bytes, nl: bytes) -> bool:
+    lines = event[: -2 * len(nl)].split(nl)
+    data = [ln[6:] if ln[5:6] == b" " else ln[5:] for ln in lines if ln.startswith(b"data:")]
+    try:
+        obj = orjson.loads(b"\n".join(data)) if data else None
+    except orjson.JSONDecodeError:
+        return False
+    return ref_is_usage_only(api, obj)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.sampled_from(["chat", "completions", "responses"]),
     st.lists(
-        st.binary(max_size=40)
-        | st.sampled_from([b"data: ", b"\n\n", b"\r\n", b'"content":"', b"{", b"[DONE]"]),
+        st.binary(max_size=40) | st.sampled_from([*SSE_FRAGMENTS, *USAGE_EVENTS, *USAGE_THEN_DONE]),
         max_size=30,
     ),
     st.booleans(),
+    st.lists(st.integers(0, 2000), max_size=8),
 )
 def test_garbage_never_raises_and_strip_mode_loses_no_bytes(
-    api: API, pieces: list[bytes], strip: bool
+    api: API, pieces: list[bytes], strip: bool, splits: list[int]
 ) -> None:
+    stream = b"".join(pieces)
+    # Reads cut across the pieces too, so a dropped event is sometimes followed by more bytes.
+    bounds = sorted({0, len(stream), *(i % (len(stream) + 1) for i in splits)})
     m = StreamMeter(api, t0=0.0, strip_usage=strip)
-    out = b"".join(m.feed(p, 1.0) for p in pieces)
+    out = b"".join(m.feed(stream[a:b], 1.0) for a, b in itertools.pairwise(bounds))
     rest, _ = m.finish(2.0)
-    assert out + rest == b"".join(pieces) or strip
+    client = out + rest
+    if not strip:
+        assert client == stream
+        return
+    # Strip mode may drop whole usage-only events and nothing else: every other event, and
+    # the unterminated tail, reach the client unchanged and in order.
+    events, tail, nl = framed(stream)
+    pos = 0
+    for event in events:
+        if client.startswith(event, pos):
+            pos += len(event)
+        else:
+            assert is_usage_only_event(api, event, nl), (event, client[pos:])
+    assert client[pos:] == tail
 
 
 def test_llamacpp_timings_give_prompt_and_cached_tokens_when_no_usage_does() -> None:
