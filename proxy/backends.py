@@ -21,7 +21,7 @@ from proxy.routing.types import BackendView, EngineLoad
 
 log = logging.getLogger("warmroute.backends")
 
-# Engine-specific load gauges (DESIGN: scrape the engines' own signals).
+# Engine-specific load gauges: the engines' own queue and KV signals, scraped.
 LOAD_METRICS: dict[str, dict[str, str]] = {
     "vllm": {
         "vllm:num_requests_waiting": "waiting",

@@ -30,7 +30,7 @@ examples:
   warmroute demo --keep-running                    # leave the last stack up to explore
   warmroute demo --virtual --workload multi-turn --prefixes 32 --system-chars 16000 \
       --system-chars-min 4000 --requests 2000 --concurrency 32 --kv-blocks 2000
-                                                   # issue-5 benchmark in simulated time
+                                                   # README's simulated-fleet benchmark
 """
 
 

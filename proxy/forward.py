@@ -1,8 +1,9 @@
 """The hot path: a raw ASGI endpoint that validates, routes and streams one request.
 
-Raw ASGI on purpose (PERF-NOTES.md): no BaseHTTPMiddleware, no StreamingResponse, one JSON
-parse of the request, whole upstream reads forwarded as they arrive, and a task watching for
-the client's disconnect so the upstream is closed at once (the engine frees its KV cache).
+Raw ASGI on purpose (the measured costs are in docs/architecture.md): no BaseHTTPMiddleware,
+no StreamingResponse, one JSON parse of the request, whole upstream reads forwarded as they
+arrive, and a task watching for the client's disconnect so the upstream is closed at once (the
+engine frees its KV cache).
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Pooled keep-alive HTTP/1.1 connections to the backends: asyncio protocols + httptools.
 
-PERF-NOTES.md: the upstream client dominates the proxy's CPU. aiohttp was ~4x cheaper per chunk
-than httpx, but it still spent more CPU per streamed request than the rest of the proxy did:
-every HTTP chunk of an SSE stream went through its parser callbacks, chunk-split bookkeeping
-and flow-control calls one by one, and building each request took a ClientRequest, a payload
-object and a writer. This client does only what the forwarding path needs: one POST per
-request on a pooled connection, the body handed over as whatever is buffered when the reader
-asks (PERF-NOTES: "forward whole reads"), and the timeouts, keep-alive and error semantics the
-failure tests pin down. httpx remains the client for health checks, discovery and scraping.
+The upstream client dominates the proxy's CPU (measurements in docs/architecture.md). aiohttp
+was ~4x cheaper per chunk than httpx, but it still spent more CPU per streamed request than the
+rest of the proxy did: every HTTP chunk of an SSE stream went through its parser callbacks,
+chunk-split bookkeeping and flow-control calls one by one, and building each request took a
+ClientRequest, a payload object and a writer. This client does only what the forwarding path
+needs: one POST per request on a pooled connection, the body handed over as whatever is
+buffered when the reader asks (whole reads, not one piece per HTTP chunk), and the timeouts,
+keep-alive and error semantics the failure tests pin down. httpx remains the client for health
+checks, discovery and scraping.
 
 Errors, as the forwarding path reads them:
 - UpstreamConnectError: the backend did not take the connection (refused, unreachable, DNS);

@@ -1,4 +1,4 @@
-"""The house habits (STYLE.md) hold on every commit: ruff-clean, ruff-formatted, mypy-clean."""
+"""The house habits hold on every commit: ruff-clean, ruff-formatted, mypy-clean."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from proxy.sim.engine import Scheduler, Seq, make_seq, prefill_seconds, step_dur
 from proxy.sim.kvcache import BlockPool, block_hashes
 from proxy.sim.tokens import count_tokens, render_chat, tokenize
 
-# BRIEF.md's ceiling table: memory bandwidth (GB/s) per device, 8B model in 16-bit = 16 GB.
-BRIEF_BANDWIDTH = {
+# docs/physics.md's ceiling table: memory bandwidth (GB/s) per device, 8B model in 16-bit = 16 GB.
+CEILING_TABLE_BANDWIDTH = {
     "cpu-ddr5": 90,
     "a10g": 600,
     "l40s": 864,
@@ -33,10 +33,10 @@ def single_stream(cfg: SimConfig, prompt_len: int, out: int) -> list[float]:
     return [p.duration for p in s.run_until_idle()]
 
 
-@pytest.mark.parametrize("device", BRIEF_BANDWIDTH)
+@pytest.mark.parametrize("device", CEILING_TABLE_BANDWIDTH)
 def test_single_stream_decode_matches_the_bandwidth_ceiling(device: str) -> None:
     cfg = SimConfig.from_preset(device, "8b", "bf16")
-    ceiling = BRIEF_BANDWIDTH[device] / 16.0
+    ceiling = CEILING_TABLE_BANDWIDTH[device] / 16.0
     assert cfg.decode_ceiling_tok_s == pytest.approx(ceiling, rel=1e-9)
     steps = single_stream(cfg, 100, 101)
     rate = 100 / sum(steps[1:])  # tokens after the first, over decode time

@@ -43,7 +43,7 @@ workloads (seeded: the same --seed sends byte-identical prompts):
   mixed          shared-prefix chat streams plus a --doc-fraction of long-doc requests
   Sizes are characters; ~4 characters make one token.
 
-metrics (as `vllm bench serve` defines them; DESIGN.md "Measurement"):
+metrics (as `vllm bench serve` defines them; see docs/measurement.md):
   TTFT  first chunk carrying output (content/reasoning/tool call/text) - request sent
   ITL   every gap between output chunks;  TPOT (e2e - ttft) / (completion_tokens - 1)
   E2E   last output chunk - request sent; goodput = completed requests/s meeting --slo

@@ -283,7 +283,7 @@ def _sse_data(event: bytes) -> bytes | None:
 
 def _absorb(obj: dict[str, Any], r: RequestResult, chat: bool) -> str | None:
     """Record usage and finish reason; return the chunk's output text, None if it carries none
-    (role-only and usage-only chunks do not count, DESIGN.md)."""
+    (role-only and usage-only chunks do not count, docs/measurement.md)."""
     usage = obj.get("usage")
     if usage:
         r.prompt_tokens = usage.get("prompt_tokens", r.prompt_tokens)

@@ -1,8 +1,8 @@
 """Pure metrics over a run's request records, defined as `vllm bench serve` defines them.
 
-- TTFT: first output-bearing chunk - request sent. Per DESIGN.md a role-only or usage-only
-  chunk does not count (vllm's chat client counts the role chunk; engines send it at once, so
-  counting it would hide prefill time).
+- TTFT: first output-bearing chunk - request sent. As in docs/measurement.md, a role-only or
+  usage-only chunk does not count (vllm's chat client counts the role chunk; engines send it at
+  once, so counting it would hide prefill time).
 - ITL: every gap between consecutive output-bearing chunks, pooled over requests.
 - TPOT: (e2e - ttft) / (output_tokens - 1) per request with more than one output token.
 - E2E: last output-bearing chunk - request sent.

@@ -1,4 +1,4 @@
-"""A simulated LLM engine with vLLM's HTTP API and the physics of BRIEF.md.
+"""A simulated LLM engine with vLLM's HTTP API and the serving physics of docs/physics.md.
 
 from proxy.sim import SimConfig, create_sim_app, serve
 cfg = SimConfig.from_preset("l40s", "8b", "bf16", time_scale=10)

@@ -54,7 +54,7 @@ ENGINE_OPTIONS: tuple[tuple[str, str], ...] = (
     ("bandwidth_gbs", "override the device's memory bandwidth, GB/s"),
     ("tflops", "override the device's dense peak TFLOPS for this dtype"),
     ("memory_gb", "override the device's memory, GB"),
-    ("bandwidth_efficiency", "fraction of bandwidth reached (1.0 = BRIEF.md's ceiling)"),
+    ("bandwidth_efficiency", "share of bandwidth reached (1.0 = the ceiling in docs/physics.md)"),
     ("compute_efficiency", "fraction of peak compute reached by prefill (MFU)"),
     ("step_overhead_s", "fixed cost of every engine step, seconds"),
     ("max_num_seqs", "most sequences in one batch"),

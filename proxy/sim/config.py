@@ -68,7 +68,7 @@ class SimConfig:
     bandwidth_gbs: float | None = None
     tflops: float | None = None
     memory_gb: float | None = None
-    # How close the engine gets to the hardware: 1.0 decodes exactly at BRIEF.md's ceiling.
+    # How close the engine gets to the hardware: 1.0 decodes exactly at the bandwidth ceiling.
     bandwidth_efficiency: float = 1.0
     compute_efficiency: float = 0.5  # prefill MFU
     step_overhead_s: float = 5e-5  # scheduler + kernel launch per step
@@ -167,7 +167,7 @@ class SimConfig:
 
     @property
     def decode_ceiling_tok_s(self) -> float:
-        """BRIEF.md's single-stream ceiling: bandwidth / weight bytes."""
+        """The single-stream decode ceiling: bandwidth / weight bytes (docs/physics.md)."""
         return self.bandwidth / self.weight_bytes
 
     @property

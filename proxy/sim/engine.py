@@ -12,7 +12,7 @@ Each step (continuous batching, chunked prefill):
   3. the step costs max(bytes / bandwidth, FLOPs / compute) + overhead, with bytes = weights
      + the KV of every scheduled sequence and FLOPs = 2 x params x tokens + attention.
 A running sequence that needs a new block when the pool is full preempts the newest running
-one, which recomputes later (the mid-stream stall BRIEF.md describes).
+one, which recomputes later (the mid-stream stall of a full KV pool; docs/physics.md).
 """
 
 from __future__ import annotations

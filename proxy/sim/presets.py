@@ -1,6 +1,6 @@
 """Device and model presets: the numbers the simulated engine's physics is built from.
 
-Bandwidths are the datasheet figures behind BRIEF.md's ceiling table, so that an 8B bf16
+Bandwidths are the datasheet figures behind the ceiling table in docs/physics.md: an 8B bf16
 model decodes at bandwidth / 16 GB tokens per second on each device. Peak compute is dense
 (no sparsity) tensor throughput; only prefill and big batches ever reach it.
 """
@@ -52,7 +52,7 @@ MODELS: dict[str, ModelLayout] = {
     for m in (
         ModelLayout("1b", 1.24e9, 16, 8, 64, 2048, "Llama-3.2-1B layout"),
         ModelLayout("3b", 3.21e9, 28, 8, 128, 3072, "Llama-3.2-3B layout"),
-        # 8.0e9 rather than 8.03e9 so the ceilings equal BRIEF.md's table (16 GB in bf16).
+        # 8.0e9 rather than 8.03e9 so the ceilings are bandwidth / 16 GB (docs/physics.md).
         ModelLayout("8b", 8.0e9, 32, 8, 128, 4096, "Llama-3.1-8B layout (GQA)"),
         ModelLayout("14b", 14.7e9, 48, 8, 128, 5120, "Qwen2.5-14B layout"),
         ModelLayout("32b", 32.5e9, 64, 8, 128, 5120, "Qwen2.5-32B layout"),
@@ -60,7 +60,7 @@ MODELS: dict[str, ModelLayout] = {
     )
 }
 
-# Bytes per weight element; "8-bit weights halve the bytes and roughly double the ceiling".
+# Bytes per weight element; 8-bit weights halve the bytes and roughly double the ceiling.
 DTYPE_BYTES: dict[str, float] = {
     "bf16": 2.0,
     "fp16": 2.0,
