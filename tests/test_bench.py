@@ -32,6 +32,7 @@ from proxy.bench import (
 from proxy.bench.client import poisson_arrivals
 from proxy.bench.metrics import distribution
 from proxy.cli import main as warmroute
+from proxy.sim import SimConfig, create_sim_app, engine
 from tests.support import ServerThread, serve_lifespan
 
 
@@ -515,19 +516,10 @@ def test_format_table_accepts_runs_and_summaries() -> None:
 # --- against the simulated engine ----------------------------------------------------------
 
 
-def _sim() -> Any:
-    sim = pytest.importorskip("proxy.sim")
-    engine = pytest.importorskip("proxy.sim.engine")
-    if not all(hasattr(sim, n) for n in ("SimConfig", "create_sim_app")):
-        pytest.skip("proxy.sim has no SimConfig/create_sim_app yet")
-    return sim, engine
-
-
 async def test_measured_ttft_and_itl_agree_with_the_sim_physics() -> None:
-    sim, engine = _sim()
     # A10G, 8B bf16: decode ~27 ms/token at the bandwidth ceiling, prefill ~0.2 ms/token.
-    cfg = sim.SimConfig.from_preset("a10g", "8b", "bf16", time_scale=1.0)
-    app = sim.create_sim_app(cfg)
+    cfg = SimConfig.from_preset("a10g", "8b", "bf16", time_scale=1.0)
+    app = create_sim_app(cfg)
     w = Workload("hot-prompt", seed=0, system_chars=2400, user_chars=200, max_tokens=6)
     with ServerThread(app, **app.uvicorn_kwargs()) as srv:
         # One at a time, so every request is alone in its batch and the physics is exact.

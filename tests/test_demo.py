@@ -10,8 +10,6 @@ import sys
 import orjson
 import pytest
 
-pytest.importorskip("proxy.sim")
-
 
 def test_demo_compares_policies_and_cleans_up(tmp_path):
     out = tmp_path / "demo"

@@ -190,6 +190,8 @@ def test_a_follow_up_turn_extends_the_previous_turns_chain() -> None:
     assert len(k2.blocks) > len(k1.blocks)
 
 
+# tokenizers is third-party and optional (the `exact` extra); the test extra installs it, so CI
+# always runs this.
 @pytest.mark.skipif(
     importlib.util.find_spec("tokenizers") is None, reason="tokenizers not installed"
 )
