@@ -365,10 +365,10 @@ def test_ttft_itl_usage_and_overhead_match_what_the_client_saw(
         f"{(t_end - t_start) * 1000:.0f} ms"
     )
     # TTFT: never less than the backend's real delay (headers after 0.2 s, first token after
-    # one more gap), never more than what the client measured, and close to it.
+    # one more gap), never more than what the client measured. Taken at a later chunk it would
+    # exceed the client's; how close the two are is the added TTFT `warmroute bench` measures.
     assert proxy_ttft >= SLOWSTART_S + GAP_S * 0.9
     assert proxy_ttft <= client_ttft
-    assert client_ttft - proxy_ttft < 0.03
     assert upstream_ttft >= SLOWSTART_S and upstream_ttft <= proxy_ttft
     # The first_token event sits at t0 + TTFT.
     [event] = [e for e in server.events if e.name == "first_token"]

@@ -218,10 +218,12 @@ async def test_a_stalled_redis_costs_a_request_at_most_the_timeout(private: Redi
         elapsed = time.perf_counter() - start
         assert found == {"b0": 2}
         assert elapsed < 0.15
-        # Later requests do not wait at all while Redis is down.
-        start = time.perf_counter()
-        await index.lookup([5, 6], ["b0"])
-        assert time.perf_counter() - start < 0.01
+        # Later requests do not wait at all while Redis is down: the lookup finishes on its
+        # first step, without suspending once (no clock needed to say so).
+        later = index.lookup([5, 6], ["b0"])
+        with pytest.raises(StopIteration) as answered:
+            later.send(None)
+        assert answered.value.value == {"b0": 2}
         await asyncio.wait_for(index.wait_shared(), 5)  # the pause ends; sharing resumes
         assert await index.lookup([5, 6], ["b0"]) == {"b0": 2}
         assert index.info()["lookup_errors"] == 1

@@ -386,7 +386,7 @@ async def test_injected_errors_stalls_cuts_and_slow_starts() -> None:
 
             await faults(stall_rate=1.0, stall_s=0.3, stall_after=2)
             stalled = await stream(client, url, chat("x", 5))
-            assert max(stalled.itls) >= 0.28 and sorted(stalled.itls)[1] < 0.05
+            assert sum(itl >= 0.28 for itl in stalled.itls) == 1  # one stall, once
 
             await faults(cut_rate=1.0, cut_after=3)
             with pytest.raises(httpx.RemoteProtocolError):
