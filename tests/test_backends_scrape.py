@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 
 from proxy.backends import parse_load
 from proxy.sim import SimConfig, create_sim_app
@@ -32,6 +33,7 @@ def test_sglang_and_llamacpp_names():
     assert parse_load("openai", VLLM, 0) is None
 
 
+@pytest.mark.e2e
 def test_the_prefix_index_is_bounded_by_the_engines_kv_pool(proxy_server):
     sim = create_sim_app(SimConfig.from_preset("h100", kv_blocks=512, time_scale=50))
     with ServerThread(sim, **sim.uvicorn_kwargs()) as engine:

@@ -280,6 +280,7 @@ def test_poisson_arrivals_are_seeded_and_scaled_to_the_rate() -> None:
 # --- runner against a server with known timing -------------------------------------------
 
 
+@pytest.mark.e2e
 async def test_measured_ttft_itl_tpot_agree_with_server_timing(timed: Any) -> None:
     _, srv = timed(ttft=0.12, itl=0.03, tokens=8, cached_fraction=0.5)
     w = Workload("shared-prefix", seed=0, max_tokens=8, system_chars=400)
@@ -302,6 +303,7 @@ async def test_measured_ttft_itl_tpot_agree_with_server_timing(timed: Any) -> No
     assert s["client_cpu_util"] is not None
 
 
+@pytest.mark.e2e
 async def test_open_loop_completions_endpoint(timed: Any) -> None:
     app, srv = timed(ttft=0.02, itl=0.005, tokens=4)
     w = Workload("long-doc", seed=1, doc_chars=2000, doc_max_tokens=4)
@@ -315,6 +317,7 @@ async def test_open_loop_completions_endpoint(timed: Any) -> None:
     assert 0.2 < s["duration_s"] < 2.0  # ~10/40 s of arrivals plus one request
 
 
+@pytest.mark.e2e
 async def test_multi_turn_sends_the_real_replies_in_the_history(timed: Any) -> None:
     app, srv = timed(ttft=0.01, itl=0.002, tokens=3)
     w = Workload("multi-turn", seed=4, turns=3, active_conversations=2, max_tokens=3)
@@ -328,6 +331,7 @@ async def test_multi_turn_sends_the_real_replies_in_the_history(timed: Any) -> N
         assert body["messages"][2]["content"] == "tok0 tok1 tok2 "
 
 
+@pytest.mark.e2e
 async def test_errors_are_counted_by_kind_never_dropped(timed: Any) -> None:
     _, srv = timed(ttft=0.01, itl=0.002, tokens=4, fail_every=5, cut_every=5)
     w = Workload("hot-prompt", seed=0, max_tokens=4)
@@ -340,6 +344,7 @@ async def test_errors_are_counted_by_kind_never_dropped(timed: Any) -> None:
     assert all(r.error for r in failed) and {r.index % 5 for r in failed} == {1, 2}
 
 
+@pytest.mark.e2e
 async def test_max_duration_cancels_and_counts_what_was_not_sent(timed: Any) -> None:
     _, srv = timed(ttft=0.3, itl=0.01, tokens=2)
     run = await run_bench(
@@ -382,6 +387,7 @@ SUMMARY_KEYS = {
 DIST_KEYS = {"n", "mean", "p50", "p90", "p99", "max"}
 
 
+@pytest.mark.e2e
 def test_cli_writes_a_stable_results_schema_table_and_plots(
     timed: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -419,6 +425,7 @@ def test_cli_writes_a_stable_results_schema_table_and_plots(
         assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
+@pytest.mark.e2e
 def test_direct_run_reports_the_proxy_added_ttft_and_report_merges_files(
     timed: Any, proxy_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -447,6 +454,7 @@ def test_direct_run_reports_the_proxy_added_ttft_and_report_merges_files(
     assert header.count("direct") == 2 and "direct#2" in header  # labels kept apart
 
 
+@pytest.mark.e2e
 def test_interleave_pairs_each_request_across_runs_taking_turns_to_go_first(
     timed: Any, proxy_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -484,6 +492,7 @@ def test_cli_unreachable_target_exits_nonzero_with_a_clean_message(
     assert "cannot reach" in err and "Traceback" not in err
 
 
+@pytest.mark.e2e
 def test_cli_exits_1_when_requests_fail_and_names_the_errors(
     timed: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -494,6 +503,7 @@ def test_cli_exits_1_when_requests_fail_and_names_the_errors(
     assert "http_500: 2" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_cli_takes_defaults_from_the_environment(
     timed: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -516,6 +526,7 @@ def test_format_table_accepts_runs_and_summaries() -> None:
 # --- against the simulated engine ----------------------------------------------------------
 
 
+@pytest.mark.e2e
 async def test_measured_ttft_and_itl_agree_with_the_sim_physics() -> None:
     # A10G, 8B bf16: decode ~27 ms/token at the bandwidth ceiling, prefill ~0.2 ms/token.
     cfg = SimConfig.from_preset("a10g", "8b", "bf16", time_scale=1.0)

@@ -15,6 +15,8 @@ from proxy.bench.mock import EngineApp, EngineSettings, MockEngine
 from proxy.cli import main as warmroute
 from tests.support import ServerThread
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def engines() -> Iterator[Callable[..., list[str]]]:

@@ -157,6 +157,7 @@ def engine_server() -> Iterator[Callable[..., tuple[MockEngine, str]]]:
         s.stop()
 
 
+@pytest.mark.e2e
 async def test_openai_client_sees_cached_tokens_on_a_repeat_and_none_after_a_resize_to_zero(
     engine_server: Any,
 ) -> None:
@@ -207,6 +208,7 @@ async def test_openai_client_sees_cached_tokens_on_a_repeat_and_none_after_a_res
     assert refused.status_code == 400 and "tokens" in refused.json()["error"]["message"]
 
 
+@pytest.mark.e2e
 async def test_the_engine_publishes_nothing_about_its_cache_size(engine_server: Any) -> None:
     _, url = engine_server(cache_tokens=4567)
     async with httpx.AsyncClient(base_url=url) as http:
@@ -220,6 +222,7 @@ async def test_the_engine_publishes_nothing_about_its_cache_size(engine_server: 
     assert parse_load("vllm", metrics.text, now=0.0) is None
 
 
+@pytest.mark.e2e
 async def test_prefill_is_serial_so_a_request_waits_behind_a_long_one(engine_server: Any) -> None:
     engine, url = engine_server(prefill_tokens_per_s=1000)
     finished: list[str] = []
@@ -238,6 +241,7 @@ async def test_prefill_is_serial_so_a_request_waits_behind_a_long_one(engine_ser
     assert finished == ["long", "short"] and engine.waiting == 0
 
 
+@pytest.mark.e2e
 async def test_a_bad_body_or_path_gets_an_openai_shaped_error(engine_server: Any) -> None:
     _, url = engine_server()
     async with httpx.AsyncClient(base_url=url) as http:
@@ -325,6 +329,7 @@ def _start_mock(*args: str) -> tuple[subprocess.Popen[str], int, list[str]]:
     raise AssertionError(f"the mock did not start: {lines}")
 
 
+@pytest.mark.e2e
 def test_the_command_serves_engines_on_consecutive_ports_until_sigterm() -> None:
     proc, port, lines = _start_mock("--cache-tokens", "3000", "--cache-tokens-schedule", "0:1000")
     try:

@@ -18,8 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.support import free_port, process
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 BIG, SMALL = 14000, 8500  # mock tokens per engine: ~5 and ~3 of the eight prompts
 

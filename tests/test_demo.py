@@ -10,7 +10,10 @@ import sys
 import orjson
 import pytest
 
+pytestmark = pytest.mark.e2e
 
+
+@pytest.mark.slow
 def test_demo_compares_policies_and_cleans_up(tmp_path):
     out = tmp_path / "demo"
     r = subprocess.run(

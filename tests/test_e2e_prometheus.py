@@ -24,7 +24,7 @@ from proxy.app import create_app
 from proxy.config import Config
 from tests.support import ServerThread, free_port
 
-pytestmark = pytest.mark.prometheus
+pytestmark = [pytest.mark.prometheus, pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "test-model"
 DEADLINE_S = 30.0

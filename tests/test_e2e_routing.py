@@ -16,7 +16,10 @@ import pytest
 
 from tests.support import free_port
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
+    pytest.mark.e2e,
+]
 
 
 def _wait(url: str, timeout: float = 20.0) -> None:
@@ -122,6 +125,8 @@ def _explain(proxy: str, body: dict) -> dict:
     return r.json()
 
 
+@pytest.mark.redis
+@pytest.mark.slow
 def test_same_prefix_same_backend_across_three_proxies_sharing_redis(fake_backends):
     started = fake_backends(3)
     for app, _ in started:
@@ -153,6 +158,8 @@ def test_same_prefix_same_backend_across_three_proxies_sharing_redis(fake_backen
         assert info["index"]["mode"] == "redis"
 
 
+@pytest.mark.redis
+@pytest.mark.slow
 def test_redis_outage_fails_no_request_and_sharing_resumes(fake_backends):
     backends = [s.url for _, s in fake_backends(2)]
     port = free_port()

@@ -35,6 +35,8 @@ from proxy.config import Config
 from proxy.telemetry import Telemetry
 from tests.support import ServerThread, serve_lifespan
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "test-model"
 CHAT = "/v1/chat/completions"
 WAIT_S = 10.0  # deadline for anything that should happen within milliseconds

@@ -67,6 +67,7 @@ def prompts(seed: int, n: int = 30) -> list[list[int]]:
     ]
 
 
+@pytest.mark.redis
 async def test_memory_and_redis_lookups_agree(shared: RedisPrefixIndex) -> None:
     memory = MemoryPrefixIndex()
     rng = random.Random(7)
@@ -82,6 +83,7 @@ async def test_memory_and_redis_lookups_agree(shared: RedisPrefixIndex) -> None:
             assert await shared.lookup(probe, BACKENDS) == await memory.lookup(probe, BACKENDS)
 
 
+@pytest.mark.redis
 async def test_longest_match_is_the_shared_prefix_length(shared: RedisPrefixIndex) -> None:
     stored = list(range(1, 101))
     shared.record("b0", stored)
@@ -90,6 +92,7 @@ async def test_longest_match_is_the_shared_prefix_length(shared: RedisPrefixInde
     assert await shared.lookup(probe, ["b0", "b1"]) == {"b0": 37, "b1": 0}
 
 
+@pytest.mark.redis
 async def test_lookup_of_all_backends_is_one_round_trip(
     shared: RedisPrefixIndex, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -116,6 +119,7 @@ def test_all_keys_of_an_index_hash_to_one_cluster_slot() -> None:
     assert len({key_slot(k.encode()) for k in keys}) == 1
 
 
+@pytest.mark.redis
 async def test_capacity_bound_holds_and_evicts_oldest_prompts_tails_first(
     shared: RedisPrefixIndex,
 ) -> None:
@@ -156,6 +160,8 @@ def test_capacity_from_engine_kv_pool() -> None:
     assert capacity_blocks_from_tokens(8192 * 16, 64) == 8192
 
 
+@pytest.mark.e2e
+@pytest.mark.redis
 async def test_redis_killed_mid_run_falls_back_within_the_timeout_and_recovers(
     private: RedisProcess,
 ) -> None:
@@ -198,6 +204,8 @@ async def test_redis_killed_mid_run_falls_back_within_the_timeout_and_recovers(
         await index.close()
 
 
+@pytest.mark.e2e
+@pytest.mark.redis
 async def test_a_stalled_redis_costs_a_request_at_most_the_timeout(private: RedisProcess) -> None:
     index = RedisPrefixIndex(
         open_redis(private.url),
@@ -243,6 +251,8 @@ async def test_unreachable_redis_at_startup_does_not_stop_routing() -> None:
     await index.close()
 
 
+@pytest.mark.e2e
+@pytest.mark.redis
 async def test_works_against_a_redis_cluster(tmp_path: Path) -> None:
     if not HAVE_REDIS_SERVER:
         pytest.skip("redis-server binary not installed")
@@ -278,6 +288,8 @@ def sentinel(tmp_path: Path, private: RedisProcess) -> Iterator[RedisProcess]:
     server.stop()
 
 
+@pytest.mark.e2e
+@pytest.mark.redis
 async def test_works_through_redis_sentinel(sentinel: RedisProcess) -> None:
     probe = sentinel.client()
     await until(lambda: bool(probe.execute_command("SENTINEL", "MASTERS")))

@@ -28,6 +28,7 @@ def test_without_redis_counts_are_local() -> None:
     assert board.info()["mode"] == "local"
 
 
+@pytest.mark.redis
 async def test_replicas_see_each_others_requests(prefix: str) -> None:
     one = InflightBoard(open_redis(SHARED_URL), key_prefix=prefix, replica_id="one")
     two = InflightBoard(open_redis(SHARED_URL), key_prefix=prefix, replica_id="two")
@@ -52,6 +53,7 @@ async def test_replicas_see_each_others_requests(prefix: str) -> None:
     await two.client.aclose()
 
 
+@pytest.mark.redis
 async def test_a_crashed_replicas_counts_expire(prefix: str) -> None:
     now = [1_000_000.0]
     crashed = InflightBoard(open_redis(SHARED_URL), key_prefix=prefix, replica_id="x", ttl_s=5)
@@ -68,6 +70,7 @@ async def test_a_crashed_replicas_counts_expire(prefix: str) -> None:
     await alive.client.aclose()
 
 
+@pytest.mark.redis
 async def test_redis_outage_keeps_local_counts(prefix: str) -> None:
     board = InflightBoard(open_redis("redis://127.0.0.1:1/0"), key_prefix=prefix)
     board.acquire("a")

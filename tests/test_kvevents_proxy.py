@@ -11,11 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from proxy.sim import SimConfig, create_sim_app
 from tests.support import ServerThread, free_port, process
 from tests.test_kvevents_sim import SYSTEM, endpoints
+
+pytestmark = pytest.mark.e2e
 
 MODEL = "sim-8b"
 

@@ -111,6 +111,7 @@ class Dropping(KvEventSubscriber):
         await super().on_frames(frames)
 
 
+@pytest.mark.e2e
 async def test_the_view_matches_the_sims_cache_block_for_block_evictions_included() -> None:
     events, replay = endpoints(2)
     view = KvCacheView(MODEL, BS)
@@ -138,6 +139,7 @@ async def test_the_view_matches_the_sims_cache_block_for_block_evictions_include
     assert sub.exact and sub.counts["skipped_events"] == 0
 
 
+@pytest.mark.e2e
 async def test_a_message_lost_on_the_way_is_replayed_from_the_sim() -> None:
     events, replay = endpoints(2)
     view = KvCacheView(MODEL, BS)
@@ -154,6 +156,7 @@ async def test_a_message_lost_on_the_way_is_replayed_from_the_sim() -> None:
     assert view.engine_hashes() == set(cache["hashes"])
 
 
+@pytest.mark.e2e
 async def test_a_restarted_sim_clears_the_view() -> None:
     events, replay = endpoints(2)
     view = KvCacheView(MODEL, BS)
@@ -181,6 +184,7 @@ async def test_a_restarted_sim_clears_the_view() -> None:
     assert sub.exact
 
 
+@pytest.mark.e2e
 async def test_resetting_the_prefix_cache_publishes_all_blocks_cleared() -> None:
     events, replay = endpoints(2)
     view = KvCacheView(MODEL, BS)
@@ -276,6 +280,7 @@ def test_each_of_several_engines_publishes_on_its_own_ports() -> None:
         SimConfig(kv_events_replay_endpoint="tcp://127.0.0.1:5600")
 
 
+@pytest.mark.e2e
 async def test_a_warmroute_sim_process_with_two_instances_publishes_for_each() -> None:
     port = _consecutive_free_ports(6)  # HTTP, KV events, replay: two engines each
     events, replay = port + 2, port + 4

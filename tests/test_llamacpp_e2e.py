@@ -27,7 +27,7 @@ from tests.llamacpp import (
 )
 from tests.support import ServerThread
 
-pytestmark = pytest.mark.llamacpp
+pytestmark = [pytest.mark.llamacpp, pytest.mark.e2e]
 
 __all__ = ["llamacpp_engine"]  # the fixture, re-exported so pytest finds it in this module
 

@@ -25,7 +25,7 @@ from tests.llamacpp import (
     stream_chat,
 )
 
-pytestmark = pytest.mark.llamacpp
+pytestmark = [pytest.mark.llamacpp, pytest.mark.e2e]
 
 __all__ = ["llamacpp_engine"]  # the fixture, re-exported so pytest finds it in this module
 

@@ -45,6 +45,7 @@ def receiver() -> Iterator[tuple[str, list[dict[str, Any]]]]:
     server.server_close()
 
 
+@pytest.mark.e2e
 def test_plain_http_export_keeps_the_sdk_settings_over_one_connection(
     receiver: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -65,6 +66,7 @@ def test_plain_http_export_keeps_the_sdk_settings_over_one_connection(
         assert gzip.decompress(r["body"]) == body
 
 
+@pytest.mark.e2e
 def test_a_closed_connection_is_reopened_and_the_export_sent(
     receiver: tuple[str, list[dict[str, Any]]],
 ) -> None:

@@ -10,6 +10,8 @@ import openai
 import orjson
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 CHAT = "/v1/chat/completions"
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 
 def _clients(url: str) -> tuple[openai.OpenAI, openai.AsyncOpenAI]:
     return (

@@ -64,6 +64,7 @@ async def _body(resp: up.UpstreamResponse) -> bytes:
     return b"".join(parts)
 
 
+@pytest.mark.e2e
 def test_streams_chunks_and_reuses_the_connection() -> None:
     connections: list[int] = []
     seen: list[tuple[bytes, bytes]] = []
@@ -100,6 +101,7 @@ def test_streams_chunks_and_reuses_the_connection() -> None:
     assert sent == b'{"x":1}'
 
 
+@pytest.mark.e2e
 def test_connection_close_and_unread_bodies_are_not_reused() -> None:
     connections: list[int] = []
 
@@ -136,6 +138,7 @@ def test_connection_close_and_unread_bodies_are_not_reused() -> None:
     assert len(connections) == 3
 
 
+@pytest.mark.e2e
 def test_body_until_eof_and_broken_chunked_body() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head, _ = await _read_request(reader)
@@ -159,6 +162,7 @@ def test_body_until_eof_and_broken_chunked_body() -> None:
     asyncio.run(_with_server(handler, body))
 
 
+@pytest.mark.e2e
 def test_timeouts_first_byte_then_idle() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head, _ = await _read_request(reader)
@@ -186,6 +190,7 @@ def test_timeouts_first_byte_then_idle() -> None:
     asyncio.run(_with_server(handler, body))
 
 
+@pytest.mark.e2e
 def test_refused_and_dropped_connections() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
@@ -207,6 +212,7 @@ def test_refused_and_dropped_connections() -> None:
     asyncio.run(refused())
 
 
+@pytest.mark.e2e
 def test_on_sent_runs_once_the_request_is_written_and_never_for_a_refused_one() -> None:
     """The forwarder's deferred bookkeeping (prefix recording) must see a sent request only."""
     log: list[str] = []
@@ -240,6 +246,7 @@ def test_on_sent_runs_once_the_request_is_written_and_never_for_a_refused_one() 
     assert "no" not in log
 
 
+@pytest.mark.e2e
 def test_stale_pooled_connections_are_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(up, "KEEPALIVE_S", 0.05)
     connections: list[int] = []

@@ -9,8 +9,11 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.support import free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_two_workers_serve_a_stream(fake_backends):

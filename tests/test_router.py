@@ -204,6 +204,7 @@ async def replicas(prefix: str) -> AsyncIterator[list[Router]]:
         await index.close()
 
 
+@pytest.mark.redis
 async def test_replicas_sharing_redis_route_a_prefix_to_the_same_backend(
     replicas: list[Router],
 ) -> None:
@@ -225,6 +226,7 @@ async def test_replicas_sharing_redis_route_a_prefix_to_the_same_backend(
         assert follow.matched_blocks[spilled] > follow.matched_blocks[home]
 
 
+@pytest.mark.redis
 async def test_build_routing_from_config_with_and_without_redis(prefix: str) -> None:
     memory = build_routing(Config())
     assert memory.index.mode == "memory" and memory.redis is None

@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.support import free_port
 
@@ -25,6 +26,7 @@ def _warmroute(*args: str, env: dict[str, str] | None = None, **kw) -> subproces
     )
 
 
+@pytest.mark.e2e
 def test_help_teaches_with_examples():
     out = _warmroute("serve", "--help").stdout
     assert "examples:" in out and "--backend http://" in out and "WARMROUTE_" in out
@@ -32,6 +34,8 @@ def test_help_teaches_with_examples():
     assert "serve" in top
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_config_errors_name_the_key_and_exit_nonzero(tmp_path):
     r = _warmroute("serve", "--check")
     assert r.returncode == 2 and "backends: none configured" in r.stderr
@@ -54,6 +58,8 @@ def test_config_errors_name_the_key_and_exit_nonzero(tmp_path):
     assert r.returncode == 2 and "not valid YAML" in r.stderr
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_env_vars_and_file_and_flags_layer(tmp_path):
     f = tmp_path / "w.yaml"
     f.write_text("server:\n  port: 7000\nbackends:\n  - url: http://127.0.0.1:9001\n")
@@ -75,6 +81,7 @@ def test_env_vars_and_file_and_flags_layer(tmp_path):
     assert r.returncode == 2 and "WARMROUTE_BACKNEDS is not a warmroute setting" in r.stderr
 
 
+@pytest.mark.e2e
 def test_graceful_shutdown_lets_inflight_stream_finish(fake_backends):
     [(_, backend)] = fake_backends(1)
     port = free_port()

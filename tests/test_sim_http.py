@@ -112,6 +112,7 @@ def metric(text: str, name: str) -> float:
 # --- API shape --------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 async def test_chat_stream_chunks_look_like_vllms() -> None:
     with sim(time_scale=10) as (url, _):
         async with httpx.AsyncClient() as client:
@@ -136,6 +137,7 @@ async def test_chat_stream_chunks_look_like_vllms() -> None:
     assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
+@pytest.mark.e2e
 async def test_openai_client_streams_and_matches_the_non_streamed_answer() -> None:
     with sim(time_scale=10) as (url, _):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sim")
@@ -164,6 +166,7 @@ async def test_openai_client_streams_and_matches_the_non_streamed_answer() -> No
     assert completion.usage is not None and completion.usage.completion_tokens == 3
 
 
+@pytest.mark.e2e
 async def test_completions_stream_n_and_stop() -> None:
     with sim(time_scale=10) as (url, _):
         async with httpx.AsyncClient() as client:
@@ -182,6 +185,7 @@ async def test_completions_stream_n_and_stop() -> None:
     assert word not in choice["text"]
 
 
+@pytest.mark.e2e
 async def test_errors_have_the_openai_shape() -> None:
     with sim() as (url, _):
         async with httpx.AsyncClient() as client:
@@ -208,6 +212,7 @@ async def test_errors_have_the_openai_shape() -> None:
     assert wrong_method.status_code == 405 and health.status_code == 200
 
 
+@pytest.mark.e2e
 async def test_context_is_capped_by_a_tiny_kv_pool_instead_of_hanging() -> None:
     with sim(time_scale=10, kv_blocks=8) as (url, _):  # 128 tokens of KV
         async with httpx.AsyncClient() as client:
@@ -220,6 +225,7 @@ async def test_context_is_capped_by_a_tiny_kv_pool_instead_of_hanging() -> None:
     assert card["max_model_len"] == 128
 
 
+@pytest.mark.e2e
 async def test_a_crashed_engine_fails_requests_and_health() -> None:
     with sim() as (url, app):
 
@@ -238,6 +244,7 @@ async def test_a_crashed_engine_fails_requests_and_health() -> None:
 # --- physics on the wall clock --------------------------------------------------------
 
 
+@pytest.mark.e2e
 async def test_doubling_the_prompt_doubles_ttft_but_not_itl() -> None:
     with sim("a10g", time_scale=4) as (url, _):
         async with httpx.AsyncClient() as client:
@@ -250,6 +257,7 @@ async def test_doubling_the_prompt_doubles_ttft_but_not_itl() -> None:
     assert 0.8 < ratio < 1.25, (short.itls, long.itls)
 
 
+@pytest.mark.e2e
 async def test_warm_prefix_cuts_ttft_and_reports_cached_tokens() -> None:
     system = text_of_tokens(2000, "sys")
     with sim("a10g", time_scale=4) as (url, _):
@@ -270,6 +278,7 @@ async def test_warm_prefix_cuts_ttft_and_reports_cached_tokens() -> None:
     assert stats["prefix_cache_hits"] == cached
 
 
+@pytest.mark.e2e
 async def test_single_stream_decode_rate_tracks_the_device_ceiling() -> None:
     scale = 4
     with sim("a10g", time_scale=scale) as (url, _):
@@ -280,6 +289,7 @@ async def test_single_stream_decode_rate_tracks_the_device_ceiling() -> None:
     assert rate == pytest.approx(600 / 16, rel=0.15)
 
 
+@pytest.mark.e2e
 async def test_batching_raises_throughput() -> None:
     with sim("h100", time_scale=2) as (url, _):
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
@@ -298,6 +308,7 @@ async def test_batching_raises_throughput() -> None:
     assert metric(metrics, "vllm:generation_tokens_total") == 13 * 60
 
 
+@pytest.mark.e2e
 async def test_long_prompts_arriving_mid_stream_inflate_p99_itl() -> None:
     with sim("h100", time_scale=2) as (url, _):
         async with httpx.AsyncClient() as client:
@@ -321,6 +332,7 @@ async def test_long_prompts_arriving_mid_stream_inflate_p99_itl() -> None:
     assert p99 > 4 * p50, (p50, p99)  # each 2048-token chunk: ~66 ms vs ~5 ms per token
 
 
+@pytest.mark.e2e
 async def test_full_kv_pool_makes_requests_wait() -> None:
     with sim("h100", time_scale=2, kv_blocks=64) as (url, _):  # room for 1024 tokens
         async with httpx.AsyncClient() as client:
@@ -344,6 +356,7 @@ async def test_full_kv_pool_makes_requests_wait() -> None:
     assert metric(text, "vllm:kv_cache_usage_perc") == 0.0
 
 
+@pytest.mark.e2e
 async def test_client_disconnect_aborts_the_request_in_the_engine() -> None:
     with sim("h100", time_scale=1) as (url, _):
         async with httpx.AsyncClient() as client:
@@ -371,6 +384,7 @@ async def test_client_disconnect_aborts_the_request_in_the_engine() -> None:
 # --- faults -------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 async def test_injected_errors_stalls_cuts_and_slow_starts() -> None:
     with sim("h100", time_scale=1) as (url, _):
         async with httpx.AsyncClient() as client:
@@ -412,6 +426,7 @@ async def test_injected_errors_stalls_cuts_and_slow_starts() -> None:
     assert stats["aborted"] == 1 and stats["running"] == 0  # the cut stream freed its KV
 
 
+@pytest.mark.e2e
 async def test_refused_connections_and_model_loading() -> None:
     with sim("h100", time_scale=10) as (url, app):
         async with httpx.AsyncClient() as client:
@@ -442,6 +457,7 @@ async def test_refused_connections_and_model_loading() -> None:
 # --- prefill/decode disaggregation --------------------------------------------------------
 
 
+@pytest.mark.e2e
 async def test_nixl_style_prefill_then_decode_skips_prefill_on_the_decode_engine() -> None:
     prompt = text_of_tokens(3000, "doc")
     with sim("a10g", time_scale=8, role="prefill") as (p_url, _):
@@ -463,6 +479,7 @@ async def test_nixl_style_prefill_then_decode_skips_prefill_on_the_decode_engine
     assert d_stats["external_kv_tokens"] > 2990
 
 
+@pytest.mark.e2e
 async def test_sglang_style_bootstrap_room_pairs_prefill_and_decode() -> None:
     prompt = text_of_tokens(2000, "room")
     with sim("a10g", time_scale=8, role="prefill") as (p_url, _):
@@ -488,6 +505,7 @@ async def test_sglang_style_bootstrap_room_pairs_prefill_and_decode() -> None:
 # --- running engines ----------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 async def test_serve_runs_independent_engines_until_cancelled() -> None:
     cfg = SimConfig.from_preset("h100", time_scale=10)
     ports = [free_port(), free_port()]
@@ -508,6 +526,7 @@ async def test_serve_runs_independent_engines_until_cancelled() -> None:
     assert again.usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+@pytest.mark.e2e
 async def test_fleet_picks_free_ports() -> None:
     cfg = SimConfig.from_preset("l40s", time_scale=10)
     async with SimFleet([cfg, cfg.replace(model="other")]) as fleet:
@@ -533,6 +552,7 @@ def test_cli_options_come_from_flags_and_environment(monkeypatch: pytest.MonkeyP
     assert "examples:" in sub.format_help() and "WARMROUTE_SIM_" in sub.format_help()
 
 
+@pytest.mark.e2e
 def test_cli_serves_instances_on_consecutive_ports_and_stops_on_sigterm() -> None:
     port = free_port()
     proc = subprocess.Popen(
@@ -569,6 +589,7 @@ def test_cli_serves_instances_on_consecutive_ports_and_stops_on_sigterm() -> Non
             proc.kill()
 
 
+@pytest.mark.e2e
 async def test_hidden_kv_pool_leaves_only_cache_config_info_out_of_the_metrics() -> None:
     async with httpx.AsyncClient() as client:
         with sim(time_scale=10, kv_blocks=512) as (url, _):

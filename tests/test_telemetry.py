@@ -406,6 +406,7 @@ class _Receiver(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.e2e
 def test_otlp_http_export_reaches_a_receiver_as_protobuf() -> None:
     bodies: dict[str, list[bytes]] = {}
     handler = type("H", (_Receiver,), {"bodies": bodies, "got": threading.Event()})
