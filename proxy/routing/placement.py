@@ -91,7 +91,7 @@ class Placement:
         warm: Mapping[str, int],
         order: Callable[[int, Sequence[str]], list[str]],
         warm_blocks: int = 4,
-        busy: Mapping[str, float] | None = None,
+        busy: Callable[[str], float] | None = None,
     ) -> tuple[str, ...]:
         """The homes of the prefix `key` among `backends`, placing it now if it has none there."""
         p = self.placed.get(key)
@@ -224,7 +224,7 @@ class Placement:
         order: Callable[[int, Sequence[str]], list[str]],
         previous: Sequence[str],
         total: float,
-        busy: Mapping[str, float] | None = None,
+        busy: Callable[[str], float] | None = None,
     ) -> tuple[tuple[str, ...], bool]:
         """Homes for one prefix against the loads and room placed so far; `total` is the
         traffic share of every placed prefix (this one included), which sets the bound."""
@@ -261,14 +261,17 @@ class Placement:
         if len(chosen) < need:
             spare = [b for b in hrw if b not in chosen and fits(b)]
             spare.sort(key=lambda b: (not within(b), rank[b]))
+
             # The less loaded of the first two: hashing alone can give one backend 3 of 8
             # prompts, and two possible homes still mostly agree across replicas.
             # Assigned load first, then what is in flight now (shared by replicas via Redis).
-            now = busy or {}
+            def now(b: str) -> float:
+                return busy(b) if busy is not None else 0.0
+
             pair = spare[: self.choices]
             if len(pair) == 2 and within(pair[1]):
                 first, second = pair
-                if (loads[second], now.get(second, 0.0)) < (loads[first], now.get(first, 0.0)):
+                if (loads[second], now(second)) < (loads[first], now(first)):
                     spare[0], spare[1] = second, first
             # Unless both already host more placed prefixes than a backend's fair count: then
             # the least crowded one (two choices still left 3 of 8 prompts on one engine).

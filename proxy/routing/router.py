@@ -185,7 +185,7 @@ class Router:
             ctx.matched_blocks,
             hrw_names,
             self.warm_blocks,
-            {b.name: b.inflight / max(b.weight, 1e-9) for b in candidates},
+            lambda name: _inflight_of(candidates, name),
         )
         ctx.full = placement.full_for(head, names, self.capacity.measured)
         placed = placement.placed.get(head)
@@ -308,3 +308,11 @@ class Router:
 def _exact_stats(cache: ExactCache) -> dict[str, Any]:
     stats = getattr(cache, "stats", None)
     return dict(stats()) if callable(stats) else {"live": cache.live}
+
+
+def _inflight_of(candidates: Sequence[BackendView], name: str) -> float:
+    """Weight-normalised requests in flight on `name` (asked only when a prefix is placed)."""
+    for b in candidates:
+        if b.name == name:
+            return b.inflight / max(b.weight, 1e-9)
+    return 0.0
