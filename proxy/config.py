@@ -18,7 +18,8 @@ ENV_PREFIX = "WARMROUTE_"
 # Settings of the other subcommands (sim, bench, demo) share the prefix but not this tree.
 OTHER_COMMANDS_ENV = tuple(ENV_PREFIX + p for p in ("SIM_", "BENCH_", "DEMO_", "TEST_", "CACHE"))
 Engine = Literal["vllm", "sglang", "llamacpp", "openai"]
-Role = Literal["mixed", "prefill", "decode"]
+Role = Literal["mixed", "prefill", "decode"]  # what a backend serves (docs/disaggregation.md)
+DisaggMode = Literal["off", "on", "auto"]
 
 
 class ConfigError(Exception):
@@ -55,6 +56,8 @@ class BackendConfig(_Model):
     role: Role = "mixed"
     api_key_env: str | None = None  # name of the env var holding the upstream key
     weight: float = Field(1.0, gt=0)
+    # SGLang prefill engines: their --disaggregation-bootstrap-port (None: the engine's default)
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
     kv_events: KvEventsConfig | None = None  # listen to its KV events: an exact cache view
 
     @field_validator("url")
@@ -94,8 +97,33 @@ class TimeoutsConfig(_Model):
 
 
 class RetryConfig(_Model):
+    """Retries happen only before the client got a byte (proxy/retry.py owns the policy)."""
+
     max_attempts: int = Field(3, ge=1, le=10)
-    unhealthy_cooldown_s: float = Field(5.0, ge=0)
+    unhealthy_cooldown_s: float = Field(5.0, ge=0)  # a refused backend's first ejection
+    backoff_base_s: float = Field(0.025, ge=0)  # full jitter: U(0, min(max, base * 2^n))
+    backoff_max_s: float = Field(0.5, ge=0)
+    deadline_s: float = Field(60.0, gt=0)  # no new attempt this long after the request came
+    budget_ratio: float = Field(0.2, ge=0, le=10)  # retries per request, over the last 10 s
+    budget_min_per_s: float = Field(5.0, ge=0)  # retries always allowed at this rate
+
+
+class UpstreamConfig(_Model):
+    """The connections to the backends (the forwarder's and the health checks')."""
+
+    max_connections_per_backend: int = Field(1024, ge=1)  # in use at once; more wait
+    tls_verify: bool = True  # verify https backends' certificates
+    tls_ca_file: str | None = None  # a CA bundle for them (default: the system's)
+    tls_cert_file: str | None = None  # a client certificate (mutual TLS)
+    tls_key_file: str | None = None
+
+
+class OutlierConfig(_Model):
+    """Passive health: eject a backend that keeps failing, probe it back (half-open)."""
+
+    consecutive_failures: int = Field(5, ge=1)  # 5xx, timeouts, resets, protocol errors
+    ejection_s: float = Field(5.0, gt=0)  # first ejection; doubles on each re-ejection
+    max_ejection_s: float = Field(120.0, gt=0)
 
 
 class HealthConfig(_Model):
@@ -108,6 +136,36 @@ class RoutingConfig(_Model):
     policy: str = "prefix_aware"
     # Per-plugin config blocks (weights, thresholds), keyed by plugin name.
     plugins: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class DisaggConfig(_Model):
+    """Prefill/decode disaggregation: when to split the pools, per request and by traffic.
+
+    off: today's behaviour exactly. on: split whenever both pools have a healthy backend.
+    auto: the decider splits only while its window of measured traffic justifies it.
+    Every knob is explained in docs/disaggregation.md.
+    """
+
+    mode: DisaggMode = "off"
+    # A request is prefill-heavy from this many uncached prompt tokens on its backend (and a
+    # prefill that long counts as one that stalls the streams beside it).
+    threshold_tokens: int = Field(1024, ge=1)
+    output_ratio: float = Field(0.25, gt=0)  # ... with an expected output at most this share
+    window_s: float = Field(60.0, gt=0)  # the decider's sliding window
+    evaluate_s: float = Field(5.0, gt=0)  # how often it looks
+    min_backends: int = Field(4, ge=2)  # healthy backends before a split is considered
+    min_requests: int = Field(100, ge=1)  # finished requests in the window
+    min_rate_per_s: float = Field(1.0, ge=0)
+    max_rate_cv: float = Field(0.5, gt=0)  # steadiness: CV of arrivals per bucket
+    rate_buckets: int = Field(12, ge=2)
+    min_long_share: float = Field(0.05, ge=0, le=0.5)  # of requests prefill-heavy, and not
+    min_overlap_share: float = Field(0.1, ge=0, le=1)  # of streams beside a long prefill
+    on_inflation: float = Field(2.0, gt=1)  # their p99/p50 ITL over the others'
+    hysteresis: float = Field(0.25, ge=0, lt=1)  # off only this far below the on thresholds
+    min_dwell_s: float = Field(120.0, ge=0)  # between two switches
+    max_streams_per_engine: int = Field(256, ge=1)  # decoding streams one engine may hold
+    target_utilization: float = Field(0.8, gt=0, le=1)  # of the prefill pool's measured rate
+    prefill_tokens_per_s: float | None = Field(None, gt=0)  # per engine; None: measured
 
 
 class RedisConfig(_Model):
@@ -135,10 +193,13 @@ class Config(_Model):
     backends: list[BackendConfig] = Field(default_factory=list)
     timeouts: TimeoutsConfig = TimeoutsConfig()
     retries: RetryConfig = RetryConfig()
+    outlier: OutlierConfig = OutlierConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
     health: HealthConfig = HealthConfig()
     routing: RoutingConfig = RoutingConfig()
     redis: RedisConfig = RedisConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    disagg: DisaggConfig = DisaggConfig()
 
     @field_validator("backends")
     @classmethod
@@ -168,6 +229,7 @@ FLAT_KEYS: dict[str, str] = {
     "max_attempts": "retries.max_attempts",
     "traces_exporter": "telemetry.traces_exporter",
     "chunk_events": "telemetry.chunk_events",
+    "disagg": "disagg.mode",
 }
 
 

@@ -143,6 +143,12 @@ def register(sub: Any) -> None:
         help="add x-warmroute-route (the routing decision) to every response",
     )
     p.add_argument(
+        "--disagg",
+        choices=["off", "on", "auto"],
+        help="prefill/decode disaggregation: off (default), on, or auto (decided from measured "
+        "traffic; docs/disaggregation.md; env: WARMROUTE_DISAGG__MODE)",
+    )
+    p.add_argument(
         "--check", action="store_true", help="validate the configuration, print it, and exit"
     )
     p.set_defaults(func=run)
@@ -160,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "workers",
             "log_level",
             "debug_headers",
+            "disagg",
         )
     }
     return load_config(args.config, flags)
