@@ -41,6 +41,8 @@ workloads (seeded: the same --seed sends byte-identical prompts):
                  earlier ones and is sent only after it completed
   long-doc       long unique prompts (--doc-chars), short answers (--doc-max-tokens)
   mixed          shared-prefix chat streams plus a --doc-fraction of long-doc requests
+  chat-docs      the same mix sized for prefill/decode interference: 512-token answers, 15%
+                 ~8,000-token documents with 16-token answers (each size flag overrides)
   Sizes are characters; ~4 characters make one token.
 
 metrics (as `vllm bench serve` defines them; see docs/measurement.md):
@@ -305,7 +307,7 @@ def register(sub: Any) -> None:
         type=float,
         default=_env("doc-fraction"),
         metavar="F",
-        help="share of long-doc requests in mixed (default 0.2)",
+        help="share of long-doc requests in mixed (default 0.2) and chat-docs (0.15)",
     )
     g.add_argument(
         "--extra-body",

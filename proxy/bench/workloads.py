@@ -18,7 +18,19 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "mixed", "hot-prompt")
+WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "mixed", "hot-prompt", "chat-docs")
+# Sizes a workload starts from when make_workload is not told otherwise. chat-docs is the
+# prefill/decode interference case (docs/disaggregation.md): chat streams with short uncached
+# prompts and long answers, beside ~8,000-token documents that are prefilled once and answered
+# in a few tokens.
+PRESETS: dict[str, dict[str, Any]] = {
+    "chat-docs": {
+        "max_tokens": 512,
+        "doc_chars": 32000,
+        "doc_max_tokens": 16,
+        "doc_fraction": 0.15,
+    },
+}
 CHARS_PER_TOKEN = 4
 
 Message = dict[str, str]
@@ -131,7 +143,7 @@ class Workload:
         out: list[RequestSpec] = []
         for i in range(n):
             is_doc = self.name == "long-doc" or (
-                self.name == "mixed" and rng.random() < self.doc_fraction
+                self.name in ("mixed", "chat-docs") and rng.random() < self.doc_fraction
             )
             if is_doc:
                 out.append(
@@ -207,8 +219,9 @@ class Workload:
 
 
 def make_workload(name: str, seed: int = 0, **sizes: Any) -> Workload:
-    """Build a workload by name, ignoring size knobs given as None (unset CLI flags)."""
-    return Workload(name=name, seed=seed, **{k: v for k, v in sizes.items() if v is not None})
+    """Build a workload by name from its PRESETS, then the size knobs given (None: unset)."""
+    given = {k: v for k, v in sizes.items() if v is not None}
+    return Workload(name=name, seed=seed, **{**PRESETS.get(name, {}), **given})
 
 
 def spec_dict(spec: RequestSpec) -> dict[str, Any]:
