@@ -12,7 +12,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "WARMROUTE_"
 # Settings of the other subcommands (sim, bench, demo) share the prefix but not this tree.
@@ -79,6 +79,23 @@ class BackendConfig(_Model):
         return os.environ.get(self.api_key_env) if self.api_key_env else None
 
 
+class ApiKeyConfig(_Model):
+    """A client API key, as its name and the SHA-256 of the key (never the key itself)."""
+
+    name: str = Field(min_length=1, max_length=64)  # on spans and metrics: keep it short
+    sha256: str  # printf %s "$KEY" | sha256sum
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        v = v.strip().lower()
+        if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
+            raise ValueError(
+                "must be the key's SHA-256 as 64 hex digits (printf %s $KEY | sha256sum)"
+            )
+        return v
+
+
 class ServerConfig(_Model):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -87,6 +104,50 @@ class ServerConfig(_Model):
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     shutdown_grace_s: float = Field(30.0, ge=0)
     debug_headers: bool = False  # x-warmroute-route: the routing decision, per response
+    # Client connections (proxy/limits.py, docs/security.md)
+    max_header_bytes: int = Field(32 * 1024, ge=1024)  # request line + headers; past it 431
+    max_headers: int = Field(100, ge=8, le=10_000)
+    header_timeout_s: float = Field(10.0, gt=0)  # connection (or first byte) -> head complete
+    body_timeout_s: float = Field(60.0, gt=0)  # head complete -> body complete
+    keepalive_timeout_s: float = Field(30.0, gt=0)  # idle between requests on a connection
+    max_connections: int | None = Field(None, ge=1)  # default: half the open-file limit
+    # Overload (proxy/admission.py): in flight at once, then a short queue, then 503
+    max_inflight: int = Field(4096, ge=1)
+    admission_queue: int = Field(256, ge=0)
+    admission_timeout_s: float = Field(5.0, ge=0)
+    # Access (proxy/access.py): admin off the serving port unless configured
+    admin_port: int | None = Field(None, ge=1, le=65535)  # == port: on the serving port
+    admin_host: str = "127.0.0.1"  # the admin listener's address
+    admin_token_sha256: str | None = None  # when set, /admin/* needs this token
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list)  # empty: no client keys
+    isolate_tenants: bool = True  # with keys: each key's prompts hash apart (its own salt)
+
+    @field_validator("admin_token_sha256")
+    @classmethod
+    def _token_hex(cls, v: str | None) -> str | None:
+        return None if v is None else ApiKeyConfig._hex(v)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _keys_from_text(cls, v: Any) -> Any:
+        # WARMROUTE_SERVER__API_KEYS=name:sha256,name2:sha256
+        if isinstance(v, str):
+            pairs = [p.strip().partition(":") for p in v.split(",") if p.strip()]
+            return [{"name": name, "sha256": digest} for name, _, digest in pairs]
+        return v
+
+    @model_validator(mode="after")
+    def _admin_exposure(self) -> ServerConfig:
+        names = [k.name for k in self.api_keys]
+        if len(set(names)) != len(names):
+            raise ValueError("api_keys: two keys share a name; give each a unique name")
+        public = self.host not in ("127.0.0.1", "::1", "localhost")
+        if self.admin_port == self.port and public and self.admin_token_sha256 is None:
+            raise ValueError(
+                f"admin_port: /admin on the serving port ({self.host}:{self.port}, not "
+                "loopback) needs server.admin_token_sha256; or give admin its own port"
+            )
+        return self
 
 
 class TimeoutsConfig(_Model):
@@ -174,6 +235,21 @@ class RedisConfig(_Model):
     timeout_s: float = Field(0.05, gt=0)
     key_prefix: str = "warmroute"
 
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if not v:
+            return None
+        parts = urlsplit(v)
+        if parts.scheme == "unix" and parts.path:
+            return v
+        if parts.scheme not in ("redis", "rediss", "redis+sentinel") or not parts.hostname:
+            raise ValueError(
+                "must be a Redis URL such as redis://127.0.0.1:6379/0 (or rediss://, "
+                "redis+sentinel://, unix:///path)"
+            )
+        return v
+
 
 class TelemetryConfig(_Model):
     enabled: bool = True  # false: no spans, no metrics (the stream is still metered for routing)
@@ -220,6 +296,10 @@ FLAT_KEYS: dict[str, str] = {
     "log_level": "server.log_level",
     "max_body_bytes": "server.max_body_bytes",
     "debug_headers": "server.debug_headers",
+    "admin_port": "server.admin_port",
+    "admin_host": "server.admin_host",
+    "max_connections": "server.max_connections",
+    "max_inflight": "server.max_inflight",
     "policy": "routing.policy",
     "redis": "redis.url",
     "redis_url": "redis.url",
