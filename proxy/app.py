@@ -6,7 +6,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -17,87 +16,16 @@ import plugins
 from proxy import handlers
 from proxy.backends import Backend, BackendRegistry
 from proxy.config import Config, ConfigError
-from proxy.forward import API_PATHS, Exchange, ProxyEndpoint
-from proxy.meter import StreamFacts
+from proxy.forward import API_PATHS, Forwarding, ProxyEndpoint
+from proxy.retry import RetryPolicy
 from proxy.routing.index import capacity_blocks_from_tokens
 from proxy.routing.router import Router
-from proxy.routing.setup import Routing, build_routing
-from proxy.routing.types import BackendView, RouteContext
-from proxy.telemetry import RequestRecord, Telemetry
-from proxy.upstream import Upstream
+from proxy.routing.setup import build_routing
+from proxy.state import AppState, RequestRouting
+from proxy.telemetry import Telemetry
+from proxy.upstream import Upstream, client_ssl_context
 
 log = logging.getLogger("warmroute")
-
-
-@dataclass
-class AppState:
-    """The app's resources; one per process, created in create_app, opened in lifespan."""
-
-    config: Config
-    registry: BackendRegistry
-    upstream: Upstream
-    routing: Routing
-    http: httpx.AsyncClient
-    telemetry: Telemetry
-    open_requests: int = 0
-
-    @property
-    def router(self) -> Router:
-        return self.routing.router
-
-    def views(self) -> list[BackendView]:
-        """What routing may know of every backend now: health, load, shared in-flight."""
-        now = time.monotonic()
-        board, learner, router = self.routing.board, self.routing.learner, self.routing.router
-        return [
-            b.view(
-                now,
-                board.get(b.name),
-                learner.rate(b.name),
-                learner.mean_prefill_s(b.name),
-                router.backlog_tokens(b.name),
-            )
-            for b in self.registry.backends.values()
-        ]
-
-    def start_record(self, ex: Exchange) -> RequestRecord:
-        return self.telemetry.start_request(
-            request_id=ex.request_id,
-            api=ex.api,
-            model=ex.body.get("model"),
-            stream=ex.stream,
-            params=ex.body,
-            headers=ex.headers,
-            t0=ex.t0,
-        )
-
-    def inflight_changed(self, backend: Backend, delta: int) -> None:
-        if delta > 0:
-            self.routing.board.acquire(backend.name)
-        else:
-            self.routing.board.release(backend.name)
-
-    def observe_stream(
-        self, backend: Backend, facts: StreamFacts, ctx: RouteContext | None = None
-    ) -> None:
-        """Teach the router from a finished stream: the prefill rate from its upstream TTFT,
-        the backend's cache size from the cached_tokens its engine reported."""
-        if facts.upstream_ttft_s is None or not facts.input_tokens or facts.error:
-            return
-        self.routing.router.observe(
-            ctx, backend.name, facts.input_tokens, facts.cached_tokens, facts.upstream_ttft_s
-        )
-
-    def observe_response(
-        self, backend: Backend, facts: StreamFacts, ctx: RouteContext | None = None
-    ) -> None:
-        """A non-streamed response: its cached_tokens size the backend's cache; its duration
-        (prefill and every token) says nothing about the prefill rate on its own."""
-        if facts.error or not facts.input_tokens:
-            return
-        self.routing.router.observe(
-            ctx, backend.name, facts.input_tokens, facts.cached_tokens, None, facts.e2e_s
-        )
 
 
 def check_config(config: Config) -> None:
@@ -128,14 +56,20 @@ def check_config(config: Config) -> None:
 def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteApp:
     """The proxy app; `telemetry` lets tests pass one with in-memory exporters."""
     check_config(config)
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
+    tls = client_ssl_context(config.upstream)
+    # Backends are addressed directly: HTTP(S)_PROXY from the environment is not used, by
+    # the health client as by the forwarder (proxy/upstream.py).
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64), verify=tls, trust_env=False)
+    registry = BackendRegistry(config, http)
+    routing = build_routing(config)
     state = AppState(
         config=config,
-        registry=BackendRegistry(config, http),
-        upstream=Upstream(config.timeouts),
-        routing=build_routing(config),
+        registry=registry,
+        upstream=Upstream(config.timeouts, config.upstream.max_connections_per_backend, tls),
+        routing=routing,
         http=http,
         telemetry=telemetry or Telemetry(config.telemetry),
+        steering=RequestRouting(routing, registry),
     )
     board = state.routing.board
     state.telemetry.read_inflight(lambda: board.local)
@@ -177,7 +111,16 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
             await http.aclose()
             state.telemetry.shutdown()
 
-    endpoints = {path: ProxyEndpoint(state, api) for api, path in API_PATHS.items()}
+    forwarding = Forwarding(
+        config=config,
+        fleet=state.registry,
+        upstream=state.upstream,
+        steering=state.steering,
+        recorder=state.telemetry,
+        retry=RetryPolicy(config.retries),
+    )
+    state.forwarding = forwarding
+    endpoints = {path: ProxyEndpoint(forwarding, api) for api, path in API_PATHS.items()}
     routes: list[Route | Mount] = [Route(p, ep, methods=["POST"]) for p, ep in endpoints.items()]
     routes += handlers.routes(state)
     inner = Starlette(routes=routes, lifespan=lifespan)

@@ -15,7 +15,7 @@ from proxy.routing.types import RouteContext
 from proxy.validate import PROMPT_FIELD, validate
 
 if TYPE_CHECKING:
-    from proxy.app import AppState
+    from proxy.state import AppState
 
 
 def _json(data: object, status: int = 200) -> Response:

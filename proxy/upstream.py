@@ -10,14 +10,22 @@ buffered when the reader asks (whole reads, not one piece per HTTP chunk), and t
 keep-alive and error semantics the failure tests pin down. httpx remains the client for health
 checks, discovery and scraping.
 
-Errors, as the forwarding path reads them:
+Errors, typed so the retry policy (proxy/retry.py) can tell them apart:
 - UpstreamConnectError: the backend did not take the connection (refused, unreachable, DNS);
-  the request was never sent. Marks the backend down for a while.
-- UpstreamDisconnected: a connection closed before any response byte. On a pooled connection
-  that is the keep-alive race (the server had just closed it): retry, backend stays up.
-- UpstreamPayloadError: the response broke off after it started (or was not valid HTTP).
-- TimeoutError: no connection within connect_s, or no bytes for the read timeout (first-byte
-  budget until the forwarder switches the response to the idle budget).
+  the request was never sent. UpstreamConnectTimeout (a subclass): no connection within
+  connect_s.
+- UpstreamDisconnected: a connection closed before any response byte; `reused` says whether
+  it was a pooled connection (the keep-alive race: the server had just closed it, which says
+  nothing about the backend) or a new one.
+- UpstreamProtocolError: the response was not valid HTTP/1.1 (a garbled or partial head).
+- UpstreamPayloadError: the response broke off after it started.
+- TimeoutError: no bytes for the read timeout (the first-byte budget until the forwarder
+  switches the response to the idle budget).
+
+Proxies from the environment (HTTP_PROXY, HTTPS_PROXY) are not used: the backends are
+addressed directly, by the forwarder and the health client alike (see `trust_env=False`
+where the app builds its httpx client). Trailers of a chunked response are never merged
+into its headers (llhttp reports them after the body; they are dropped).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from proxy.config import TimeoutsConfig
+from proxy.config import TimeoutsConfig, UpstreamConfig
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and ones we set ourselves: never copied across.
 HOP_BY_HOP = frozenset(
@@ -77,12 +85,24 @@ class UpstreamConnectError(UpstreamError):
     """The backend refused or could not be reached; nothing was sent."""
 
 
+class UpstreamConnectTimeout(UpstreamConnectError):
+    """No connection within the connect timeout (or no free slot under the host's cap)."""
+
+
 class UpstreamDisconnected(UpstreamError):
     """The connection closed before any byte of a response arrived."""
 
+    def __init__(self, message: str, reused: bool = False) -> None:
+        super().__init__(message)
+        self.reused = reused
+
 
 class UpstreamPayloadError(UpstreamError):
-    """The response broke off, or was not valid HTTP/1.1."""
+    """The response broke off after it started."""
+
+
+class UpstreamProtocolError(UpstreamPayloadError):
+    """The response was not valid HTTP/1.1."""
 
 
 # Errors that mean "this backend did not take the request": safe to retry elsewhere.
@@ -191,7 +211,7 @@ class _Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            self._fail(UpstreamPayloadError(f"invalid HTTP response: {e}"))
+            self._fail(UpstreamProtocolError(f"invalid HTTP response: {e}"))
             self.abort()
 
     def eof_received(self) -> bool | None:
@@ -208,7 +228,16 @@ class _Conn(asyncio.Protocol):
             return
         if not self._received:
             why = f": {exc}" if exc else ""
-            self._fail(UpstreamDisconnected(f"Server disconnected before responding{why}"))
+            self._fail(
+                UpstreamDisconnected(
+                    f"Server disconnected before responding{why}"
+                    + (" (a pooled keep-alive connection)" if self.reused else ""),
+                    self.reused,
+                )
+            )
+        elif not self._headers_done:
+            why = f" ({exc})" if exc else ""
+            self._fail(UpstreamProtocolError(f"the response head broke off{why}"))
         else:
             why = f" ({exc})" if exc else ""
             self._fail(UpstreamPayloadError(f"Response payload is not completed{why}"))
@@ -320,12 +349,13 @@ class _Conn(asyncio.Protocol):
 class UpstreamResponse:
     """The response to one upstream request; read it with readany() / read()."""
 
-    __slots__ = ("_conn", "_pool", "_released", "headers", "status")
+    __slots__ = ("_conn", "_pool", "_released", "headers", "reused", "status")
 
     def __init__(self, conn: _Conn, pool: Upstream) -> None:
         self._conn = conn
         self._pool = pool
         self._released = False
+        self.reused = conn.reused  # a pooled connection (not opened for this request)
         self.status: int = conn.parser.get_status_code()
         # (lower-case name, value) as bytes, in the order the backend sent them
         self.headers: list[tuple[bytes, bytes]] = [(k.lower(), v) for k, v in conn._headers]
@@ -389,19 +419,27 @@ class UpstreamResponse:
         ):
             self._pool._put(c)
         else:
-            self._pool._open.discard(c)
+            self._pool._forget(c)
             c.abort()
 
 
 class Upstream:
     """A pool of keep-alive connections per backend host for the whole app."""
 
-    def __init__(self, timeouts: TimeoutsConfig) -> None:
+    def __init__(
+        self,
+        timeouts: TimeoutsConfig,
+        max_per_host: int = 1024,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.timeouts = timeouts
+        self.max_per_host = max_per_host  # connections in use per (host, port, tls)
         self._targets: dict[tuple[str, str], Target] = {}
         self._idle: dict[tuple[str, int, bool], deque[_Conn]] = {}
         self._open: set[_Conn] = set()
-        self._ssl: ssl.SSLContext | None = None
+        self._busy: dict[tuple[str, int, bool], int] = {}
+        self._slot_waiters: dict[tuple[str, int, bool], deque[asyncio.Future[None]]] = {}
+        self._ssl = ssl_context
         self._started = False
 
     async def start(self) -> None:
@@ -416,6 +454,7 @@ class Upstream:
         for c in list(self._open):
             c.abort()
         self._open.clear()
+        self._busy.clear()
 
     def url(self, base: str, path: str) -> Target:
         """The parsed target per (backend, endpoint), built once: parsing costs per request."""
@@ -431,16 +470,19 @@ class Upstream:
         body: bytes,
         headers: dict[str, str],
         on_sent: Callable[[], None] | None = None,
+        *,
+        fresh: bool = False,
     ) -> UpstreamResponse:
         """Send the request and wait for the response headers (not the body).
 
         `on_sent` runs right after the request is handed to the socket, before the wait for
         the response: bookkeeping that need not delay the request goes there (it overlaps the
-        backend's own work instead of adding to the client's TTFT).
+        backend's own work instead of adding to the client's TTFT). `fresh` opens a new
+        connection instead of taking a pooled one (the retry after a keep-alive race).
         """
         assert self._started, "Upstream.start() was not awaited"
         head = _head(target, headers, len(body))
-        conn = await self._connect(target)
+        conn = await self._connect(target, fresh)
         conn._reset()
         conn.read_timeout = self.timeouts.first_byte_s
         try:
@@ -455,12 +497,62 @@ class Upstream:
                 await conn._wait()
         except BaseException:
             conn.abort()
-            self._open.discard(conn)
+            self._forget(conn)
             raise
         return UpstreamResponse(conn, self)
 
-    async def _connect(self, target: Target) -> _Conn:
-        idle = self._idle.get(target.key)
+    async def _slot(self, key: tuple[str, int, bool]) -> None:
+        """Wait (within the connect timeout) until fewer than max_per_host are in use."""
+        if self._busy.get(key, 0) < self.max_per_host:
+            self._busy[key] = self._busy.get(key, 0) + 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        waiters = self._slot_waiters.setdefault(key, deque())
+        waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self.timeouts.connect_s):
+                await waiter  # _forget hands its slot straight to us
+        except TimeoutError:
+            with contextlib.suppress(ValueError):
+                waiters.remove(waiter)
+            if waiter.done() and not waiter.cancelled():
+                self._free_slot(key)  # handed to us as the timeout fired: pass it on
+            raise UpstreamConnectTimeout(
+                f"no free connection to {key[0]}:{key[1]} within {self.timeouts.connect_s:g}s "
+                f"({self.max_per_host} in use: upstream.max_connections_per_backend)"
+            ) from None
+        except BaseException:
+            with contextlib.suppress(ValueError):
+                waiters.remove(waiter)
+            if waiter.done() and not waiter.cancelled():
+                self._free_slot(key)
+            raise
+
+    def _free_slot(self, key: tuple[str, int, bool]) -> None:
+        waiters = self._slot_waiters.get(key)
+        while waiters:
+            w = waiters.popleft()
+            if not w.done():
+                w.set_result(None)  # the slot moves to the waiter; the count stays
+                return
+        self._busy[key] = max(0, self._busy.get(key, 0) - 1)
+
+    def _forget(self, conn: _Conn) -> None:
+        """The connection is no longer in use by a request (pooled, closed or failed)."""
+        if conn in self._open:
+            self._open.discard(conn)
+            self._free_slot(conn.key)
+
+    async def _connect(self, target: Target, fresh: bool = False) -> _Conn:
+        await self._slot(target.key)
+        try:
+            return await self._connect_in_slot(target, fresh)
+        except BaseException:
+            self._free_slot(target.key)
+            raise
+
+    async def _connect_in_slot(self, target: Target, fresh: bool) -> _Conn:
+        idle = None if fresh else self._idle.get(target.key)
         if idle:
             now = asyncio.get_running_loop().time()
             while idle:
@@ -478,7 +570,7 @@ class Upstream:
         ssl_ctx = None
         if target.ssl:
             if self._ssl is None:
-                self._ssl = ssl.create_default_context()
+                self._ssl = client_ssl_context()
             ssl_ctx = self._ssl
         try:
             async with asyncio.timeout(self.timeouts.connect_s):
@@ -491,7 +583,7 @@ class Upstream:
                 )
         except TimeoutError:
             conn.abort()
-            raise TimeoutError(
+            raise UpstreamConnectTimeout(
                 f"no connection to {target.host}:{target.port} within {self.timeouts.connect_s:g}s"
             ) from None
         except OSError as e:
@@ -503,7 +595,7 @@ class Upstream:
         return conn
 
     def _put(self, conn: _Conn) -> None:
-        self._open.discard(conn)
+        self._forget(conn)
         if not self._started:
             conn.abort()
             return
@@ -514,6 +606,18 @@ class Upstream:
     def set_read_timeout(resp: UpstreamResponse, seconds: float) -> None:
         """Switch a live response from the first-byte budget to the idle budget."""
         resp.set_read_timeout(seconds)
+
+
+def client_ssl_context(cfg: UpstreamConfig | None = None) -> ssl.SSLContext:
+    """The TLS settings for https backends, shared by the forwarder and the health client."""
+    cfg = cfg or UpstreamConfig()
+    ctx = ssl.create_default_context(cafile=cfg.tls_ca_file)
+    if not cfg.tls_verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    if cfg.tls_cert_file:
+        ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+    return ctx
 
 
 def _head(target: Target, headers: dict[str, Any], length: int) -> bytes:

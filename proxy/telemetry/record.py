@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import Event
@@ -21,7 +21,18 @@ from proxy.telemetry.spans import SpanData
 from proxy.telemetry.wire import ATTR, attributes
 
 if TYPE_CHECKING:
-    from proxy.telemetry.providers import Telemetry
+    from proxy.config import TelemetryConfig
+    from proxy.telemetry.metrics import RequestMetrics
+    from proxy.telemetry.spans import Spans
+
+
+class Telemetry(Protocol):
+    """What a record uses of proxy.telemetry.providers.Telemetry (which creates records:
+    naming the class here would make the two modules import each other)."""
+
+    cfg: TelemetryConfig
+    spans: Spans
+    metrics: RequestMetrics
 
 _propagator = TraceContextTextMapPropagator()
 

@@ -1,0 +1,108 @@
+"""Request intake: the client's body read within its limit, parsed once, validated, and turned
+into an Exchange (what the backend will be sent, and what the client asked for)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
+
+from proxy.errors import RequestError
+from proxy.exchange import STREAMABLE, Exchange
+from proxy.validate import validate
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+
+
+class ClientGone(Exception):
+    """The client disconnected while sending its request."""
+
+
+async def read_body(headers: dict[str, str], receive: Receive, limit: int) -> bytes:
+    """The request body, refusing early (413) what exceeds `limit` bytes."""
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit)
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def parse(
+    api: str,
+    raw: bytes,
+    headers: dict[str, str],
+    request_id: str,
+    may_serve: Callable[[str], bool],
+) -> Exchange:
+    """One JSON parse and the checks a client must hear about as a 4xx."""
+    t0 = time.perf_counter()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise RequestError(
+            400, f"We could not parse the JSON body of your request ({e}).", code="invalid_json"
+        ) from None
+    validate(api, body)
+    model = body["model"]
+    if not may_serve(model):
+        raise RequestError(
+            404,
+            f"The model `{model}` does not exist or is not served by any "
+            "backend of this proxy. GET /v1/models lists the models served.",
+            param="model",
+            code="model_not_found",
+        )
+    stream = bool(body.get("stream", False)) and api in STREAMABLE
+    ex = Exchange(api, request_id, t0, headers, body, raw, stream)
+    if stream and api != "responses":
+        opts = body.get("stream_options") or {}
+        if not opts.get("include_usage"):
+            # We need usage for TPOT and token metrics; the client gets exactly what it
+            # asked for because the meter removes this one chunk again.
+            ex.client_raw = raw
+            ex.raw = with_include_usage(raw, body)
+            body["stream_options"] = {**opts, "include_usage": True}
+            ex.strip_usage = True
+    return ex
+
+
+_INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
+
+
+def with_include_usage(raw: bytes, body: dict[str, Any]) -> bytes:
+    """The client's JSON with stream_options.include_usage set, as the backend gets it.
+
+    Without a stream_options key (the usual request) the member is spliced in after the
+    opening brace: the body's own bytes stay as they are and a large prompt is not encoded
+    again (orjson.dumps of the whole body was the largest cost before the first byte).
+    """
+    if "stream_options" not in body:
+        i = raw.find(b"{")  # a JSON object: only whitespace can come before its brace
+        if i >= 0 and raw[i + 1 :].lstrip()[:1] not in (b"}", b""):
+            return raw[: i + 1] + _INCLUDE_USAGE + raw[i + 1 :]
+    opts = body.get("stream_options") or {}
+    return orjson.dumps({**body, "stream_options": {**opts, "include_usage": True}})
+
+
+def too_large(size: int, limit: int) -> RequestError:
+    return RequestError(
+        413,
+        f"Request body of {size} bytes exceeds this proxy's limit of {limit} "
+        "bytes (server.max_body_bytes).",
+        code="request_too_large",
+    )

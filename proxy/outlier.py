@@ -1,0 +1,103 @@
+"""Passive health per backend: outlier ejection with a circuit breaker (pure, time injected).
+
+closed     requests flow; consecutive failures (5xx, timeouts, resets, invalid responses) are
+           counted and any success clears the count. At `consecutive_failures` the backend
+           is ejected. A refused or unreachable connection ejects at once: the next request
+           would fail the same way.
+open       no requests until the ejection ends; the n-th ejection in a row lasts
+           ejection_s * 2^(n-1) (at most max_ejection_s), so a backend that keeps failing is
+           tried less and less often.
+half_open  one probe request may go; its success closes the breaker (and forgets the
+           ejections), its failure opens it again for longer.
+
+An active health check that succeeds moves an open breaker to half-open only when the
+ejection came from refused connections (the engine is back); a backend that answers its health
+endpoint but fails requests stays ejected until a probe request succeeds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.config import OutlierConfig
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+IMMEDIATE_KINDS = frozenset({"connect"})
+COUNTED_KINDS = frozenset({"connect", "connect_timeout", "timeout", "status", "protocol"})
+
+
+@dataclass
+class Breaker:
+    cfg: OutlierConfig
+    first_ejection_s: float | None = None  # a refused connection's ejection (retries cooldown)
+    state: str = CLOSED
+    consecutive: int = 0
+    ejections: int = 0
+    open_until: float = 0.0
+    probe_out: bool = False
+    last_kind: str | None = None
+
+    def allows(self, now: float) -> bool:
+        """May a request be routed here now?"""
+        if self.state == CLOSED:
+            return True
+        if self.state == OPEN:
+            if now < self.open_until:
+                return False
+            self.state = HALF_OPEN
+            self.probe_out = False
+        return not self.probe_out
+
+    def on_attempt(self) -> None:
+        """A request was sent: in half-open it is the probe, and no other may follow yet."""
+        if self.state == HALF_OPEN:
+            self.probe_out = True
+
+    def failure(self, kind: str, now: float) -> bool:
+        """Count a failed attempt; True when this one ejected the backend."""
+        if kind not in COUNTED_KINDS:
+            return False
+        self.last_kind = kind
+        self.consecutive += 1
+        if self.state == HALF_OPEN or (
+            self.state == CLOSED
+            and (kind in IMMEDIATE_KINDS or self.consecutive >= self.cfg.consecutive_failures)
+        ):
+            self._eject(now, kind)
+            return True
+        return False
+
+    def success(self) -> None:
+        self.consecutive = 0
+        if self.state != CLOSED:
+            self.state = CLOSED
+            self.ejections = 0
+            self.probe_out = False
+
+    def health_ok(self, now: float) -> None:
+        """The active health check passed: a refused-connection ejection may end early."""
+        if self.state == OPEN and self.last_kind in IMMEDIATE_KINDS:
+            self.state = HALF_OPEN
+            self.probe_out = False
+
+    def _eject(self, now: float, kind: str) -> None:
+        self.ejections += 1
+        base = self.cfg.ejection_s
+        if kind in IMMEDIATE_KINDS and self.first_ejection_s is not None:
+            base = self.first_ejection_s
+        self.open_until = now + min(self.cfg.max_ejection_s, base * 2 ** (self.ejections - 1))
+        self.state = OPEN
+        self.probe_out = False
+
+    def info(self, now: float) -> dict[str, object]:
+        return {
+            "state": self.state
+            if not (self.state == OPEN and now >= self.open_until)
+            else HALF_OPEN,
+            "consecutive_failures": self.consecutive,
+            "ejections": self.ejections,
+            "ejected_for_s": round(max(0.0, self.open_until - now), 3)
+            if self.state == OPEN
+            else 0.0,
+            "last_failure_kind": self.last_kind,
+        }

@@ -1,0 +1,306 @@
+"""Response relay: one backend's response to the client, metered, as it arrives.
+
+A streamed response is forwarded in whole reads (not one send per SSE event) and only up to
+the last complete event: an event cut by the backend, mid-line or mid HTTP chunk, is held back
+until its end arrives. So when a stream breaks, the error event that ends it always starts on
+an event boundary and the `openai` client raises APIError instead of a JSON error or a silent
+truncation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from proxy.errors import error_body, sse_error_event
+from proxy.exchange import Exchange
+from proxy.meter import StreamMeter, meter_json
+from proxy.retry import Retry, describe
+from proxy.upstream import NOT_FORWARDED_DOWNSTREAM_B, NOT_FORWARDED_UPSTREAM, READ_ERRORS
+
+if TYPE_CHECKING:
+    from proxy.backends import Backend
+    from proxy.ports import UpstreamResponseLike
+    from proxy.state import RequestRouting
+    from proxy.telemetry import RequestRecord
+
+Message = MutableMapping[str, Any]
+Send = Callable[[Message], Awaitable[None]]
+
+log = logging.getLogger("warmroute.forward")
+
+JSON_HEADERS = [(b"content-type", b"application/json")]
+# Never forwarded upstream besides the hop-by-hop set: credentials meant for the proxy (in
+# any of the usual spellings), and Expect (the proxy has the whole body already).
+NOT_UPSTREAM = NOT_FORWARDED_UPSTREAM | {
+    "api-key",
+    "x-goog-api-key",
+    "anthropic-api-key",
+    "x-auth-token",
+    "expect",
+    "forwarded",
+    "x-forwarded-for",
+    "x-forwarded-proto",
+    "x-forwarded-host",
+    "x-request-id",
+}
+
+
+def upstream_headers(
+    ex: Exchange, backend: Backend, client: tuple[str, int] | None = None
+) -> dict[str, str]:
+    """The headers a backend gets: the client's, less hop-by-hop, credentials and the names
+    its Connection header lists (RFC 9110 7.6.1), plus ours and the forwarding chain."""
+    headers = ex.headers
+    drop = NOT_UPSTREAM
+    named = headers.get("connection")
+    if named:
+        drop = drop | {n.strip().lower() for n in named.split(",")}
+    out = {k: v for k, v in headers.items() if k not in drop}
+    out["content-type"] = "application/json"
+    out["accept-encoding"] = "identity"  # the meter reads the bytes; no compression
+    out["x-request-id"] = ex.request_id
+    if client is not None:
+        prior = headers.get("x-forwarded-for")
+        out["x-forwarded-for"] = f"{prior}, {client[0]}" if prior else client[0]
+        fwd = headers.get("forwarded")
+        host = client[0] if ":" not in client[0] else f'"[{client[0]}]"'
+        out["forwarded"] = f"{fwd}, for={host}" if fwd else f"for={host}"
+    elif "x-forwarded-for" in headers:
+        out["x-forwarded-for"] = headers["x-forwarded-for"]
+    if backend.api_key:
+        out["authorization"] = f"Bearer {backend.api_key}"
+    return out
+
+
+def response_headers(
+    ex: Exchange, backend: Backend, upstream: UpstreamResponseLike, debug: bool
+) -> list[tuple[bytes, bytes]]:
+    drop = NOT_FORWARDED_DOWNSTREAM_B
+    for k, v in upstream.headers:
+        if k == b"connection":  # names it lists are hop-by-hop too
+            drop = drop | {n.strip().lower() for n in v.split(b",")}
+    out = [(k, v) for k, v in upstream.headers if k not in drop and k != b"x-request-id"]
+    out.append((b"x-request-id", ex.request_id.encode("latin-1")))
+    out.append((b"x-warmroute-backend", backend.name.encode("latin-1")))
+    if debug and ex.decision is not None:
+        out.append((b"x-warmroute-route", orjson.dumps(ex.decision.as_dict())))
+    return out
+
+
+def event_boundary(data: bytes) -> int:
+    """The length of `data` up to and including its last complete SSE event (0: none)."""
+    best = 0
+    for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
+        i = data.rfind(sep)
+        if i >= 0 and i + len(sep) > best:
+            best = i + len(sep)
+    return best
+
+
+class Relay:
+    """Relays one attempt's response; its collaborators are passed in, nothing global."""
+
+    __slots__ = ("api", "debug_headers", "idle_s", "steering")
+
+    def __init__(
+        self, api: str, steering: RequestRouting, idle_s: float, debug_headers: bool
+    ) -> None:
+        self.api = api
+        self.steering = steering
+        self.idle_s = idle_s
+        self.debug_headers = debug_headers
+
+    async def whole(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        upstream: UpstreamResponseLike,
+        record: RequestRecord,
+        send: Send,
+    ) -> None:
+        try:
+            payload = await upstream.read()
+        except READ_ERRORS as e:
+            raise Retry(
+                f"response body broke off: {describe(e)}", "body_error", "protocol"
+            ) from None
+        await send(
+            {
+                "type": "http.response.start",
+                "status": upstream.status,
+                "headers": [
+                    *response_headers(ex, backend, upstream, self.debug_headers),
+                    (b"content-length", str(len(payload)).encode()),
+                ],
+            }
+        )
+        ex.started_response = True
+        await send({"type": "http.response.body", "body": payload})
+        facts = None
+        if upstream.status == 200 and self.api != "embeddings":
+            facts = meter_json(self.api, payload, t0=ex.t0, now=time.perf_counter())
+            self.steering.observe_response(backend.name, facts, ex.ctx)
+        record.finish(
+            facts,
+            status=upstream.status,
+            error_type=None if upstream.status < 400 else f"http_{upstream.status}",
+            backend=backend.name,
+        )
+
+    async def stream(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        upstream: UpstreamResponseLike,
+        t_sent: float,
+        record: RequestRecord,
+        send: Send,
+        strip: bool,
+    ) -> None:
+        meter = StreamMeter(self.api, t0=ex.t0, strip_usage=strip)  # type: ignore[arg-type]
+        meter.upstream_sent(t_sent)
+        # The first read decides between "retry elsewhere" and "committed to this backend".
+        try:
+            data = await upstream.readany()
+        except READ_ERRORS as e:
+            if isinstance(e, TimeoutError):
+                raise Retry(f"no first byte: {describe(e)}", "timeout", "timeout") from None
+            raise Retry(f"no first byte: {describe(e)}", "stream_error", "protocol") from None
+        if not data:
+            raise Retry(
+                "the backend closed the stream before sending anything", "empty_stream", "protocol"
+            )
+        upstream.set_read_timeout(self.idle_s)
+
+        error: str | None = None
+        reason = ""
+        await send(
+            {
+                "type": "http.response.start",
+                "status": upstream.status,
+                "headers": response_headers(ex, backend, upstream, self.debug_headers),
+            }
+        )
+        ex.started_response = True
+        perf = time.perf_counter
+        first = True
+        carry = b""  # the start of an event whose end has not arrived
+        try:
+            while data:
+                received = perf()
+                if first and data[-2:] == b"\n\n" and meter.passes_through(data):
+                    # The first read goes out before it is metered when metering cannot change
+                    # it (the usual case): the meter's parse of the first event stays off the
+                    # client's TTFT. Later reads are metered first: the check costs more CPU
+                    # per read than the order saves.
+                    first = False
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                    sent = perf()
+                    meter.feed(data, received)
+                    meter.mark_sent(sent)
+                else:
+                    first = False
+                    out = meter.feed(data, received)
+                    if carry:
+                        out = carry + out
+                        carry = b""
+                    if out and out[-2:] != b"\n\n":
+                        cut = event_boundary(out)
+                        out, carry = out[:cut], out[cut:]
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                        meter.mark_sent(perf())
+                try:
+                    data = await upstream.readany()
+                except READ_ERRORS as e:
+                    if ex.client_gone:
+                        break
+                    timed_out = isinstance(e, TimeoutError)
+                    error = "idle_timeout" if timed_out else "upstream_stream_error"
+                    reason = (
+                        f"no data from {backend.name} for {self.idle_s:g}s"
+                        if timed_out
+                        else f"{backend.name} broke off the stream: {describe(e)}"
+                    )
+                    log.warning(
+                        "request %s: %s after the first byte; ending the stream with an error"
+                        " event%s",
+                        ex.request_id,
+                        reason,
+                        f" (dropped {len(carry)} bytes of an incomplete event)" if carry else "",
+                    )
+                    carry = b""
+                    break
+        except asyncio.CancelledError:
+            if ex.client_gone:
+                raise
+            # The server is shutting down past its grace period: end the stream cleanly.
+            error, reason = "shutdown", "the proxy is shutting down; the stream was cut"
+            carry = b""
+            tail, facts = meter.finish(perf(), error=error, cancelled=False)
+            record.finish(facts, status=upstream.status, error_type=error, backend=backend.name)
+            log.warning("request %s: stream cut at shutdown on %s", ex.request_id, backend.name)
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": sse_error_event(reason, "server_error", error),
+                    "more_body": False,
+                }
+            )
+            raise
+        # A client that hangs up right after the last event got everything: not a cancel.
+        cancelled = ex.client_gone and not meter.completed
+        tail, facts = meter.finish(perf(), error=error, cancelled=cancelled)
+        self.steering.observe_stream(backend.name, facts, ex.ctx)
+        if facts.error and not error:
+            error = facts.error
+        if not ex.client_gone:
+            if carry:
+                tail = carry + tail  # the backend ended cleanly without a final blank line
+            if error in ("idle_timeout", "upstream_stream_error"):
+                tail += sse_error_event(reason, "server_error", error)
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+        elif cancelled:
+            log.info(
+                "request %s: client disconnected mid-stream; closed the upstream on %s",
+                ex.request_id,
+                backend.name,
+            )
+        record.finish(
+            facts,
+            status=499 if cancelled else upstream.status,
+            error_type="cancelled" if cancelled else error,
+            backend=backend.name,
+        )
+
+
+async def respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    request_id: str,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                *JSON_HEADERS,
+                (b"content-length", str(len(body)).encode()),
+                (b"x-request-id", request_id.encode("latin-1")),
+                *extra,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def internal_error(e: BaseException) -> bytes:
+    return error_body(f"Internal proxy error ({type(e).__name__}).", "server_error")

@@ -1,0 +1,142 @@
+"""The app's resources, and the narrow faces of them the request path sees.
+
+Layering (docs/architecture.md): `app` builds an AppState and hands each endpoint only what it
+uses. The forwarder sees four collaborators, each a small protocol (proxy/ports.py) or the
+facade defined here:
+
+- `UpstreamClient`: sends one request to a backend and returns its response head
+  (proxy.upstream.Upstream in the app; an in-memory fake in tests);
+- `Fleet`: backend lookup and passive health (proxy.backends.BackendRegistry);
+- `RequestRouting`: routes a request and learns from its outcome (router, in-flight board,
+  prefill learner and backend views, behind one facade);
+- `Recorder`: opens the telemetry record of a request (proxy.telemetry.Telemetry).
+
+Nothing here imports the forwarder or the app, so both can import it: no cycle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from proxy.ports import Fleet, Recorder, UpstreamClient, UpstreamResponseLike
+
+__all__ = [
+    "AppState",
+    "Fleet",
+    "Recorder",
+    "RequestRouting",
+    "UpstreamClient",
+    "UpstreamResponseLike",
+]
+
+if TYPE_CHECKING:
+    import httpx
+
+    from proxy.backends import BackendRegistry
+    from proxy.config import Config
+    from proxy.exchange import Exchange
+    from proxy.meter import StreamFacts
+    from proxy.routing.router import Router
+    from proxy.routing.setup import Routing
+    from proxy.routing.types import BackendView, Decision, RouteContext
+    from proxy.telemetry import RequestRecord, Telemetry
+
+
+class RequestRouting:
+    """The routing facade: route a request, note where it went, learn from how it went."""
+
+    __slots__ = ("_board", "_learner", "_registry", "router")
+
+    def __init__(self, routing: Routing, registry: BackendRegistry) -> None:
+        self.router: Router = routing.router
+        self._board = routing.board
+        self._learner = routing.learner
+        self._registry = registry
+
+    def views(self) -> list[BackendView]:
+        """What routing may know of every backend now: health, load, shared in-flight."""
+        now = time.monotonic()
+        board, learner, router = self._board, self._learner, self.router
+        return [
+            b.view(
+                now,
+                board.get(b.name),
+                learner.rate(b.name),
+                learner.mean_prefill_s(b.name),
+                router.backlog_tokens(b.name),
+            )
+            for b in self._registry.backends.values()
+        ]
+
+    async def route(self, ctx: RouteContext, *, record: bool = True) -> Decision:
+        return await self.router.route(ctx, self.views(), record=record)
+
+    def sent(self, ctx: RouteContext | None, backend: str) -> None:
+        """The request is on the wire to `backend`: note its prefix there (the engine caches it
+        where the request lands, which a retry may have moved) while the backend works."""
+        if ctx is not None:
+            self.router.record(ctx, backend)
+
+    def inflight(self, backend: str, delta: int) -> None:
+        if delta > 0:
+            self._board.acquire(backend)
+        else:
+            self._board.release(backend)
+
+    def observe_stream(self, backend: str, facts: StreamFacts, ctx: RouteContext | None) -> None:
+        """Teach the router from a finished stream: the prefill rate from its upstream TTFT,
+        the backend's cache size from the cached_tokens its engine reported."""
+        if facts.upstream_ttft_s is None or not facts.input_tokens or facts.error:
+            return
+        self.router.observe(
+            ctx, backend, facts.input_tokens, facts.cached_tokens, facts.upstream_ttft_s
+        )
+
+    def observe_response(self, backend: str, facts: StreamFacts, ctx: RouteContext | None) -> None:
+        """A non-streamed response: its cached_tokens size the backend's cache; its duration
+        (prefill and every token) says nothing about the prefill rate on its own."""
+        if facts.error or not facts.input_tokens:
+            return
+        self.router.observe(
+            ctx, backend, facts.input_tokens, facts.cached_tokens, None, facts.e2e_s
+        )
+
+
+def start_record(recorder: Recorder, ex: Exchange) -> RequestRecord:
+    """The telemetry record of one exchange."""
+    return recorder.start_request(
+        request_id=ex.request_id,
+        api=ex.api,
+        model=ex.body.get("model"),
+        stream=ex.stream,
+        params=ex.body,
+        headers=ex.headers,
+        t0=ex.t0,
+    )
+
+
+@dataclass
+class AppState:
+    """The app's resources; one per process, created in create_app, opened in lifespan."""
+
+    config: Config
+    registry: BackendRegistry
+    upstream: Any  # proxy.upstream.Upstream (an UpstreamClient)
+    routing: Routing
+    http: httpx.AsyncClient
+    telemetry: Telemetry
+    steering: RequestRouting
+    forwarding: Any = None  # proxy.forward.Forwarding, set by create_app
+
+    @property
+    def open_requests(self) -> int:
+        return self.forwarding.open_requests if self.forwarding is not None else 0
+
+    @property
+    def router(self) -> Router:
+        return self.routing.router
+
+    def views(self) -> list[BackendView]:
+        return self.steering.views()

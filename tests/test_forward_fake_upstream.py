@@ -1,0 +1,283 @@
+"""The forwarder against an in-memory upstream: no sockets, every failure scripted.
+
+ProxyEndpoint gets its collaborators (proxy.forward.Forwarding); here the upstream client is a
+fake that answers from a script per backend, so retries, ejection and the event-boundary rule
+are checked exactly and fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from proxy.app import create_app
+from proxy.config import load_config
+from proxy.relay import event_boundary
+from proxy.upstream import (
+    Target,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamPayloadError,
+    UpstreamProtocolError,
+)
+
+CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+class FakeResponse:
+    def __init__(self, status: int, chunks: list[bytes], error: BaseException | None = None):
+        self.status = status
+        self.headers = [(b"content-type", b"text/event-stream")]
+        self.reused = False
+        self._chunks = list(chunks)
+        self._error = error
+        self.closed = False
+
+    async def readany(self) -> bytes:
+        await asyncio.sleep(0)
+        if self._chunks:
+            return self._chunks.pop(0)
+        if self._error is not None:
+            raise self._error
+        return b""
+
+    async def read(self, limit: int = -1) -> bytes:
+        out = b""
+        while data := await self.readany():
+            out += data
+        return out
+
+    def set_read_timeout(self, seconds: float) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def release(self) -> None:
+        pass
+
+
+Step = Callable[[], FakeResponse]
+
+
+class FakeUpstream:
+    """Answers each backend's requests from its script, in order (the last step repeats)."""
+
+    def __init__(self, scripts: dict[str, list[Step | BaseException]]) -> None:
+        self.scripts = scripts
+        self.calls: list[tuple[str, bool, dict[str, str]]] = []
+        self.count: dict[str, int] = defaultdict(int)
+
+    def url(self, base: str, path: str) -> Target:
+        return Target(base + path)
+
+    async def post(
+        self,
+        target: Target,
+        body: bytes,
+        headers: dict[str, str],
+        on_sent: Callable[[], None] | None = None,
+        *,
+        fresh: bool = False,
+    ) -> FakeResponse:
+        name = f"{target.host}:{target.port}"
+        self.calls.append((name, fresh, headers))
+        script = self.scripts[name]
+        step = script[min(self.count[name], len(script) - 1)]
+        self.count[name] += 1
+        if isinstance(step, BaseException):
+            raise step
+        if on_sent is not None:
+            on_sent()
+        return step()
+
+
+def _app(scripts: dict[str, list[Any]], **config: Any) -> tuple[Any, FakeUpstream]:
+    flags = {"backends": [f"http://127.0.0.1:{p}" for p in (9101, 9102)], "policy": "round_robin"}
+    cfg = load_config(flags=flags, env={})
+    cfg = cfg.model_validate(
+        {
+            **cfg.model_dump(),
+            "backends": [{"url": f"http://127.0.0.1:{p}", "models": ["m"]} for p in (9101, 9102)],
+            "retries": {"backoff_base_s": 0.0, **config.pop("retries", {})},
+            **config,
+        }
+    )
+    app = create_app(cfg)
+    fake = FakeUpstream(scripts)
+    app.state.forwarding.upstream = fake
+    return app, fake
+
+
+async def _call(app: Any, body: dict[str, Any]) -> tuple[int, bytes, dict[bytes, bytes]]:
+    raw = orjson.dumps(body)
+    sent: list[dict[str, Any]] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await asyncio.Event().wait()  # the client stays
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 50000),
+    }
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    status = sent[0]["status"]
+    headers = dict(sent[0]["headers"])
+    return status, b"".join(m.get("body", b"") for m in sent[1:]), headers
+
+
+def _chat(stream: bool = True) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "stream": stream,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "hello"}],
+    }
+
+
+def _ok() -> FakeResponse:
+    return FakeResponse(200, [CHUNK, DONE])
+
+
+def test_event_boundary_finds_the_end_of_the_last_complete_event() -> None:
+    assert event_boundary(CHUNK + b'data: {"par') == len(CHUNK)
+    assert event_boundary(b"data: x\r\n\r\ndata: y") == len(b"data: x\r\n\r\n")
+    assert event_boundary(b'data: {"partial') == 0
+    assert event_boundary(CHUNK + CHUNK) == 2 * len(CHUNK)
+
+
+async def test_a_stream_cut_inside_an_event_ends_with_an_error_event_on_a_boundary() -> None:
+    cut = FakeResponse(
+        200, [CHUNK, b'data: {"choices":[{"ind'], UpstreamPayloadError("Response payload cut")
+    )
+    app, _ = _app({"127.0.0.1:9101": [lambda: cut], "127.0.0.1:9102": [_ok]})
+    status, body, _ = await _call(app, _chat())
+    assert status == 200
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[0] + b"\n\n" == CHUNK  # the complete event went through
+    assert len(events) == 3  # the partial event was dropped, not glued to the error
+    err = orjson.loads(events[1].removeprefix(b"data: "))
+    assert err["error"]["code"] == "upstream_stream_error"
+    assert events[-1] == b"data: [DONE]"
+
+
+async def test_an_event_split_across_reads_reaches_the_client_whole_and_identical() -> None:
+    half = len(CHUNK) // 2
+    split = FakeResponse(200, [CHUNK[:half], CHUNK[half:] + CHUNK[:5], CHUNK[5:], DONE])
+    app, _ = _app({"127.0.0.1:9101": [lambda: split], "127.0.0.1:9102": [_ok]})
+    status, body, _ = await _call(app, _chat())
+    assert (status, body) == (200, CHUNK + CHUNK + DONE)
+
+
+async def test_an_invalid_response_head_is_retried_on_the_next_backend() -> None:
+    app, fake = _app(
+        {
+            "127.0.0.1:9101": [UpstreamProtocolError("invalid HTTP response")],
+            "127.0.0.1:9102": [_ok],
+        }
+    )
+    status, body, _headers = await _call(app, _chat())
+    assert status == 200 and body == CHUNK + DONE
+    assert [c[0] for c in fake.calls] == ["127.0.0.1:9101", "127.0.0.1:9102"]
+
+
+async def test_a_dropped_pooled_connection_is_retried_on_the_same_backend_fresh() -> None:
+    app, fake = _app(
+        {
+            "127.0.0.1:9101": [UpstreamDisconnected("closed", reused=True), _ok],
+            "127.0.0.1:9102": [_ok],
+        }
+    )
+    status, _, _headers = await _call(app, _chat())
+    assert status == 200
+    assert [(c[0], c[1]) for c in fake.calls] == [
+        ("127.0.0.1:9101", False),
+        ("127.0.0.1:9101", True),
+    ]
+    backend = app.state.registry["127.0.0.1:9101"]
+    assert backend.breaker.consecutive == 0  # a keep-alive race is not the backend's fault
+
+
+async def test_a_backend_answering_500_to_everything_is_ejected() -> None:
+    def err500() -> FakeResponse:
+        return FakeResponse(500, [b'{"error":{"message":"boom"}}'])
+
+    app, fake = _app(
+        {"127.0.0.1:9101": [err500], "127.0.0.1:9102": [_ok]},
+        outlier={"consecutive_failures": 3, "ejection_s": 60.0},
+    )
+    for _ in range(8):
+        status, _, _ = await _call(app, _chat())
+        assert status == 200  # retried on the healthy one
+    sick = app.state.registry["127.0.0.1:9101"]
+    assert sick.breaker.state == "open"
+    assert fake.count["127.0.0.1:9101"] == 3  # ejected after the third, not tried since
+
+
+async def test_connect_failures_everywhere_end_in_one_clear_503() -> None:
+    app, _fake = _app(
+        {
+            "127.0.0.1:9101": [UpstreamConnectError("Cannot connect (refused)")],
+            "127.0.0.1:9102": [UpstreamConnectError("Cannot connect (refused)")],
+        }
+    )
+    status, body, _ = await _call(app, _chat())
+    assert status == 503
+    err = orjson.loads(body)["error"]
+    assert err["code"] == "backends_unavailable" and "refused" in err["message"]
+
+
+async def test_the_backend_sees_the_forwarding_chain_and_no_proxy_credentials() -> None:
+    app, fake = _app({"127.0.0.1:9101": [_ok], "127.0.0.1:9102": [_ok]})
+    raw = orjson.dumps(_chat())
+    sent: list[dict[str, Any]] = []
+    msgs = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if msgs:
+            return msgs.pop()
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    async def send(m: dict[str, Any]) -> None:
+        sent.append(m)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "client": ("10.1.2.3", 4000),
+        "headers": [
+            (b"api-key", b"secret-a"),
+            (b"x-goog-api-key", b"secret-b"),
+            (b"expect", b"100-continue"),
+            (b"connection", b"keep-alive, x-hop"),
+            (b"x-hop", b"private"),
+            (b"x-forwarded-for", b"192.0.2.1"),
+            (b"x-custom", b"kept"),
+        ],
+    }
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    headers = fake.calls[0][2]
+    for gone in ("api-key", "x-goog-api-key", "expect", "x-hop", "connection"):
+        assert gone not in headers
+    assert headers["x-forwarded-for"] == "192.0.2.1, 10.1.2.3"
+    assert headers["forwarded"] == "for=10.1.2.3"
+    assert headers["x-custom"] == "kept"
