@@ -75,6 +75,11 @@ def parse(
             # We need usage for TPOT and token metrics; the client gets exactly what it
             # asked for because the meter removes this one chunk again.
             ex.client_raw = raw
+            if opts.get("continuous_usage_stats"):
+                # vLLM honours it only with include_usage: the client, who did not set that,
+                # would get usage on every chunk once we do. Ask for the final usage only.
+                opts = {**opts, "continuous_usage_stats": False}
+                body["stream_options"] = opts
             ex.raw = with_include_usage(raw, body)
             body["stream_options"] = {**opts, "include_usage": True}
             ex.strip_usage = True

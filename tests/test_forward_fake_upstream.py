@@ -71,6 +71,7 @@ class FakeUpstream:
     def __init__(self, scripts: dict[str, list[Step | BaseException]]) -> None:
         self.scripts = scripts
         self.calls: list[tuple[str, bool, dict[str, str]]] = []
+        self.bodies: list[bytes] = []
         self.count: dict[str, int] = defaultdict(int)
 
     def url(self, base: str, path: str) -> Target:
@@ -87,6 +88,7 @@ class FakeUpstream:
     ) -> FakeResponse:
         name = f"{target.host}:{target.port}"
         self.calls.append((name, fresh, headers))
+        self.bodies.append(body)
         script = self.scripts[name]
         step = script[min(self.count[name], len(script) - 1)]
         self.count[name] += 1
@@ -114,7 +116,9 @@ def _app(scripts: dict[str, list[Any]], **config: Any) -> tuple[Any, FakeUpstrea
     return app, fake
 
 
-async def _call(app: Any, body: dict[str, Any]) -> tuple[int, bytes, dict[bytes, bytes]]:
+async def _call(
+    app: Any, body: dict[str, Any], headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> tuple[int, bytes, dict[bytes, bytes]]:
     raw = orjson.dumps(body)
     sent: list[dict[str, Any]] = []
     delivered = False
@@ -134,7 +138,7 @@ async def _call(app: Any, body: dict[str, Any]) -> tuple[int, bytes, dict[bytes,
         "type": "http",
         "method": "POST",
         "path": "/v1/chat/completions",
-        "headers": [(b"content-type", b"application/json")],
+        "headers": [(b"content-type", b"application/json"), *headers],
         "client": ("127.0.0.1", 50000),
     }
     await asyncio.wait_for(app(scope, receive, send), 10)
@@ -281,3 +285,21 @@ async def test_the_backend_sees_the_forwarding_chain_and_no_proxy_credentials() 
     assert headers["x-forwarded-for"] == "192.0.2.1, 10.1.2.3"
     assert headers["forwarded"] == "for=10.1.2.3"
     assert headers["x-custom"] == "kept"
+
+
+async def test_continuous_usage_without_include_usage_does_not_reach_the_client() -> None:
+    app, fake = _app({"127.0.0.1:9101": [_ok], "127.0.0.1:9102": [_ok]})
+    body = _chat()
+    body["stream_options"] = {"continuous_usage_stats": True}
+    status, _, _ = await _call(app, body)
+    assert status == 200
+    sent = orjson.loads(fake.bodies[0])["stream_options"]
+    assert sent == {"continuous_usage_stats": False, "include_usage": True}
+
+
+async def test_with_tracing_off_the_clients_traceparent_reaches_the_backend_unchanged() -> None:
+    app, fake = _app({"127.0.0.1:9101": [_ok], "127.0.0.1:9102": [_ok]})
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    status, _, _ = await _call(app, _chat(), ((b"traceparent", parent.encode()),))
+    assert status == 200
+    assert fake.calls[0][2]["traceparent"] == parent

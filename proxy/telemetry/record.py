@@ -15,6 +15,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from proxy.meter import StreamFacts
 from proxy.routing.types import Decision
 from proxy.telemetry import attributes as span_attrs
+from proxy.access import CLIENT
+from proxy.telemetry.attributes import CLIENT as CLIENT_ATTR
 from proxy.telemetry.attributes import ERROR_TYPE, STATUS_CODE, epoch_ns
 from proxy.telemetry.render import DictWriter
 from proxy.telemetry.spans import SpanData
@@ -54,6 +56,10 @@ class AttemptRecord:
     def inject_headers(self, headers: dict[str, str]) -> None:
         """Add this attempt's W3C traceparent (and tracestate) to the upstream request."""
         span = self.span
+        if not span.flags & 1 and "traceparent" in headers:
+            # Not recording (tracing off, or not sampled): the backend's spans should join the
+            # client's trace as the client decided, not a span nobody exports.
+            return
         # What TraceContextTextMapPropagator.inject writes for a valid span context.
         headers["traceparent"] = f"00-{span.trace_id:032x}-{span.span_id:016x}-{span.flags:02x}"
         if span.trace_state:
@@ -256,7 +262,10 @@ class RequestRecord:
             finished = (facts, self.stream, status, err, name, address, port, retries, itl)
             cfg = tel.cfg
             events: bytes | list[Event] = b""
+            client = CLIENT.get()  # set by the edge when API keys are configured
             if span.enc is not None:
+                if client is not None:
+                    span.enc.append(CLIENT_ATTR.s(client))
                 if self.request is not None:
                     span.enc.append(span_attrs.request_fields(*self._request_args(*self.request)))
                     if self.decision is not None:
@@ -266,6 +275,8 @@ class RequestRecord:
                     mode, cap = cfg.chunk_events, cfg.chunk_events_cap
                     events = span_attrs.event_fields(mode, cap, facts, self.anchor)
             else:
+                if client is not None:
+                    span.attrs["warmroute.client"] = client
                 span_attrs.finish(DictWriter(span.attrs), *finished)
                 events = []
                 if facts is not None:
