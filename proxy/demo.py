@@ -20,6 +20,8 @@ import httpx
 
 import plugins
 from proxy.bench.results import RequestResult
+from proxy.bench.workloads import WORKLOADS
+from proxy.sim import presets
 from proxy.stack import Stack, StackError
 
 EPILOG = """\
@@ -28,7 +30,7 @@ examples:
   warmroute demo --policies round_robin,prefix_aware --requests 400
   warmroute demo --workload multi-turn --engines 3 --device h100
   warmroute demo --keep-running                    # leave the last stack up to explore
-  warmroute demo --virtual --workload multi-turn --prefixes 32 --system-chars 16000 \
+  warmroute demo --virtual --workload multi-turn --prefixes 32 --system-chars 16000 \\
       --system-chars-min 4000 --requests 2000 --concurrency 32 --kv-blocks 2000
                                                    # README's simulated-fleet benchmark
 """
@@ -44,7 +46,7 @@ def _positive(text: str) -> int:
     return value
 
 
-STATIC_AFFINITY = "static_affinity"  # as proxy.sim.virtual names it (imported lazily there)
+STATIC_AFFINITY = "static_affinity"  # as proxy.harness.virtual names it (imported lazily)
 
 
 def register(sub: Any) -> None:
@@ -60,7 +62,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--policies", help="comma-separated policies (default: all installed)")
     p.add_argument("--engines", type=_positive, default=4, help="simulated engines (default 4)")
-    p.add_argument("--device", default="l40s", help="simulated GPU preset (default l40s)")
+    p.add_argument(
+        "--device",
+        default="l40s",
+        choices=list(presets.DEVICES),
+        help="simulated GPU preset: memory bandwidth and compute (default l40s)",
+    )
     p.add_argument(
         "--kv-blocks",
         type=_positive,
@@ -71,7 +78,9 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--workload",
         default="mixed",
-        help="bench workload (default mixed: shared prompts + long documents)",
+        choices=WORKLOADS,
+        help="request mix (default mixed: shared prompts + long documents; see "
+        "`warmroute bench --help` for each)",
     )
     p.add_argument(
         "--requests", type=_positive, default=240, help="requests per policy (default 240)"
@@ -111,7 +120,13 @@ def register(sub: Any) -> None:
         default=1.0,
         help="run the simulated devices this much faster than real time",
     )
-    p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=7,
+        help="seed of the workload and the simulated engines (default 7): the same seed sends "
+        "the same prompts; with --virtual the whole run repeats exactly",
+    )
     p.add_argument("--out", default="warmroute-demo", help="directory for results and plots")
     p.add_argument(
         "--virtual",
@@ -261,7 +276,7 @@ def proxy_metrics_excerpt(url: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from proxy.bench import make_workload, run_bench, summarize
     from proxy.sim.config import SimConfig
-    from proxy.sim.virtual import engine_stats, run_virtual
+    from proxy.harness.virtual import engine_stats, run_virtual
 
     available = plugins.policy_names()
     policies = args.policies.split(",") if args.policies else available

@@ -14,7 +14,7 @@ from proxy.bench.results import RequestResult
 from proxy.bench.workloads import make_workload
 from proxy.demo import format_engine_balance, oracle_hit_ratio
 from proxy.sim.config import SimConfig
-from proxy.sim.virtual import engine_stats, run_virtual
+from proxy.harness.virtual import engine_stats, run_virtual
 
 SIM = SimConfig.from_preset("l40s", kv_blocks=600)  # 9.6k tokens: ~2 of the 8 prompts fit
 

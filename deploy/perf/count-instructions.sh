@@ -41,7 +41,7 @@ if ! ready http://127.0.0.1:9101/v1/models; then
     sleep 0.1
   done
 fi
-$PY -c "$($PY -c 'from proxy.bench.telemetry_cost import SINK; print(SINK)')" 9250 \
+$PY -c "$($PY -c 'from proxy.harness.telemetry_cost import SINK; print(SINK)')" 9250 \
   >/dev/null 2>&1 &
 pids+=($!)
 

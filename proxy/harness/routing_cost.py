@@ -1,4 +1,4 @@
-"""Routing decision time: `python -m proxy.routing.bench [--redis URL] [--backends 4 8]`.
+"""Routing decision time: `python -m proxy.harness.routing_cost [--redis URL] [--backends 4 8]`.
 
 Each decision is the whole Router.route(): prompt rendering and hashing (4k-token prompts,
 16k chars), the index lookup for every candidate, scoring, picking and recording. Prints

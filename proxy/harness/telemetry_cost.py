@@ -1,6 +1,6 @@
 """CPU that telemetry code costs per request, in process: this tree against a git revision.
 
-`python -m proxy.bench.telemetry_cost --old 33ead9a` runs the calls the proxy makes for one
+`python -m proxy.harness.telemetry_cost --old 33ead9a` runs the calls the proxy makes for one
 streamed 64-chunk request (observe_routing, start_request, set_decision, attempt +
 inject_headers, finish) in a loop, old and new code alternating round by round in one process,
 and prints the median and best µs per request for metrics only, traces sampled at 10% and
