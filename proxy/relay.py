@@ -264,7 +264,8 @@ class Relay:
             if carry:
                 tail = carry + tail  # the backend ended cleanly without a final blank line
             if error in ("idle_timeout", "upstream_stream_error"):
-                tail += sse_error_event(reason, "server_error", error)
+                # What the meter still held back may end in an incomplete event, too.
+                tail = tail[: event_boundary(tail)] + sse_error_event(reason, "server_error", error)
             await send({"type": "http.response.body", "body": tail, "more_body": False})
         elif cancelled:
             log.info(

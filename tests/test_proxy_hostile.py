@@ -1,0 +1,162 @@
+"""Hostile backends on real loopback sockets, the official openai client in front.
+
+Each backend is a raw TCP server that misbehaves in one exact way at the byte level: a
+stream cut inside an SSE event, cut inside an HTTP chunk, a garbled or partial response
+head. The client must always get either a complete answer or an openai.APIError — never a
+JSONDecodeError, a silent truncation or a 500 with a traceback.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+EVENT = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'  # noqa: E501
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+MODELS = b'{"object":"list","data":[{"id":"m","object":"model"}]}'
+
+BEHAVIOURS: dict[str, bytes] = {
+    # one complete event, then half of the next, then the connection closes
+    "cut_inside_event": HEAD + _chunk(EVENT) + _chunk(EVENT[:40]),
+    # one complete event, then an HTTP chunk that announces more than it delivers
+    "cut_inside_chunk": HEAD + _chunk(EVENT) + b"400\r\n" + EVENT[:50],
+    # a status line and half a header
+    "partial_head": b"HTTP/1.1 200 OK\r\ncontent-ty",
+    # not HTTP at all
+    "garbage_head": b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
+    # a healthy stream
+    "ok": HEAD + _chunk(EVENT) + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n",
+}
+
+
+class RawBackend:
+    """Answers GET /v1/models properly and every POST with its scripted bytes, then closes."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.reply = BEHAVIOURS[behaviour]
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.posts = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                part = conn.recv(65536)
+                if not part:
+                    return
+                data += part
+            head, _, body = data.partition(b"\r\n\r\n")
+            if head.startswith(b"GET"):
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
+                    b"\r\nconnection: close\r\n\r\n%s" % (len(MODELS), MODELS)
+                )
+                return
+            length = int(
+                next(
+                    (
+                        ln.split(b":")[1]
+                        for ln in head.split(b"\r\n")
+                        if ln.lower().startswith(b"content-length")
+                    ),
+                    b"0",
+                )
+            )
+            while len(body) < length:
+                body += conn.recv(65536)
+            self.posts += 1
+            conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def raw_backend() -> Iterator[Callable[[str], RawBackend]]:
+    made: list[RawBackend] = []
+
+    def make(behaviour: str) -> RawBackend:
+        b = RawBackend(behaviour)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def _client(proxy: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0, timeout=20)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("behaviour", ["cut_inside_event", "cut_inside_chunk"])
+def test_a_stream_cut_mid_event_raises_api_error_in_the_openai_client(
+    behaviour: str, raw_backend: Callable[[str], RawBackend], proxy_server: Callable[..., object]
+) -> None:
+    backend = raw_backend(behaviour)
+    proxy = proxy_server([backend.url])
+    client = _client(proxy)
+    for _ in range(5):
+        got: list[str] = []
+        with pytest.raises(openai.APIError) as err:
+            for chunk in client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+            ):
+                if chunk.choices:
+                    got.append(chunk.choices[0].delta.content or "")
+        assert got == ["hi"]  # the complete event arrived; the cut one did not
+        assert "broke off" in str(err.value)
+
+
+@pytest.mark.parametrize("behaviour", ["partial_head", "garbage_head"])
+def test_an_invalid_response_head_is_retried_on_another_backend(
+    behaviour: str, raw_backend: Callable[[str], RawBackend], proxy_server: Callable[..., object]
+) -> None:
+    bad, good = raw_backend(behaviour), raw_backend("ok")
+    proxy = proxy_server([bad.url, good.url], policy="round_robin")
+    client = _client(proxy)
+    for _ in range(10):
+        chunks = list(
+            client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+        )
+        assert [c.choices[0].delta.content for c in chunks if c.choices] == ["hi"]
+    assert good.posts == 10
+
+
+def test_with_only_a_garbled_backend_the_client_gets_a_clear_503(
+    raw_backend: Callable[[str], RawBackend], proxy_server: Callable[..., object]
+) -> None:
+    bad = raw_backend("garbage_head")
+    proxy = proxy_server([bad.url])
+    with pytest.raises(openai.APIStatusError) as err:
+        _client(proxy).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert err.value.status_code == 503
+    assert "invalid" in err.value.message.lower()
