@@ -12,19 +12,19 @@
 - Prefix-cache hit ratio: sum(cached_tokens) / sum(prompt_tokens) over completed requests
   whose server reported cached tokens.
 
-Percentiles use numpy's linear interpolation (vllm's choice). Empty series give None, not 0:
-a missing measurement must not look like a perfect one.
+Percentiles are proxy.stats.percentile: linear interpolation, numpy's default and vllm's choice.
+Empty series give None, not 0: a missing measurement must not look like a perfect one.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from proxy.bench.results import RequestResult, RunResult
+from proxy.stats import percentile
 
 PERCENTILES = (50, 90, 99)
 SLO_KEYS = ("ttft", "tpot", "e2e")
@@ -34,11 +34,14 @@ def distribution(values: Sequence[float]) -> dict[str, float | int | None]:
     """mean, p50, p90, p99, max and n of `values` (seconds in, seconds out)."""
     if not values:
         return {"n": 0, "mean": None, **{f"p{p}": None for p in PERCENTILES}, "max": None}
-    arr = np.asarray(values, dtype=float)
-    out: dict[str, float | int | None] = {"n": len(values), "mean": float(arr.mean())}
-    for p, v in zip(PERCENTILES, np.percentile(arr, PERCENTILES), strict=True):
-        out[f"p{p}"] = float(v)
-    out["max"] = float(arr.max())
+    ordered = sorted(values)
+    out: dict[str, float | int | None] = {
+        "n": len(values),
+        "mean": math.fsum(ordered) / len(ordered),
+    }
+    for p in PERCENTILES:
+        out[f"p{p}"] = percentile(ordered, p / 100)
+    out["max"] = float(ordered[-1])
     return out
 
 

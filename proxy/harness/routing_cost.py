@@ -18,6 +18,7 @@ from proxy.config import RoutingConfig
 from proxy.routing.index import MemoryPrefixIndex, RedisPrefixIndex, open_redis
 from proxy.routing.router import Router
 from proxy.routing.types import BackendView, EngineLoad, RouteContext
+from proxy.stats import percentile
 
 
 def _backends(n: int, rng: random.Random) -> list[BackendView]:
@@ -74,7 +75,7 @@ def _row(label: str, times: list[float]) -> str:
     times = sorted(times)
 
     def q(p: float) -> float:
-        return times[min(len(times) - 1, int(p * len(times)))] * 1000
+        return percentile(times, p) * 1000
 
     stats = f"p50={q(0.5):.3f} ms  p99={q(0.99):.3f} ms  max={times[-1] * 1000:.3f} ms"
     return f"{label:<24} n={len(times):<5} {stats}"

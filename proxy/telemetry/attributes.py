@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace import Event
 
 from proxy.meter import StreamFacts
 from proxy.routing.types import Decision
-from proxy.telemetry.histograms import percentile
+from proxy.stats import percentile
 from proxy.telemetry.metrics import PROVIDER
 from proxy.telemetry.render import DictWriter, Writer, compile_fields
 from proxy.telemetry.wire import AttrKey
@@ -41,6 +41,7 @@ ERROR_TYPE = AttrKey("error.type")
 STATUS_CODE = AttrKey("http.response.status_code")
 BACKEND = AttrKey("warmroute.backend")
 REQUEST_ID = AttrKey("warmroute.request.id")
+CLIENT = AttrKey("warmroute.client")  # the name of the API key presented (proxy/access.py)
 API = AttrKey("openai.api.type")
 CHOICE_COUNT = AttrKey("gen_ai.request.choice.count")
 STOP_SEQUENCES = AttrKey("gen_ai.request.stop_sequences")

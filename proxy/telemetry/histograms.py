@@ -33,12 +33,6 @@ RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 TraceRef = tuple[int, int, int]
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (what vllm bench and most dashboards report for small n)."""
-    k = max(0, min(len(sorted_values) - 1, int(q * len(sorted_values) + 0.5) - 1))
-    return sorted_values[k]
-
-
 # ---------------------------------------------------------------------------------------------
 # Pre-aggregated histograms.
 
