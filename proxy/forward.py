@@ -21,6 +21,7 @@ engine frees its KV cache).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -165,14 +166,31 @@ class ProxyEndpoint:
         try:
             await self._attempts(ex, decision.ranking, ranking[0], record, send)
         except asyncio.CancelledError:
-            if not ex.client_gone:
-                raise
-            task.uncancel()  # our own cancel (the client left while we awaited the backend)
-            log.info(
-                "request %s: client disconnected before the first byte; upstream closed",
-                ex.request_id,
-            )
-            record.finish(None, status=499, error_type="cancelled")
+            task.uncancel()
+            if ex.client_gone:  # our own cancel (the client left while we awaited the backend)
+                log.info(
+                    "request %s: client disconnected before the first byte; upstream closed",
+                    ex.request_id,
+                )
+                record.finish(None, status=499, error_type="cancelled")
+            elif not ex.started_response:
+                # The server is shutting down past its grace period (a started stream was
+                # already ended with an error event by the relay): a clean answer, no traceback.
+                log.warning("request %s: cut at shutdown before the first byte", ex.request_id)
+                with contextlib.suppress(Exception):
+                    await respond(
+                        send,
+                        503,
+                        error_body(
+                            "The proxy is shutting down; retry the request.",
+                            "server_error",
+                            None,
+                            "shutting_down",
+                        ),
+                        ex.request_id,
+                        ((b"retry-after", b"1"),),
+                    )
+                record.finish(None, status=503, error_type="shutdown")
         except Exception as e:
             # A bug or an unexpected failure must neither hang the client nor leak the span.
             log.exception("request %s: unexpected %s", ex.request_id, type(e).__name__)

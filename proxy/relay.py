@@ -10,6 +10,7 @@ truncation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -246,13 +247,15 @@ class Relay:
             tail, facts = meter.finish(perf(), error=error, cancelled=False)
             record.finish(facts, status=upstream.status, error_type=error, backend=backend.name)
             log.warning("request %s: stream cut at shutdown on %s", ex.request_id, backend.name)
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": sse_error_event(reason, "server_error", error),
-                    "more_body": False,
-                }
-            )
+            with contextlib.suppress(Exception):  # the connection may be gone as well
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": tail[: event_boundary(tail)]
+                        + sse_error_event(reason, "server_error", error),
+                        "more_body": False,
+                    }
+                )
             raise
         # A client that hangs up right after the last event got everything: not a cancel.
         cancelled = ex.client_gone and not meter.completed
