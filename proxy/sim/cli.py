@@ -8,12 +8,13 @@ import contextlib
 import dataclasses
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
 from proxy.kvevents.publisher import offset_endpoint
 from proxy.sim import presets
-from proxy.sim.config import ROLES, Faults, SimConfig
+from proxy.sim.config import PD_FLOWS, ROLES, Faults, SimConfig
 from proxy.sim.fleet import SimFleet
 
 ENV_PREFIX = "WARMROUTE_SIM_"
@@ -68,6 +69,7 @@ ENGINE_OPTIONS: tuple[tuple[str, str], ...] = (
     ("hide_kv_pool", "leave vllm:cache_config_info (the KV pool size) out of /metrics"),
     ("time_scale", "run X times faster than the simulated device (tests, demos)"),
     ("role", "mixed, prefill or decode (P/D disaggregation)"),
+    ("pd", "P/D flow spoken: vllm (kv_transfer_params), sglang (bootstrap rooms), or both"),
     ("kv_transfer_gbs", "P/D link bandwidth for KV transfers, GB/s"),
     ("kv_transfer_latency_s", "fixed latency of one KV transfer, seconds"),
     ("bootstrap_timeout_s", "how long a decode leg waits for its prefill leg, wall seconds"),
@@ -98,6 +100,7 @@ CHOICES: dict[str, Any] = {
     "dtype": list(presets.DTYPE_BYTES),
     "kv_cache_dtype": list(presets.KV_DTYPE_BYTES),
     "role": list(ROLES),
+    "pd": list(PD_FLOWS),
 }
 
 
@@ -210,12 +213,43 @@ def run(args: argparse.Namespace) -> int:
         print(f"warmroute sim: {e}", file=sys.stderr)
         return 2
     ports = [args.port + i if args.port else 0 for i in range(args.instances)]
+    problem = port_problem(args.host, ports)
+    if problem:
+        print(f"warmroute sim: {problem}", file=sys.stderr)
+        return 2
     try:
         asyncio.run(_main(cfgs, args.host, ports, args.log_level))
     except RuntimeError as e:
         print(f"warmroute sim: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def port_problem(host: str, ports: list[int]) -> str | None:
+    """Why the engines cannot listen on these ports (out of range, taken), or None.
+
+    Checked before any engine starts, so the answer is one line instead of a traceback per
+    engine; a port taken in between still fails the start, with SimFleet's message.
+    """
+    for i, port in enumerate(ports):
+        if not 0 <= port <= 65535:
+            which = "--port" if i == 0 else f"engine {i + 1}'s port (--port + {i})"
+            return f"{which} must be between 1 and 65535 (or 0 for any free port), got {port}"
+    for i, port in enumerate(ports):
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                engine = f" (engine {i + 1} of {len(ports)})" if len(ports) > 1 else ""
+                return (
+                    f"cannot listen on {host}:{port}{engine}: {e.strerror}; another process "
+                    "has it: pick another --port"
+                )
+    return None
 
 
 def engine_configs(base: SimConfig, instances: int) -> list[SimConfig]:

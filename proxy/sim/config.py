@@ -10,6 +10,7 @@ from typing import Any
 from proxy.sim import presets
 
 ROLES = ("mixed", "prefill", "decode")
+PD_FLOWS = ("both", "vllm", "sglang")  # which engines' P/D fields a sim accepts
 GIB = 1024**3
 
 
@@ -86,6 +87,7 @@ class SimConfig:
     hide_kv_pool: bool = False
     time_scale: float = 1.0  # 10 runs everything 10x faster than the simulated device
     role: str = "mixed"
+    pd: str = "both"  # the P/D flow spoken: vllm (kv_transfer_params), sglang (bootstrap)
     kv_transfer_gbs: float = 25.0  # P/D link (200 Gb/s RDMA), GB/s
     kv_transfer_latency_s: float = 0.002
     bootstrap_timeout_s: float = 30.0  # wall seconds a decode leg waits for its prefill
@@ -200,6 +202,8 @@ class SimConfig:
             )
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.pd not in PD_FLOWS:
+            raise ValueError(f"pd must be one of {', '.join(PD_FLOWS)}, got {self.pd!r}")
         positive = (
             "tensor_parallel_size",
             "bandwidth_efficiency",

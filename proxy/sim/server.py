@@ -346,18 +346,21 @@ class SimApp:
         kvp = body.get("kv_transfer_params")
         if kvp is not None and not isinstance(kvp, dict):
             raise HTTPError(400, "kv_transfer_params must be an object", "kv_transfer_params")
-        room = body.get("bootstrap_room")
-        prefill_leg = bool(kvp and kvp.get("do_remote_decode")) or (
-            room is not None and self.cfg.role == "prefill"
+        rooms = _rooms(body.get("bootstrap_room"))
+        # --pd: which engine's flow this sim speaks (default both); the other one's fields
+        # are ignored, as a real engine ignores what it does not know.
+        vllm_pd, sglang_pd = self.cfg.pd in ("both", "vllm"), self.cfg.pd in ("both", "sglang")
+        prefill_leg = (vllm_pd and bool(kvp and kvp.get("do_remote_decode"))) or (
+            sglang_pd and bool(rooms) and self.cfg.role == "prefill"
         )
         external = 0
         if prefill_leg:
             max_tokens, ignore_eos, n = 1, True, 1
-        elif kvp and kvp.get("do_remote_prefill"):
+        elif vllm_pd and kvp and kvp.get("do_remote_prefill"):
             blocks = kvp.get("remote_block_ids") or []
             external = min(longest, len(blocks) * self.cfg.block_size)
-        elif room is not None and self.cfg.role == "decode":
-            external = await self._bootstrap_fetch(body, longest)
+        elif sglang_pd and rooms and self.cfg.role == "decode":
+            external = await self._bootstrap_fetch(body, rooms, longest)
         if external:
             await self._kv_transfer(prompts[0], external, cache_salt)
 
@@ -411,11 +414,11 @@ class SimApp:
         watcher = asyncio.create_task(_watch_disconnect(receive, ctx))
         try:
             if stream:
-                await ctx.stream(send, on_done=self._prefilled(room) if prefill_leg else None)
+                await ctx.stream(send, on_done=self._prefilled(rooms) if prefill_leg else None)
             else:
                 result = await ctx.collect()
                 if result and prefill_leg:
-                    self._prefilled(room)(longest)
+                    self._prefilled(rooms)(longest)
                     result["kv_transfer_params"] = self._kv_params(scope, seqs[0][1])
                 if result:
                     await self._json(send, result)
@@ -449,12 +452,12 @@ class SimApp:
         )
 
     # --- prefill/decode ---------------------------------------------------------------
-    def _prefilled(self, room: Any) -> Callable[[int], None]:
-        """Callback for a finished prefill leg: wake the decode leg waiting on its room."""
+    def _prefilled(self, rooms: list[str]) -> Callable[[int], None]:
+        """Callback for a finished prefill leg: wake the decode legs waiting on its rooms."""
 
         def done(prompt_tokens: int) -> None:
-            if room is not None:
-                r = self._room(str(room))
+            for room in rooms:
+                r = self._room(room)
                 r.prompt_tokens = prompt_tokens
                 r.event.set()
 
@@ -467,6 +470,7 @@ class SimApp:
             "do_remote_decode": False,
             "remote_block_ids": list(seq.last_blocks),
             "remote_engine_id": self.cfg.engine_id,
+            "remote_request_id": seq.request_id,
             "remote_host": host,
             "remote_port": port,
             "tp_size": self.cfg.tensor_parallel_size,
@@ -502,26 +506,33 @@ class SimApp:
             send, {"room": room, "prompt_tokens": r.prompt_tokens, "engine": self.cfg.engine_id}
         )
 
-    async def _bootstrap_fetch(self, body: dict[str, Any], prompt_tokens: int) -> int:
-        host, port, room = (
-            body.get("bootstrap_host"),
-            body.get("bootstrap_port"),
-            body["bootstrap_room"],
-        )
-        if not host or not port:
+    async def _bootstrap_fetch(
+        self, body: dict[str, Any], rooms: list[str], prompt_tokens: int
+    ) -> int:
+        """Wait for the prefill engine of every room (GET its /sim/bootstrap/{room}); the
+        prompt tokens whose KV arrived (the fewest, for a batch)."""
+        hosts = _per_room(body.get("bootstrap_host"), len(rooms))
+        ports = _per_room(body.get("bootstrap_port"), len(rooms))
+        if not all(hosts) or not all(ports):
             raise HTTPError(
                 400, "bootstrap_room needs bootstrap_host and bootstrap_port", "bootstrap_host"
             )
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self.cfg.bootstrap_timeout_s + 5)
-        host_part = f"[{host}]" if ":" in str(host) else str(host)
-        try:
-            r = await self._client.get(f"http://{host_part}:{int(port)}/sim/bootstrap/{room}")
+        client = self._client
+
+        async def fetch(host: Any, port: Any, room: str) -> int:
+            h = str(host).strip("[]")
+            host_part = f"[{h}]" if ":" in h else h
+            r = await client.get(f"http://{host_part}:{int(port)}/sim/bootstrap/{room}")
             r.raise_for_status()
-            got = int(r.json().get("prompt_tokens", 0))
-        except (httpx.HTTPError, ValueError) as e:
+            return int(r.json().get("prompt_tokens", 0))
+
+        try:
+            got = await asyncio.gather(*map(fetch, hosts, ports, rooms))
+        except (httpx.HTTPError, ValueError, TypeError) as e:
             raise HTTPError(500, f"KV transfer from the prefill engine failed: {e}") from None
-        return min(got, prompt_tokens)
+        return min(min(got), prompt_tokens)
 
     # --- plumbing ---------------------------------------------------------------------
     async def _json(self, send: Send, obj: Any, status: int = 200) -> None:
@@ -718,6 +729,27 @@ async def _json_body(receive: Receive) -> Any:
         return orjson.loads(b"".join(chunks) or b"null")
     except orjson.JSONDecodeError as e:
         raise HTTPError(400, f"invalid JSON body: {e}") from None
+
+
+def _rooms(value: Any) -> list[str]:
+    """SGLang's bootstrap_room: one integer, or one per prompt of a batch."""
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(r, int) and not isinstance(r, bool) for r in items):
+        raise HTTPError(
+            400, "bootstrap_room must be an integer or a list of them", "bootstrap_room"
+        )
+    return [str(r) for r in items]
+
+
+def _per_room(value: Any, rooms: int) -> list[Any]:
+    """A bootstrap field given once for all rooms, or as a list with one entry per room."""
+    if isinstance(value, list):
+        if len(value) != rooms:
+            raise HTTPError(400, "bootstrap fields must have one entry per bootstrap_room")
+        return value
+    return [value] * rooms
 
 
 def _need(method: str, expected: str) -> None:
