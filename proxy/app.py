@@ -16,11 +16,11 @@ import plugins
 from proxy import handlers
 from proxy.backends import Backend, BackendRegistry
 from proxy.config import Config, ConfigError
+from proxy.edge import Edge
 from proxy.forward import API_PATHS, Forwarding, ProxyEndpoint
 from proxy.retry import RetryPolicy
 from proxy.routing.index import capacity_blocks_from_tokens
-from proxy.routing.router import Router
-from proxy.routing.setup import build_routing
+from proxy.routing.setup import build_router, build_routing
 from proxy.state import AppState, RequestRouting
 from proxy.telemetry import Telemetry
 from proxy.upstream import Upstream, client_ssl_context
@@ -48,7 +48,7 @@ def check_config(config: Config) -> None:
             + ", ".join(plugins.policy_names())
         )
     try:
-        Router.from_config(config.routing)
+        build_router(config.routing)
     except (KeyError, ValueError, TypeError) as e:
         raise ConfigError(f"routing.plugins: {e}") from None
 
@@ -94,8 +94,13 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
         await state.registry.start()
         for cache in engine_caches.values():
             await cache.start()
-        log.info(
-            "warmroute ready: %d backend(s), policy %s, prefix index %s",
+        healthy = sum(b.healthy for b in state.registry.backends.values())
+        log.log(
+            logging.INFO if healthy else logging.WARNING,
+            "warmroute %s: %d of %d backend(s) healthy, policy %s, prefix index %s",
+            "ready" if healthy else "started but not ready (GET /ready answers 503 until a "
+            "backend passes its health check)",
+            healthy,
             len(state.registry.backends),
             config.routing.policy,
             state.routing.index.info().get("mode", "?"),
@@ -170,10 +175,15 @@ class WarmrouteApp:
         self.inner = inner
         self.endpoints = endpoints
         self.state = state
+        backends = state.registry.backends.values()
+        # Access, admission, connection limits and path hygiene first (proxy/edge.py).
+        self.edge = Edge(
+            state.config.server,
+            endpoints,
+            inner,
+            state.telemetry,
+            known_model=lambda m: any(b.models is not None and m in b.models for b in backends),
+        )
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = self.endpoints.get(scope["path"])
-            if endpoint is not None:
-                return await endpoint(scope, receive, send)
-        await self.inner(scope, receive, send)
+        await self.edge(scope, receive, send)
