@@ -12,6 +12,7 @@ from proxy.routing.capacity import CapacityLearner, Outcome
 from proxy.routing.index import MemoryPrefixIndex
 from proxy.routing.placement import Placement
 from proxy.routing.router import Router
+from proxy.routing.setup import build_router
 from proxy.routing.types import BackendView, EngineLoad, RouteContext
 
 
@@ -79,7 +80,7 @@ async def drive(router: Router, engine: LruEngine, clock: list[float], n: int, s
 def learning_router() -> tuple[Router, list[float]]:
     clock = [0.0]
     index = MemoryPrefixIndex(clock=lambda: clock[0])
-    return Router.from_config(RoutingConfig(policy="prefix_aware"), index=index), clock
+    return build_router(RoutingConfig(policy="prefix_aware"), index=index), clock
 
 
 async def test_the_learner_shrinks_the_index_to_what_an_evicting_engine_keeps() -> None:

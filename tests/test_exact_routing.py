@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from proxy.config import RoutingConfig
 from proxy.routing.index import MemoryPrefixIndex
 from proxy.routing.router import Router
+from proxy.routing.setup import build_router
 from tests.test_capacity import SYSTEMS, backend, chat
 
 
@@ -34,7 +35,7 @@ def _keyed(r: Router, i: int):  # type: ignore[no-untyped-def]
 
 
 def router() -> Router:
-    return Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    return build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
 
 
 async def test_a_live_event_view_overrides_the_index_and_says_so() -> None:

@@ -11,6 +11,7 @@ from proxy.config import RoutingConfig
 from proxy.routing.index import MemoryPrefixIndex
 from proxy.routing.popularity import PrefixPopularity
 from proxy.routing.router import Router
+from proxy.routing.setup import build_router
 from proxy.routing.types import EngineLoad, RouteContext
 from tests.test_router import NAMES, SYSTEM, chat, view, views
 
@@ -62,7 +63,7 @@ async def simulate(
 
 
 async def test_a_hot_system_prompt_in_every_request_spreads_the_load() -> None:
-    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
     rng = random.Random(3)
     prompts = [(SYSTEM, f"user question {rng.random()}") for _ in range(1500)]
     area = await simulate(r, prompts)
@@ -70,13 +71,13 @@ async def test_a_hot_system_prompt_in_every_request_spreads_the_load() -> None:
 
 
 async def test_a_short_prompt_repeated_everywhere_is_not_sticky() -> None:
-    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
     area = await simulate(r, [("Be brief.", "hi")] * 1000)
     assert max(area.values()) / min(area.values()) <= 1.2
 
 
 async def test_prefix_aware_keeps_each_system_prompt_on_few_backends() -> None:
-    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
     rng = random.Random(5)
     systems = [f"system prompt {k}: " + "policy text " * 200 for k in range(8)]
     homes: dict[str, set[str]] = {s: set() for s in systems}
@@ -95,7 +96,7 @@ async def test_prefix_aware_keeps_each_system_prompt_on_few_backends() -> None:
 
 
 async def test_prefix_beats_a_small_load_difference_but_not_a_long_queue() -> None:
-    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
     home = (await r.route(chat(SYSTEM * 4, "q", 1), views())).winner
     busier = [view(n, 2 if n == home else 1) for n in NAMES]
     assert (await r.route(chat(SYSTEM * 4, "q2", 2), busier)).winner == home
@@ -114,7 +115,7 @@ async def test_prefix_beats_a_small_load_difference_but_not_a_long_queue() -> No
 
 
 def session_router(**cfg: Any) -> Router:
-    return Router.from_config(RoutingConfig(policy="session", plugins={"session": cfg}))
+    return build_router(RoutingConfig(policy="session", plugins={"session": cfg}))
 
 
 def ctx(i: int, headers: dict[str, str] | None = None, user: str | None = None) -> RouteContext:
@@ -162,7 +163,7 @@ async def test_session_header_name_is_configurable() -> None:
 async def test_spills_of_one_prefix_build_one_second_copy() -> None:
     targets = set()
     for i in range(12):
-        r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+        r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
         home = (await r.route(chat(SYSTEM * 4, "q0", 0), views())).winner
         # The home is far over the bound with a queue; which other backend is least loaded
         # varies.
@@ -180,14 +181,12 @@ async def test_spills_of_one_prefix_build_one_second_copy() -> None:
 
 
 async def test_cold_prefixes_take_the_less_loaded_of_two_rendezvous_choices() -> None:
-    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
     homes: dict[int, set[str]] = {}
     for k in range(40):
         system = f"system prompt {k}: " + "policy text " * 200
         for loads in ((0, 0, 0, 0), (3, 3, 3, 3), (0, 5, 0, 5), (5, 0, 5, 0)):
-            probe = Router.from_config(
-                RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex()
-            )
+            probe = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
             d = await probe.route(chat(system, "q", k), views(loads))
             homes.setdefault(k, set()).add(d.winner or "")
         await r.route(chat(system, "q", k), views())
@@ -212,7 +211,7 @@ def test_popularity_shares() -> None:
 
 
 async def test_a_cool_prefix_stays_on_its_copy_and_a_hot_one_spreads() -> None:
-    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
     cool = "cool system prompt: " + "policy text " * 200
     home = (await r.route(chat(cool, "q", 0), views())).winner
     for i in range(60):  # other traffic: the cool prompt is ~2% of it

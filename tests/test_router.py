@@ -10,7 +10,7 @@ import pytest
 from proxy.config import Config, RoutingConfig
 from proxy.routing.index import MemoryPrefixIndex, RedisPrefixIndex, open_redis
 from proxy.routing.router import Router
-from proxy.routing.setup import build_routing
+from proxy.routing.setup import build_router, build_routing
 from proxy.routing.types import BackendView, EngineLoad, RouteContext
 from tests.routing_support import SHARED_URL, delete_prefix, unique_prefix
 
@@ -48,7 +48,7 @@ SYSTEM = "You are a meticulous assistant for the warmroute test suite. " * 40  #
 
 
 def router(index: Any = None, policy: str = "prefix_aware", **plugins: Any) -> Router:
-    return Router.from_config(RoutingConfig(policy=policy, plugins=plugins), index=index)
+    return build_router(RoutingConfig(policy=policy, plugins=plugins), index=index)
 
 
 async def test_a_follow_up_goes_where_its_prefix_was_recorded() -> None:

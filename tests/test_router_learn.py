@@ -12,7 +12,7 @@ from proxy.config import RoutingConfig
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.index import MemoryPrefixIndex
 from proxy.routing.learn import PrefillLearner, PrefillRate
-from proxy.routing.router import Router
+from proxy.routing.setup import build_router
 from proxy.routing.types import EngineLoad, RouteContext
 from tests.test_router import SYSTEM, chat, view, views
 
@@ -129,7 +129,7 @@ def test_predicted_ttft_counts_the_backlog_this_proxy_sent() -> None:
 
 
 async def test_the_router_adds_each_decisions_uncached_tokens_to_the_backlog() -> None:
-    r = Router.from_config(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
     now = [0.0]
     r.backlog = PrefillBacklog(clock=lambda: now[0])
     first = await r.route(chat(SYSTEM * 4, "q1", 1), views())

@@ -17,6 +17,7 @@ from typing import Any
 from proxy.config import RoutingConfig
 from proxy.routing.index import MemoryPrefixIndex, RedisPrefixIndex, open_redis
 from proxy.routing.router import Router
+from proxy.routing.setup import build_router
 from proxy.routing.types import BackendView, EngineLoad, RouteContext
 from proxy.stats import percentile
 
@@ -84,7 +85,7 @@ def _row(label: str, times: list[float]) -> str:
 async def main(redis_url: str | None, backend_counts: list[int], count: int) -> None:
     cfg = RoutingConfig(policy="prefix_aware")
     for n in backend_counts:
-        times = await measure(Router.from_config(cfg, index=MemoryPrefixIndex()), n, count)
+        times = await measure(build_router(cfg, index=MemoryPrefixIndex()), n, count)
         print(_row(f"memory, {n} backends", times))
         if redis_url:
             prefix = f"wrbench-{uuid.uuid4().hex[:8]}"
@@ -92,7 +93,7 @@ async def main(redis_url: str | None, backend_counts: list[int], count: int) -> 
             index = RedisPrefixIndex(client, key_prefix=prefix, owns_client=True)
             await index.start()
             try:
-                times = await measure(Router.from_config(cfg, index=index), n, count)
+                times = await measure(build_router(cfg, index=index), n, count)
                 print(_row(f"redis, {n} backends", times) + f"  mode={index.mode}")
             finally:
                 keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]

@@ -30,11 +30,11 @@ from proxy.kvevents.view import KvCacheView
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.index import MemoryPrefixIndex, capacity_blocks_from_tokens
 from proxy.routing.prefix import DEFAULT_MAX_BLOCKS, chain_tokens, seed
-from proxy.routing.router import Router
+from proxy.routing.setup import build_router
 from proxy.routing.types import BackendView, EngineLoad, RouteContext
 from proxy.sim import tokens
 from proxy.sim.config import SimConfig
-from proxy.sim.engine import Scheduler, StepPlan, make_seq
+from proxy.sim.engine import Scheduler, Seq, StepPlan, make_seq
 
 STATIC_AFFINITY = "static_affinity"
 
@@ -88,7 +88,7 @@ class VirtualFleet:
         # STATIC_AFFINITY is a bound to compare with, not a policy: system prompt i on engine
         # i mod n, chosen by whoever wrote the workload. The router still hashes and records.
         self.static = policy == STATIC_AFFINITY
-        self.router = Router.from_config(
+        self.router = build_router(
             {"policy": "prefix_aware" if self.static else policy, "plugins": dict(plugins or {})},
             index=self.index,
         )
@@ -228,12 +228,14 @@ async def run_virtual(
     publish_kv_pool: bool = True,
     events: Sequence[tuple[int, Callable[[VirtualFleet], None]]] = (),
     kv_events: bool = False,
+    on_finish: Callable[[VirtualFleet, int, RequestResult, RouteContext, Seq], None] | None = None,
 ) -> tuple[RunResult, VirtualFleet]:
     """Replay `workload` through `policy` on `engines` simulated engines; virtual seconds.
 
     `policy` may be STATIC_AFFINITY (system prompt i on engine i mod n: a bound, not a policy).
     `events`: (request index, action) pairs run just before that request is sent, e.g. to
-    resize the engines' caches mid-run."""
+    resize the engines' caches mid-run. `on_finish(fleet, engine, result, ctx, seq)` is called
+    as each request completes (what the proxy's telemetry hook sees, for the doctor)."""
     fleet = VirtualFleet(sim, engines, policy, plugins, scrape_s, publish_kv_pool, kv_events)
     actions = dict(events)
     plan = workload.plan(requests)
@@ -365,6 +367,8 @@ async def run_virtual(
             fleet.inflight[i] -= 1
             r.ok, r.e2e, r.finish_reason = True, now - o.start, out.finish_reason
             r.completion_tokens = r.output_chunks
+            if on_finish is not None:
+                on_finish(fleet, i, r, o.ctx, out.seq)
             conv = o.spec.conversation
             if conv is not None:
                 history[conv] = [

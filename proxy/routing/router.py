@@ -81,18 +81,12 @@ class Router:
         self.record_on_route = record_on_route
 
     @classmethod
-    def from_config(cls, routing: Any, index: PrefixIndex | None = None) -> Router:
-        """Build from a RoutingConfig (or a mapping with `policy` and `plugins`)."""
-        import plugins
-
-        if isinstance(routing, Mapping):
-            name, blocks = routing.get("policy", "prefix_aware"), routing.get("plugins", {})
-        else:
-            name, blocks = routing.policy, routing.plugins
-        blocks = dict(blocks or {})
-        # A composite policy configures its parts from their own blocks; hand it all of them.
-        policy_cfg = {**blocks.get(name, {}), "plugins": blocks}
-        policy = plugins.build(name, policy_cfg)
+    def from_blocks(
+        cls, policy: Policy, blocks: Mapping[str, Any], index: PrefixIndex | None = None
+    ) -> Router:
+        """Around a policy built by the caller (proxy.routing.setup.build_router builds it from
+        the plugins: the router never imports them); `blocks` is RoutingConfig.plugins, read
+        here for the prefix hasher and capacity learning."""
         hasher = PrefixHasher.from_config(blocks.get(PREFIX_BLOCK, {}))
         prefix_cfg = blocks.get(PREFIX_BLOCK, {})
         learn = bool(prefix_cfg.get("learn_capacity", True))

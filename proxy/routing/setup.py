@@ -1,6 +1,6 @@
 """Routing resources built from the config and opened/closed by the app's lifespan.
 
-routing = build_routing(config)       # no I/O yet
+routing = build_routing(config)       # no I/O yet; build_router(config.routing) for the router
 await routing.start()                  # in lifespan startup
 BackendView(..., inflight=routing.board.get(name),
             prefill_tokens_per_s=routing.learner.rate(name),
@@ -14,9 +14,11 @@ await routing.close()                  # in lifespan shutdown
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import plugins
 from proxy.routing.index import (
     DEFAULT_CAPACITY_BLOCKS,
     DEFAULT_TTL_S,
@@ -29,6 +31,7 @@ from proxy.routing.index import (
 from proxy.routing.inflight import InflightBoard
 from proxy.routing.learn import PrefillLearner
 from proxy.routing.router import PREFIX_BLOCK, Router
+from proxy.routing.types import Policy
 
 
 @dataclass
@@ -63,6 +66,32 @@ class Routing:
         }
 
 
+def policy_blocks(routing: Any) -> tuple[str, dict[str, Any]]:
+    """(policy name, plugin blocks) of a RoutingConfig or a mapping with `policy`, `plugins`."""
+    if isinstance(routing, Mapping):
+        name, blocks = routing.get("policy", "prefix_aware"), routing.get("plugins", {})
+    else:
+        name, blocks = routing.policy, routing.plugins
+    return name, dict(blocks or {})
+
+
+def build_policy(routing: Any) -> Policy:
+    """The configured policy, built by the plugin registry (plugins/ and entry points)."""
+    name, blocks = policy_blocks(routing)
+    # A composite policy configures its parts from their own blocks; hand it all of them.
+    return plugins.build(name, {**blocks.get(name, {}), "plugins": blocks})
+
+
+def build_router(routing: Any, index: PrefixIndex | None = None) -> Router:
+    """A Router for a RoutingConfig (or a mapping with `policy` and `plugins`).
+
+    Plugins are composed here, above both the router and the plugins: plugins import the
+    routing vocabulary (proxy.routing.types) and the router takes the policy it is handed, so
+    neither imports the other."""
+    _, blocks = policy_blocks(routing)
+    return Router.from_blocks(build_policy(routing), blocks, index=index)
+
+
 def build_routing(config: Any, replica_id: str | None = None) -> Routing:
     """From a proxy.config.Config: routing.policy/plugins and redis.* (url, cluster, timeout_s,
     key_prefix). Index sizing lives in routing.plugins.prefix: capacity_blocks, ttl_s."""
@@ -86,7 +115,7 @@ def build_routing(config: Any, replica_id: str | None = None) -> Routing:
         client = None
         index = MemoryPrefixIndex(capacity, ttl_s)
         board = InflightBoard()
-    router = Router.from_config(config.routing, index=index)
+    router = build_router(config.routing, index=index)
     # The proxy records the prefix once the request is on the wire to the backend that got it
     # (forward.py): off the critical path before the upstream write, and never for a backend
     # that refused the connection.
