@@ -9,10 +9,21 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any
 
 from proxy import __version__
 
 SUBCOMMAND_MODULES = ("proxy.serve", "proxy.sim.cli", "proxy.demo", "proxy.bench.cli")
+COMMANDS = {
+    "serve": "proxy.serve",
+    "sim": "proxy.sim.cli",
+    "demo": "proxy.demo",
+    "bench": "proxy.bench.cli",
+}
+# Subcommands that need the `bench` extra (pip install 'warmroute[bench]'): without it they are
+# listed all the same and say what to install, while serve and sim work.
+BENCH_EXTRA = {"proxy.demo": "demo", "proxy.bench.cli": "bench"}
+BENCH_EXTRA_MODULES = ("aiohttp", "tqdm", "numpy", "matplotlib")
 
 DESCRIPTION = """\
 warmroute: an OpenAI-compatible proxy for LLM backends that measures what users see
@@ -28,7 +39,9 @@ Run `warmroute COMMAND --help` for each command's options.
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; with `command`, only that subcommand's module is imported (serve
+    then loads nothing of the bench's), else all of them (for --help)."""
     parser = argparse.ArgumentParser(
         prog="warmroute",
         description=DESCRIPTION,
@@ -36,19 +49,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"warmroute {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMAND_MODULES:
+    for name in [COMMANDS[command]] if command in COMMANDS else SUBCOMMAND_MODULES:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
-            if e.name != name:
+            missing = (e.name or "").split(".")[0]
+            if name in BENCH_EXTRA and missing in BENCH_EXTRA_MODULES:
+                _needs_bench_extra(sub, BENCH_EXTRA[name], missing)
+            elif e.name != name:
                 raise
             continue
         module.register(sub)
     return parser
 
 
+def _needs_bench_extra(sub: Any, command: str, missing: str) -> None:
+    """A stand-in for a subcommand whose dependencies are not installed."""
+    fix = "pip install 'warmroute[bench]'"
+
+    def run(args: argparse.Namespace) -> int:
+        print(
+            f"warmroute {command}: needs {missing}, which a plain `pip install warmroute` "
+            f"leaves out (the proxy does not use it); install it with: {fix}",
+            file=sys.stderr,
+        )
+        return 2
+
+    # No option prefix: every word after the command, --help included, is taken as is.
+    p = sub.add_parser(command, help=f"(not installed: {fix})", add_help=False, prefix_chars="\0")
+    p.add_argument("args", nargs="*")
+    p.set_defaults(func=run)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # The first word that is not an option names the subcommand (the top level's options,
+    # --help and --version, take no value).
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)

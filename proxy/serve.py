@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import gc
 import inspect
+import json
 import logging
 import os
 import socket
@@ -13,9 +15,10 @@ import sys
 from typing import Any, cast
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from proxy.config import Config, ConfigError, load_config
+from proxy.limits import LimitedHttpToolsProtocol, raise_open_file_limit
+from proxy.redact import install_safe_formatter, redacted_config
 
 CONFIG_ENV = "_WARMROUTE_SERVE_CONFIG"  # hands the validated config to worker processes
 
@@ -38,8 +41,9 @@ environment < flags. Then point any OpenAI client at http://HOST:PORT/v1.
 """
 
 
-class NoDelayHttpToolsProtocol(HttpToolsProtocol):
-    """Sets TCP_NODELAY on every client connection explicitly.
+class NoDelayHttpToolsProtocol(LimitedHttpToolsProtocol):
+    """Sets TCP_NODELAY on every client connection explicitly (and enforces the limits on
+    client connections: proxy/limits.py).
 
     Without it the first SSE chunk can wait ~40 ms for a delayed ACK (measured on a Rust
     router here); the event loops usually set it, but this must not depend on the loop.
@@ -149,6 +153,28 @@ def register(sub: Any) -> None:
         "traffic; docs/disaggregation.md; env: WARMROUTE_DISAGG__MODE)",
     )
     p.add_argument(
+        "--admin-port",
+        type=int,
+        help="serve /admin/* on this port, on --admin-host (default: /admin is not served; "
+        "the serving port itself puts it there; env: WARMROUTE_ADMIN_PORT)",
+    )
+    p.add_argument(
+        "--admin-host",
+        help="address of the admin listener (default 127.0.0.1; env: WARMROUTE_ADMIN_HOST)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        help="client connections open at once; more get 503 (default: half the open-file "
+        "limit; env: WARMROUTE_MAX_CONNECTIONS)",
+    )
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        help="requests worked on at once before a short queue, then 503 + Retry-After "
+        "(default 4096; env: WARMROUTE_MAX_INFLIGHT)",
+    )
+    p.add_argument(
         "--check", action="store_true", help="validate the configuration, print it, and exit"
     )
     p.set_defaults(func=run)
@@ -166,6 +192,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "workers",
             "log_level",
             "debug_headers",
+            "admin_port",
+            "admin_host",
+            "max_connections",
+            "max_inflight",
             "disagg",
         )
     }
@@ -173,11 +203,46 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    # Credentials in URLs masked and control characters escaped in every message (uvicorn's
+    # too: log_config=None sends its records here), proxy/redact.py.
+    install_safe_formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", level)
+    if level != "debug":
+        # httpx logs every request at INFO: each health check and metrics scrape of every
+        # backend, every few seconds. Changes of a backend's state are logged by warmroute.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+class PortTaken(Exception):
+    """The address to listen on is in use or not ours to take; the message says which."""
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the app starts: a port in use is one clean
+    error, not a started proxy that logs it is ready and then exits."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = (
+            "another process listens there (another warmroute?); stop it, or pick another "
+            "port with --port or WARMROUTE_PORT"
+            if e.errno == errno.EADDRINUSE
+            else "check --host (an address of this machine) and --port"
+        )
+        raise PortTaken(f"cannot listen on {host}:{port}: {e.strerror}; {hint}") from None
+    sock.set_inheritable(True)  # worker processes serve on it
+    return sock
+
+
+def admin_sockets(config: Config) -> list[socket.socket]:
+    """The admin listener's socket, when server.admin_port names a port of its own."""
+    s = config.server
+    if s.admin_port is None or s.admin_port == s.port:
+        return []
+    return [listen_socket(s.admin_host, s.admin_port)]
 
 
 def app_factory() -> Any:
@@ -224,7 +289,8 @@ def uvicorn_config(config: Config, app: Any, **overrides: Any) -> uvicorn.Config
         "access_log": False,
         "proxy_headers": False,  # X-Forwarded-* rewriting costs CPU per request; unused here
         "timeout_graceful_shutdown": config.server.shutdown_grace_s,
-        "timeout_keep_alive": 30,
+        "timeout_keep_alive": config.server.keepalive_timeout_s,
+        "log_config": None,  # uvicorn's records go through setup_logging's formatter
         "lifespan": "on",
     }
     kwargs.update(overrides)
@@ -244,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
 
         check_config(config)
         if args.check:
-            print(config.model_dump_json(indent=2))
+            print(json.dumps(redacted_config(config.model_dump(mode="json")), indent=2))
             return 0
         setup_logging(config.server.log_level)
         if config.server.workers > 1:
@@ -255,21 +321,35 @@ def run(args: argparse.Namespace) -> int:
         else:
             server_config = uvicorn_config(config, create_app(config))
             freeze_startup_heap()
+        sock = listen_socket(config.server.host, config.server.port)
+        sockets = [sock, *admin_sockets(config)]
     except ConfigError as e:
         print(f"warmroute: {e}", file=sys.stderr)
         return 2
+    except PortTaken as e:
+        print(f"warmroute: {e}", file=sys.stderr)
+        return 1
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    logging.getLogger("warmroute").info("listening on %s (OpenAI base URL %s/v1)", url, url)
+    if len(sockets) > 1:
+        logging.getLogger("warmroute").info(
+            "admin on http://%s:%d/admin", config.server.admin_host, config.server.admin_port
+        )
+    before, after = raise_open_file_limit()
+    if after != before:
+        logging.getLogger("warmroute").debug("open-file limit raised from %d to %d", before, after)
     if config.server.workers > 1:
-        sock = server_config.bind_socket()
         from uvicorn.supervisors import Multiprocess
 
         if "target" in inspect.signature(Multiprocess.__init__).parameters:  # uvicorn < 0.36
             supervisor: Any = Multiprocess  # its signature depends on the uvicorn version
             supervisor(
-                server_config, target=uvicorn.Server(server_config).run, sockets=[sock]
+                server_config, target=uvicorn.Server(server_config).run, sockets=sockets
             ).run()
         else:  # the supervisor builds each worker's Server itself
-            Multiprocess(server_config, sockets=[sock]).run()
+            Multiprocess(server_config, sockets=sockets).run()
         return 0
     server = uvicorn.Server(server_config)
-    server.run()
+    server.run(sockets=sockets)
     return 0 if server.started else 1

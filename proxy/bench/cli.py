@@ -99,6 +99,9 @@ WARMROUTE_BENCH_DIRECT=url1,url2.
 """
 
 
+DEFAULT_CONCURRENCY = 8  # closed loop, when neither --concurrency nor --rate is given
+
+
 def _env(name: str, default: Any = None) -> Any:
     return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
 
@@ -210,7 +213,8 @@ def register(sub: Any) -> None:
         type=pos,
         default=_env("concurrency"),
         metavar="C",
-        help="closed loop: C requests in flight; with --rate: the cap in flight",
+        help="closed loop: C requests in flight (default 8 without --rate); with --rate: "
+        "the cap in flight",
     )
     g.add_argument(
         "--rate",
@@ -408,7 +412,7 @@ def run_command(args: argparse.Namespace) -> int:
     if not args.base_url and not args.direct:
         return _fail("--base-url is required (or WARMROUTE_BENCH_BASE_URL), or --direct alone")
     if args.concurrency is None and args.rate is None:
-        return _fail("give --concurrency C (closed loop) or --rate R (open loop)")
+        args.concurrency = DEFAULT_CONCURRENCY  # closed loop
     if args.interleave and args.rate is not None:
         return _fail("--interleave is closed loop: give --concurrency, not --rate")
     if args.interleave and args.vary_seed:
