@@ -11,6 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.errors import RequestError, error_body
+from proxy.redact import redact_text, redact_url
 from proxy.routing.types import RouteContext
 from proxy.validate import PROMPT_FIELD, validate
 
@@ -30,21 +31,24 @@ def routes(state: AppState) -> list[Route]:
         return _json({"status": "ok"})
 
     async def ready(request: Request) -> Response:
+        # Names and health only: the serving port is not the place for URLs (admin has them).
         ok = state.registry.any_ready()
-        return _json({"ready": ok, "backends": _backends()}, 200 if ok else 503)
+        now = time.monotonic()
+        up = [{"name": b.name, "up": b.is_up(now)} for b in state.registry.backends.values()]
+        return _json({"ready": ok, "backends": up}, 200 if ok else 503)
 
     def _backends() -> list[dict[str, object]]:
         return [
             {
                 "name": b.name,
-                "url": b.url,
+                "url": redact_url(b.url),
                 "engine": b.cfg.engine,
                 "role": b.cfg.role,
                 "healthy": b.healthy,
                 "up": b.is_up(time.monotonic()),
                 "inflight": state.routing.board.get(b.name),  # all replicas' open requests
                 "models": sorted(b.models) if b.models is not None else None,
-                "last_error": b.last_error,
+                "last_error": redact_text(b.last_error) if b.last_error else None,
                 "load": {
                     "waiting": b.load.waiting,
                     "running": b.load.running,

@@ -18,6 +18,11 @@ PROMPT_FIELD = {
     "responses": ("input", (str, list)),
 }
 _TYPE_NAMES = {list: "an array", str: "a string", dict: "an object", bool: "a boolean"}
+# The deepest nesting the proxy can serialize again (orjson writes 254 levels, reads 1024): the
+# prefix hash renders tools and content parts, a stream_options rewrite the whole body.
+MAX_DEPTH = 254
+# Token ids are hashed as signed 64-bit integers; no tokenizer comes near the bound.
+_TOKEN_MIN, _TOKEN_MAX = -(2**63), 2**63 - 1
 
 
 def _bad(param: str, message: str) -> RequestError:
@@ -72,6 +77,14 @@ def validate(api: str, body: Any) -> None:
                     param=f"messages[{i}].role",
                     code="missing_required_parameter",
                 )
+            for key, part in msg.items():  # strings (the usual content) cost one type check
+                if type(part) is list or type(part) is dict:
+                    _check_depth(part, 4, f"messages[{i}].{key}")
+    elif api in ("completions", "embeddings") and type(value) is list:
+        _check_token_ids(field, value)
+    for key, part in body.items():
+        if (type(part) is list or type(part) is dict) and (key != field or api != "chat"):
+            _check_depth(part, 2, key)
     _expect(body, "stream", (bool,), "a boolean")
     _expect(body, "stream_options", (dict,), "an object")
     for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):
@@ -79,3 +92,34 @@ def validate(api: str, body: Any) -> None:
     for key in ("temperature", "top_p"):
         _expect(body, key, (int, float), "a number")
     _expect(body, "user", (str,), "a string")
+
+
+def _check_depth(value: Any, depth: int, param: str) -> None:
+    """400 naming `param` when `value` (itself at nesting `depth`) nests past MAX_DEPTH."""
+    stack = [(value, depth)]
+    while stack:
+        node, level = stack.pop()
+        if level > MAX_DEPTH:
+            raise _bad(
+                param,
+                f"'{param}' is nested more than {MAX_DEPTH} levels deep (with the request "
+                "body itself); this proxy does not accept deeper JSON.",
+            )
+        for child in node.values() if type(node) is dict else node:
+            if type(child) is list or type(child) is dict:
+                stack.append((child, level + 1))
+
+
+def _check_token_ids(param: str, value: list[Any]) -> None:
+    """400 naming `param` for a token id outside the signed 64-bit range."""
+    rows = value if value and type(value[0]) is list else [value]
+    for i, row in enumerate(rows):
+        if type(row) is not list or not row:
+            continue
+        try:
+            low, high = min(row), max(row)
+        except TypeError:  # mixed types: not token ids, the backend will say what it wants
+            continue
+        if (type(low) is int and low < _TOKEN_MIN) or (type(high) is int and high > _TOKEN_MAX):
+            where = f"{param}[{i}]" if rows is value else param
+            raise _bad(where, f"'{where}' holds a token id outside the 64-bit integer range.")

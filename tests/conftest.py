@@ -40,11 +40,15 @@ def proxy_server() -> Iterator[Callable[..., ServerThread]]:
     def start(
         backends: list[str], config: dict[str, Any] | None = None, **flags: Any
     ) -> ServerThread:
+        port = free_port()
+        # /admin on the serving port (a loopback one), as tests read it
+        flags = {"port": port, "admin_port": port, **flags}
         cfg = load_config(flags={"backends": backends, **flags}, env={})
         if config:
             cfg = cfg.model_validate(_deep_merge(cfg.model_dump(), config))
         # The production HTTP protocol (TCP_NODELAY, head sent with the first body bytes).
-        server = ServerThread(create_app(cfg), http=NoDelayHttpToolsProtocol).start()
+        app = create_app(cfg)
+        server = ServerThread(app, port=port, http=NoDelayHttpToolsProtocol).start()
         started.append(server)
         return server
 

@@ -52,7 +52,7 @@ def _taken(port: int) -> bool:
 @contextlib.contextmanager
 def proxy(backends: list[str]) -> Iterator[str]:
     port = free_port()
-    args = [sys.executable, "-m", "proxy", "serve", "--port", str(port)]
+    args = [sys.executable, "-m", "proxy", "serve", "--port", str(port), "--admin-port", str(port)]
     for b in backends:
         args += ["--backend", b]
     with process(args, ready=f"http://127.0.0.1:{port}/ready"):

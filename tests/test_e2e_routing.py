@@ -79,6 +79,8 @@ def proxies(n: int, backends: list[str], redis_url: str) -> Iterator[list[str]]:
                 "serve",
                 "--port",
                 str(port),
+                "--admin-port",  # /admin on the (loopback) serving port
+                str(port),
                 "--policy",
                 "prefix_aware",
                 "--redis",

@@ -43,6 +43,7 @@ def proxy(tmp: Path, backends: list[dict[str, Any]]) -> Iterator[str]:
         yaml.safe_dump({"backends": backends, "routing": routing, "health": {"interval_s": 0.5}})
     )
     args = [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port)]
+    args += ["--admin-port", str(port)]  # /admin on the (loopback) serving port
     with process(args, ready=f"http://127.0.0.1:{port}/ready"):
         yield f"http://127.0.0.1:{port}"
 

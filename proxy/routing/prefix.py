@@ -8,6 +8,8 @@ has seen the whole prefix up to block k", so a longest-prefix match is a lookup 
 Rendering works on the parsed body, so dict key order and JSON spacing never change the key.
 It is not the engine's exact token stream (templates differ per model); what matters is that
 two requests sharing a prompt prefix share a rendered prefix, and that blocks are stable.
+The salt is the request's `cache_salt` and, with API keys and server.isolate_tenants, the
+key's name: one tenant's prompts never match another's (docs/security.md).
 Exact mode with the model's chat template (proxy.routing.template) is the engine's stream.
 """
 
@@ -22,6 +24,7 @@ from typing import Any
 import orjson
 import xxhash
 
+from proxy.access import TENANT
 from proxy.routing.template import ChatTemplate
 
 _h64 = xxhash.xxh3_64_intdigest
@@ -267,6 +270,9 @@ class PrefixHasher:
         if salt is None:
             raw_salt = body.get("cache_salt")  # vLLM's per-tenant cache isolation
             salt = raw_salt if isinstance(raw_salt, str) else None
+            tenant = TENANT.get()  # the API key's name, when tenants are isolated
+            if tenant is not None:
+                salt = f"{tenant}{_FIELD}{salt or ''}"
         h0 = seed(model, salt)
         ids = token_ids(api, body)
         if ids is not None:

@@ -159,6 +159,8 @@ class RequestMetrics:
         self.inflight: Callable[[], Mapping[str, int]] = dict
         # per backend: the learned prefix cache and how well the index predicts it
         self.cache: Callable[[], Mapping[str, Mapping[str, Any]]] = dict
+        # the model's metric label: the name when a backend lists it (see bound_model_labels)
+        self.model_label: Callable[[str], str] = str
         self._routes: dict[tuple[str, str], tuple[tuple[str, str], Point]] = {}
         self._series: dict[tuple[Any, ...], Series] = {}
         self._pending: list[Row] = []  # requests' one-value samples, until fold()
@@ -263,8 +265,14 @@ class RequestMetrics:
         key = (op, model, address, port, backend)
         series = self._series.get(key)
         if series is None:
+            # A model no backend lists is client input: one series for all of them ("other")
+            label = self.model_label(model)
+            if label != model:
+                key = (op, label, address, port, backend)
+                series = self._series.get(key)
+        if series is None:
             with self.lock:
-                series = Series(self, op, model, address, port, backend)
+                series = Series(self, op, label, address, port, backend)
             if len(self._series) < 10_000:  # models and backends are few; bound it anyway
                 self._series[key] = series
         ok = err is None

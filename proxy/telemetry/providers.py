@@ -41,6 +41,7 @@ SCOPE = "warmroute"
 # How long the last export may take at shutdown (a collector that is down must not hold up a
 # rolling restart: the SDK's exporters would retry for ~15 s between them).
 SHUTDOWN_EXPORT_S = 3.0
+OTHER = "other"  # the metric label of every model no backend lists
 log = logging.getLogger("warmroute.telemetry")
 
 
@@ -176,6 +177,11 @@ class Telemetry:
         """Report `source()` (backend -> requests this proxy has open on it) as
         warmroute.backend.inflight: the count routing keeps anyway, not a second one."""
         self.metrics.inflight = source
+
+    def bound_model_labels(self, known: Callable[[str], bool]) -> None:
+        """Label metrics with the model only when `known(model)` (a backend lists it); any
+        other name the client sent is labelled `other`, so client input cannot add series."""
+        self.metrics.model_label = lambda model: model if not model or known(model) else OTHER
 
     def read_cache(self, source: Callable[[], Mapping[str, Mapping[str, Any]]]) -> None:
         """Report `source()` (backend -> the capacity learner's estimate, as in

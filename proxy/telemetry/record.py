@@ -12,10 +12,10 @@ from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from proxy.access import CLIENT
 from proxy.meter import StreamFacts
 from proxy.routing.types import Decision
 from proxy.telemetry import attributes as span_attrs
-from proxy.access import CLIENT
 from proxy.telemetry.attributes import CLIENT as CLIENT_ATTR
 from proxy.telemetry.attributes import ERROR_TYPE, STATUS_CODE, epoch_ns
 from proxy.telemetry.render import DictWriter

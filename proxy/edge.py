@@ -1,0 +1,302 @@
+"""The edge: every HTTP request passes here first (raw ASGI, before any routing).
+
+In order: a path sent percent-encoded is refused (Starlette routes on the decoded path, so
+`/%61dmin/backends` would otherwise reach /admin); the API endpoints check the client's API
+key (when keys are configured) and take an admission slot (proxy/admission.py); /admin/* is
+served only where server.admin_port / admin_token_sha256 say (proxy/access.py); every other
+response gets an `x-request-id`; unknown paths and wrong methods answer OpenAI-style JSON, and
+a trailing slash is a 404, never a redirect built from the client's Host header.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy.access import CLIENT, TENANT, AdminAccess, KeyRing, bearer
+from proxy.admission import Admission
+from proxy.errors import error_body
+from proxy.limits import APP_STATE_KEY, Connections, ConnLimits, default_max_connections
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+    from proxy.config import ServerConfig
+    from proxy.telemetry import Telemetry
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+JSON = b"application/json"
+ADMIN_LISTENER_PATHS = ("/admin/", "/metrics", "/health", "/ready")
+
+
+class Edge:
+    """Dispatches one HTTP request: API endpoints straight to their raw ASGI handlers, the
+    rest (small endpoints, admin, 404s) to the Starlette app."""
+
+    def __init__(
+        self,
+        server: ServerConfig,
+        endpoints: Mapping[str, ASGIApp],
+        inner: Starlette,
+        telemetry: Telemetry | None = None,
+        known_model: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.endpoints = endpoints
+        self.inner = inner
+        self.keys = KeyRing.from_hex([(k.name, k.sha256) for k in server.api_keys])
+        self.isolate_tenants = server.isolate_tenants and bool(self.keys)
+        self.admin = AdminAccess.from_settings(
+            server.port, server.admin_port, server.admin_token_sha256
+        )
+        self.admission = Admission(
+            server.max_inflight, server.admission_queue, server.admission_timeout_s
+        )
+        self.connections = Connections(
+            ConnLimits(
+                max_header_bytes=server.max_header_bytes,
+                max_headers=server.max_headers,
+                header_timeout_s=server.header_timeout_s,
+                body_timeout_s=server.body_timeout_s,
+                max_connections=server.max_connections or default_max_connections(),
+            )
+        )
+        self.auth_refused = {"api": 0, "admin": 0}
+        self.client_requests: dict[str, int] = {}
+        _json_errors(inner)
+        if telemetry is not None:
+            if known_model is not None:
+                telemetry.bound_model_labels(known_model)
+            if telemetry.enabled:
+                _observe(self, telemetry)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind != "http":
+            if kind == "lifespan" and isinstance(scope.get("state"), dict):
+                scope["state"][APP_STATE_KEY] = self.connections  # read by proxy/limits.py
+            await self.inner(scope, receive, send)
+            return
+        if b"%" in scope.get("raw_path", b""):
+            await _error(send, 404, "This proxy serves no percent-encoded paths.", "not_found")
+            return
+        admin = self.admin
+        on_admin = admin.admin_port is not None and admin.on_admin_listener(scope.get("server"))
+        if scope["method"] == "POST" and not on_admin:
+            endpoint = self.endpoints.get(scope["path"])
+            if endpoint is not None:
+                await self._api(endpoint, scope, receive, send)
+                return
+        await self._other(scope, receive, send, on_admin)
+
+    async def _api(self, endpoint: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        client = None
+        if self.keys:
+            client = self._client(scope)
+            if client is None:
+                await _refuse_key(send, scope)
+                return
+        admission = self.admission
+        refused = await admission.enter()
+        if refused is not None:
+            await _error(
+                send,
+                503,
+                f"This proxy is at its limit of {admission.limit} requests in flight and "
+                f"{admission.queue} waiting (server.max_inflight, server.admission_queue); "
+                f"retry after {admission.retry_after_s} s.",
+                "overloaded",
+                "server_error",
+                [(b"retry-after", str(admission.retry_after_s).encode())],
+            )
+            return
+        tokens = None
+        if client is not None:
+            tokens = (CLIENT.set(client), TENANT.set(client) if self.isolate_tenants else None)
+        try:
+            await endpoint(scope, receive, send)
+        finally:
+            admission.leave()
+            if tokens is not None:
+                CLIENT.reset(tokens[0])
+                if tokens[1] is not None:
+                    TENANT.reset(tokens[1])
+
+    def _client(self, scope: Scope) -> str | None:
+        client = self.keys.match(bearer(scope["headers"]))
+        if client is None:
+            self.auth_refused["api"] += 1
+        else:
+            self.client_requests[client] = self.client_requests.get(client, 0) + 1
+        return client
+
+    async def _other(self, scope: Scope, receive: Receive, send: Send, on_admin: bool) -> None:
+        request_id = _request_id(scope)
+        send = _with_request_id(send, request_id)
+        path: str = scope["path"]
+        tenant = None
+        if path.startswith("/admin"):
+            refusal = self.admin.refusal(on_admin, bearer(scope["headers"]))
+            if refusal is not None:
+                if refusal[0] == 401:
+                    self.auth_refused["admin"] += 1
+                await _error(send, refusal[0], refusal[1], refusal[2])
+                return
+            if path == "/admin/route/explain":  # explain as that key's tenant would be routed
+                query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+                tenant = (query.get("client") or [None])[0] if self.isolate_tenants else None
+        elif on_admin and not path.startswith(ADMIN_LISTENER_PATHS):
+            await _error(
+                send,
+                404,
+                "This is the admin listener: it serves /admin/*, /metrics, /health and /ready.",
+                "not_found",
+            )
+            return
+        elif path == "/v1/models" and self.keys and self._client(scope) is None:
+            await _refuse_key(send, scope)
+            return
+        token = TENANT.set(tenant) if tenant else None
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            if token is not None:
+                TENANT.reset(token)
+
+
+def _request_id(scope: Scope) -> str:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id" and 0 < len(value) <= 200 and all(32 < c < 127 for c in value):
+            return value.decode("ascii")
+    return os.urandom(16).hex()
+
+
+def _with_request_id(send: Send, request_id: str) -> Send:
+    rid = request_id.encode("ascii")
+
+    async def send_with_id(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                headers.append((b"x-request-id", rid))
+                message = {**message, "headers": headers}
+        await send(message)
+
+    return send_with_id
+
+
+async def _error(
+    send: Send,
+    status: int,
+    message: str,
+    code: str,
+    type_: str = "invalid_request_error",
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    body = error_body(message, type_, None, code)
+    head = [(b"content-type", JSON), (b"content-length", str(len(body)).encode()), *(headers or ())]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _refuse_key(send: Send, scope: Scope) -> None:
+    presented = bearer(scope["headers"]) is not None
+    message = (
+        "Incorrect API key provided."
+        if presented
+        else "You didn't provide an API key: send `Authorization: Bearer <key>`."
+    )
+    await _error(
+        send,
+        401,
+        message,
+        "invalid_api_key",
+        headers=[(b"www-authenticate", b'Bearer realm="warmroute"')],
+    )
+
+
+def _json_errors(inner: Starlette) -> None:
+    """404 and 405 as OpenAI-style JSON; no redirect to add or drop a trailing slash."""
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        status = exc.status_code
+        if status == 405:
+            message = f"Method {request.method} is not allowed for {request.url.path}."
+            code = "method_not_allowed"
+        elif status == 404:
+            message = f"Unknown path {request.url.path}: this proxy serves the OpenAI API at /v1."
+            code = "not_found"
+        else:
+            message, code = str(exc.detail), None
+        return Response(error_body(message, code=code), status, exc.headers, "application/json")
+
+    inner.exception_handlers[HTTPException] = http_error
+    inner.router.redirect_slashes = False
+
+
+def _observe(edge: Edge, telemetry: Telemetry) -> None:
+    """The edge's counts as metrics: admission, connections, refused keys, clients."""
+    from opentelemetry.metrics import Observation
+
+    meter = telemetry.meter_provider.get_meter("warmroute")
+    admission, conns = edge.admission, edge.connections
+
+    def gauge(read: Callable[[], int]) -> Callable[[Any], list[Observation]]:
+        return lambda _options: [Observation(read())]
+
+    def counts(table: Callable[[], dict[str, int]], key: str) -> Callable[[Any], list[Any]]:
+        return lambda _options: [Observation(n, {key: k}) for k, n in dict(table()).items()]
+
+    meter.create_observable_up_down_counter(
+        "warmroute.admission.inflight",
+        [gauge(lambda: admission.inflight)],
+        unit="{request}",
+        description="Requests admitted and not yet finished (server.max_inflight bounds it).",
+    )
+    meter.create_observable_up_down_counter(
+        "warmroute.admission.waiting",
+        [gauge(lambda: admission.waiting)],
+        unit="{request}",
+        description="Requests waiting for an admission slot (server.admission_queue).",
+    )
+    meter.create_observable_counter(
+        "warmroute.admission.rejected",
+        [counts(lambda: admission.stats.rejected, "warmroute.reason")],
+        unit="{request}",
+        description="Requests refused with 503 + Retry-After, by reason.",
+    )
+    meter.create_observable_up_down_counter(
+        "warmroute.connections.open",
+        [gauge(lambda: conns.open)],
+        unit="{connection}",
+        description="Client connections open (server.max_connections bounds it).",
+    )
+    meter.create_observable_counter(
+        "warmroute.connections.refused",
+        [counts(lambda: conns.refused, "warmroute.reason")],
+        unit="{connection}",
+        description="Client connections closed by a limit (size, timeout, count), by reason.",
+    )
+    meter.create_observable_counter(
+        "warmroute.auth.refused",
+        [counts(lambda: edge.auth_refused, "warmroute.route")],
+        unit="{request}",
+        description="Requests refused for a missing or wrong API key or admin token.",
+    )
+    meter.create_observable_counter(
+        "warmroute.client.requests",
+        [counts(lambda: edge.client_requests, "warmroute.client")],
+        unit="{request}",
+        description="Requests by the name of the API key they presented (configured names only).",
+    )

@@ -1,0 +1,278 @@
+"""Limits on client connections, enforced in the HTTP protocol before the app sees a request.
+
+Without them one client could hold the proxy: a 128 MB header was parsed for ~25 s on the
+event loop (health checks timed out, other clients got 503), and 300 idle or slow-header
+connections were all still open after 75 s. Here, per connection:
+
+- the request head (request line and headers) is bounded in bytes and header count: past
+  either, 431 and the connection closes; bytes are counted as they arrive, so a head that is
+  still growing is refused as soon as it passes the bound;
+- the head must be complete within `header_timeout_s` of the connection opening (or of its
+  first byte after a keep-alive wait), and the body within `body_timeout_s` of the head: else
+  408 (a connection that never sent a byte is just closed);
+- past `max_connections` open connections a new one gets 503 and is closed at once.
+
+Deadlines are checked by one timer per server every tick (a quarter of the shortest timeout,
+at most 1 s), not one timer per request: a request costs two clock reads. The app publishes
+the limits (and reads the counters) through the ASGI lifespan state, so any server running the
+app with this protocol enforces the app's configured limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from dataclasses import dataclass, field
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from proxy.errors import error_body
+
+APP_STATE_KEY = "warmroute.connections"
+log = logging.getLogger("warmroute.limits")
+
+_IDLE, _HEAD, _BODY = 0, 1, 2
+REASONS = (
+    "too_many_connections",
+    "header_too_large",
+    "too_many_headers",
+    "header_timeout",
+    "body_timeout",
+    "idle_timeout",
+    "bad_request",
+)
+
+
+@dataclass(frozen=True)
+class ConnLimits:
+    max_header_bytes: int = 32 * 1024
+    max_headers: int = 100
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 1024
+
+    @property
+    def tick_s(self) -> float:
+        return min(1.0, max(0.02, min(self.header_timeout_s, self.body_timeout_s) / 4))
+
+
+@dataclass
+class Connections:
+    """The limits a server enforces and what enforcing them did (read by /metrics)."""
+
+    limits: ConnLimits
+    open: int = 0
+    refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+
+
+def default_max_connections() -> int:
+    """Half the open-file limit (each client connection may hold an upstream one too), less
+    a reserve for listeners, Redis, logs and the health checks."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 32768
+    return max(16, (soft - 64) // 2)
+
+
+def raise_open_file_limit(want: int = 65536) -> tuple[int, int]:
+    """Raise this process's soft open-file limit towards its hard limit: (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            return soft, soft
+        return soft, target
+    return soft, soft
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing a request that is refused."""
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits above (when the app publishes them)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._conns: Connections | None = self.app_state.get(APP_STATE_KEY)
+        self._phase = _IDLE
+        self._since = 0.0  # loop time the current phase began
+        self._head_bytes = 0  # bytes of the current head seen in earlier reads
+        self._chunk = 0  # bytes of the read being parsed
+        self._refusal: tuple[int, str, str] | None = None
+        self._counted = False
+
+    # -- connection ------------------------------------------------------------------------
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        conns = self._conns
+        if conns is None:
+            return
+        conns.open += 1
+        self._counted = True
+        self._phase, self._since = _HEAD, self.loop.time()
+        if len(self.connections) > conns.limits.max_connections:
+            self._refuse(
+                503,
+                f"This proxy has {conns.limits.max_connections} connections open "
+                "(server.max_connections); retry shortly.",
+                "too_many_connections",
+            )
+            return
+        _arm_sweep(self.loop, self.server_state, conns)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._counted and self._conns is not None:
+            self._counted = False
+            self._conns.open -= 1
+        self._phase = _IDLE
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        conns = self._conns
+        if conns is None:
+            super().data_received(data)
+            return
+        self._unset_keepalive_if_required()
+        self._chunk = len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError:
+            refusal = self._refusal or (400, "Invalid HTTP request received.", "bad_request")
+            self._refuse(*refusal)
+            return
+        if self._phase == _HEAD:
+            self._head_bytes += len(data)
+            limit = conns.limits.max_header_bytes
+            if self._head_bytes > limit and not self.transport.is_closing():
+                self._refuse(*_head_too_large(limit))
+
+    # -- parser callbacks ------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._phase != _HEAD:
+            self._phase, self._since = _HEAD, self.loop.time()
+        self._head_bytes = 0
+
+    def on_headers_complete(self) -> None:
+        conns = self._conns
+        if conns is not None:
+            limits = conns.limits
+            if len(self.headers) > limits.max_headers:
+                self._refusal = (
+                    431,
+                    f"The request has {len(self.headers)} header fields; this proxy takes at "
+                    f"most {limits.max_headers} (server.max_headers).",
+                    "too_many_headers",
+                )
+                raise _Refused
+            if self._head_bytes + self._chunk > limits.max_header_bytes:  # else it fits
+                size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+                if size > limits.max_header_bytes:
+                    self._refusal = _head_too_large(limits.max_header_bytes)
+                    raise _Refused
+            self._phase, self._since = _BODY, self.loop.time()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._phase = _IDLE
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, msg, "bad_request")
+
+    # -- refusing --------------------------------------------------------------------------
+    def expire(self, now: float) -> None:
+        """Called by the sweep: close the connection if its head or body is overdue."""
+        conns = self._conns
+        if conns is None or self.transport is None or self.transport.is_closing():
+            return
+        limits = conns.limits
+        if self._phase == _HEAD and now - self._since > limits.header_timeout_s:
+            if self._head_bytes == 0:  # not a byte of a request: an idle connection
+                conns.refused["idle_timeout"] += 1
+                self._phase = _IDLE
+                self.transport.close()
+                return
+            self._refuse(
+                408,
+                f"The request head was not complete within {limits.header_timeout_s:g} s "
+                "(server.header_timeout_s).",
+                "header_timeout",
+            )
+        elif self._phase == _BODY and now - self._since > limits.body_timeout_s:
+            self._refuse(
+                408,
+                f"The request body was not complete within {limits.body_timeout_s:g} s "
+                "(server.body_timeout_s).",
+                "body_timeout",
+            )
+
+    def _refuse(self, status: int, message: str, reason: str) -> None:
+        """Answer `status` (unless a response is under way) and close the connection."""
+        self._phase = _IDLE
+        self._refusal = None
+        if self._conns is not None:
+            self._conns.refused[reason] = self._conns.refused.get(reason, 0) + 1
+        log.debug("connection from %s refused: %s (%d)", self.client, reason, status)
+        transport = self.transport
+        if transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # The app is working on this request: it now sees a disconnect, and what it
+            # still sends is dropped.
+            started = cycle.response_started
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if started:
+                transport.close()
+                return
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        body = error_body(message, kind, None, reason)
+        head = (
+            STATUS_LINE[status]
+            + b"content-type: application/json\r\ncontent-length: "
+            + str(len(body)).encode()
+            + b"\r\nconnection: close\r\n\r\n"
+        )
+        transport.write(head + body)
+        transport.close()
+
+
+def _head_too_large(limit: int) -> tuple[int, str, str]:
+    return (
+        431,
+        f"The request head (request line and headers) exceeds this proxy's limit of {limit} "
+        "bytes (server.max_header_bytes).",
+        "header_too_large",
+    )
+
+
+def _arm_sweep(loop: asyncio.AbstractEventLoop, server_state: Any, conns: Connections) -> None:
+    """One deadline check per server every tick while it has connections."""
+    if getattr(server_state, "_warmroute_sweep", None) is None:
+        handle = loop.call_later(conns.limits.tick_s, _sweep, loop, server_state, conns)
+        server_state._warmroute_sweep = handle
+
+
+def _sweep(loop: asyncio.AbstractEventLoop, server_state: Any, conns: Connections) -> None:
+    now = loop.time()
+    for protocol in list(server_state.connections):
+        expire = getattr(protocol, "expire", None)
+        if expire is not None and protocol._phase != _IDLE:
+            expire(now)
+    server_state._warmroute_sweep = None
+    if server_state.connections:
+        _arm_sweep(loop, server_state, conns)

@@ -1,0 +1,94 @@
+"""Keeping secrets and client bytes out of what warmroute prints.
+
+Backend and Redis URLs may carry credentials (`http://user:password@host`); they are shown with
+the userinfo and query replaced by `***` wherever they are printed: views, `serve --check`,
+log lines. Log messages also quote client input (a model name, a request id), so control
+characters in a message are escaped: a newline in a model name cannot forge a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+MASK = "***"
+# scheme://userinfo@ inside any text (a log line, an exception message)
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/@\s'\"]+)@")
+# control characters other than tab: C0, DEL and C1
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def redact_url(url: str) -> str:
+    """The URL with its userinfo and query masked: what may be shown of it."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return redact_text(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = MASK + "@" + netloc.rpartition("@")[2]
+    query = MASK if parts.query else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_text(text: str) -> str:
+    """`text` with the userinfo of every URL in it masked."""
+    if "@" not in text:
+        return text
+    return _USERINFO.sub(lambda m: m["scheme"] + MASK + "@", text)
+
+
+def escape_control(text: str) -> str:
+    """Control characters (newline included) as visible escapes: `\\n`, `\\x1b`."""
+    if not _CONTROL.search(text):
+        return text
+    return _CONTROL.sub(_escape_one, text)
+
+
+def _escape_one(m: re.Match[str]) -> str:
+    c = m.group()
+    return {"\n": "\\n", "\r": "\\r"}.get(c) or f"\\x{ord(c):02x}"
+
+
+def redacted_config(dump: dict[str, Any]) -> dict[str, Any]:
+    """A config dump (Config.model_dump) with backend and Redis URLs redacted."""
+    for backend in dump.get("backends") or ():
+        if isinstance(backend.get("url"), str):
+            backend["url"] = redact_url(backend["url"])
+    redis = dump.get("redis") or {}
+    if isinstance(redis.get("url"), str):
+        redis["url"] = redact_url(redis["url"])
+    return dump
+
+
+class SafeFormatter(logging.Formatter):
+    """A Formatter whose messages carry no URL credentials and no raw control characters.
+
+    Only the message is escaped: a traceback's own newlines stay as they are.
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape_control(redact_text(record.message))
+        return super().formatMessage(record)
+
+    def formatException(self, ei: Any) -> str:
+        return redact_text(super().formatException(ei))
+
+
+def install_safe_formatter(fmt: str, level: str) -> None:
+    """Log to stderr through SafeFormatter; the HTTP client's per-request lines are quieted.
+
+    httpx logs every request's URL at INFO (the health checks: one line per backend every
+    few seconds, with any credentials in it); its warnings still show.
+    """
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    handler.setFormatter(SafeFormatter(fmt))
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
