@@ -153,6 +153,7 @@ class Backend:
             prefill_tokens_per_s=prefill_tokens_per_s,
             mean_prefill_s=mean_prefill_s,
             backlog_tokens=backlog_tokens,
+            max_inflight=self.cfg.max_inflight,
         )
 
 

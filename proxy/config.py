@@ -56,6 +56,9 @@ class BackendConfig(_Model):
     role: Role = "mixed"
     api_key_env: str | None = None  # name of the env var holding the upstream key
     weight: float = Field(1.0, gt=0)
+    # Requests open on it at once (all replicas, with Redis); beyond it the backend is skipped,
+    # and when every backend is at its bound the client gets 429 with Retry-After. None: no bound.
+    max_inflight: int | None = Field(None, ge=1)
     # SGLang prefill engines: their --disaggregation-bootstrap-port (None: the engine's default)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     kv_events: KvEventsConfig | None = None  # listen to its KV events: an exact cache view

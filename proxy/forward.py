@@ -145,10 +145,21 @@ class ProxyEndpoint:
         record.set_decision(decision)
         ranking = fw.retry.candidates(decision.ranking)
         if not ranking:
-            why = (
-                "; ".join(f"{k}: {v}" for k, v in decision.filtered_out.items())
-                or "none configured"
-            )
+            reasons = decision.filtered_out
+            why = "; ".join(f"{k}: {v}" for k, v in reasons.items()) or "none configured"
+            if reasons and all(v.startswith("at its in-flight bound") for v in reasons.values()):
+                # Overload, not an outage: the client may come back in a moment.
+                await self._fail(
+                    ex,
+                    send,
+                    record,
+                    429,
+                    f"Every backend for model `{ex.body['model']}` is at its in-flight bound "
+                    f"({why}); retry after a short wait.",
+                    "backends_at_capacity",
+                    ((b"retry-after", b"1"),),
+                )
+                return
             await self._fail(
                 ex,
                 send,
@@ -252,10 +263,22 @@ class ProxyEndpoint:
         )
 
     async def _fail(
-        self, ex: Exchange, send: Send, record: RequestRecord, status: int, message: str, code: str
+        self,
+        ex: Exchange,
+        send: Send,
+        record: RequestRecord,
+        status: int,
+        message: str,
+        code: str,
+        extra: tuple[tuple[bytes, bytes], ...] = (),
     ) -> None:
-        log.error("request %s failed: %s", ex.request_id, message)
-        await respond(send, status, error_body(message, "server_error", None, code), ex.request_id)
+        if status == 429:
+            log.warning("request %s refused: %s", ex.request_id, message)
+        else:
+            log.error("request %s failed: %s", ex.request_id, message)
+        await respond(
+            send, status, error_body(message, "server_error", None, code), ex.request_id, extra
+        )
         record.finish(None, status=status, error_type=code)
 
     async def open_leg(

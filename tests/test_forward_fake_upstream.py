@@ -99,13 +99,18 @@ class FakeUpstream:
         return step()
 
 
-def _app(scripts: dict[str, list[Any]], **config: Any) -> tuple[Any, FakeUpstream]:
+def _app(
+    scripts: dict[str, list[Any]], backend: dict[str, Any] | None = None, **config: Any
+) -> tuple[Any, FakeUpstream]:
     flags = {"backends": [f"http://127.0.0.1:{p}" for p in (9101, 9102)], "policy": "round_robin"}
     cfg = load_config(flags=flags, env={})
     cfg = cfg.model_validate(
         {
             **cfg.model_dump(),
-            "backends": [{"url": f"http://127.0.0.1:{p}", "models": ["m"]} for p in (9101, 9102)],
+            "backends": [
+                {"url": f"http://127.0.0.1:{p}", "models": ["m"], **(backend or {})}
+                for p in (9101, 9102)
+            ],
             "retries": {"backoff_base_s": 0.0, **config.pop("retries", {})},
             **config,
         }
@@ -303,3 +308,29 @@ async def test_with_tracing_off_the_clients_traceparent_reaches_the_backend_unch
     status, _, _ = await _call(app, _chat(), ((b"traceparent", parent.encode()),))
     assert status == 200
     assert fake.calls[0][2]["traceparent"] == parent
+
+
+async def test_every_backend_at_its_inflight_bound_answers_429_with_retry_after() -> None:
+    release = asyncio.Event()
+
+    class Held(FakeResponse):
+        async def readany(self) -> bytes:
+            await release.wait()
+            return await super().readany()
+
+    def held() -> FakeResponse:
+        return Held(200, [CHUNK, DONE])
+
+    app, _ = _app({"127.0.0.1:9101": [held], "127.0.0.1:9102": [held]}, backend={"max_inflight": 1})
+    busy = [asyncio.create_task(_call(app, _chat())) for _ in range(2)]
+    for _ in range(50):  # until both are on their backends
+        await asyncio.sleep(0.01)
+        if app.state.forwarding.open_requests == 2 and all(
+            app.state.routing.board.get(n) == 1 for n in app.state.registry.backends
+        ):
+            break
+    status, body, headers = await _call(app, _chat())
+    assert status == 429 and headers[b"retry-after"] == b"1"
+    assert orjson.loads(body)["error"]["code"] == "backends_at_capacity"
+    release.set()
+    assert [s for s, _, _ in await asyncio.gather(*busy)] == [200, 200]

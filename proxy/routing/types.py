@@ -43,6 +43,7 @@ class BackendView:
     prefill_tokens_per_s: float | None = None  # learned online from measured TTFT
     backlog_tokens: float = 0.0  # prompt tokens sent here, likely still being prefilled
     mean_prefill_s: float | None = None  # typical prefill of one request here (queue -> seconds)
+    max_inflight: int | None = None  # its configured in-flight bound
 
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models
