@@ -37,6 +37,8 @@ from proxy.sim.config import SimConfig
 from proxy.sim.engine import Scheduler, Seq, StepPlan, make_seq
 
 STATIC_AFFINITY = "static_affinity"
+# select(fleet, ctx, views) -> the views this request may go to (e.g. one pool of a split)
+Select = Callable[["VirtualFleet", RouteContext, list[BackendView]], Sequence[BackendView]]
 
 
 class _LiveView:
@@ -77,8 +79,17 @@ class VirtualFleet:
         scrape_s: float = 2.0,
         publish_kv_pool: bool = True,
         kv_events: bool = False,
+        roles: Sequence[str] | None = None,
     ) -> None:
         self.cfgs = [sim.replace() for _ in range(engines)]
+        # Backend roles as the router sees them (mixed | prefill | decode); the engines stay
+        # whole-request engines, so a prefill/decode split here is the pool split.
+        self.roles = list(roles) if roles is not None else ["mixed"] * engines
+        if len(self.roles) != engines:
+            raise ValueError(f"{len(self.roles)} roles for {engines} engines")
+        # Narrows the candidates of each request (a pool split); called after a dry-run route
+        # has filled ctx.matched_blocks, so it can judge the prompt's uncached part.
+        self.select: Select | None = None
         self.scheds = [Scheduler(c, record_kv_events=kv_events) for c in self.cfgs]
         # Names like real backends' (host:port): rendezvous placement hashes them.
         self.names = [f"10.0.0.{i + 1}:8000" for i in range(engines)]
@@ -130,7 +141,7 @@ class VirtualFleet:
                 name=name,
                 url=f"http://{name}",
                 engine="vllm",
-                role="mixed",
+                role=self.roles[i],
                 weight=1.0,
                 healthy=True,
                 inflight=self.inflight[i],
@@ -187,7 +198,11 @@ class VirtualFleet:
             i = system_id % len(self.names)
             self.router.record(ctx, self.names[i])
             return i, ctx
-        decision = await self.router.route(ctx, self.views())
+        views = self.views()
+        if self.select is not None:
+            await self.router.route(ctx, views, record=False)
+            views = list(self.select(self, ctx, views)) or views
+        decision = await self.router.route(ctx, views)
         winner = decision.winner
         assert winner is not None, decision.reason
         return self.names.index(winner), ctx
@@ -229,14 +244,22 @@ async def run_virtual(
     events: Sequence[tuple[int, Callable[[VirtualFleet], None]]] = (),
     kv_events: bool = False,
     on_finish: Callable[[VirtualFleet, int, RequestResult, RouteContext, Seq], None] | None = None,
+    roles: Sequence[str] | None = None,
+    select: Select | None = None,
+    on_start: Callable[[VirtualFleet, int, RequestResult, RouteContext], None] | None = None,
+    on_first_token: Callable[[VirtualFleet, int, RequestResult], None] | None = None,
 ) -> tuple[RunResult, VirtualFleet]:
     """Replay `workload` through `policy` on `engines` simulated engines; virtual seconds.
 
     `policy` may be STATIC_AFFINITY (system prompt i on engine i mod n: a bound, not a policy).
     `events`: (request index, action) pairs run just before that request is sent, e.g. to
     resize the engines' caches mid-run. `on_finish(fleet, engine, result, ctx, seq)` is called
-    as each request completes (what the proxy's telemetry hook sees, for the doctor)."""
-    fleet = VirtualFleet(sim, engines, policy, plugins, scrape_s, publish_kv_pool, kv_events)
+    as each request completes (what the proxy's telemetry hook sees, for the doctor).
+    `roles`, `select(fleet, ctx, views)`, `on_start(fleet, engine, result, ctx)` and
+    `on_first_token(fleet, engine, result)` let a prefill/decode split run here: `select`
+    narrows each request's candidates to a pool, the hooks feed the decider's window."""
+    fleet = VirtualFleet(sim, engines, policy, plugins, scrape_s, publish_kv_pool, kv_events, roles)
+    fleet.select = select
     actions = dict(events)
     plan = workload.plan(requests)
     queue: deque[RequestSpec] = deque(plan)
@@ -286,6 +309,8 @@ async def run_virtual(
         fleet.inflight[i] += 1
         fleet.served[i] += 1
         open_[rid] = _Open(spec, r, i, fleet.now, ctx, history=past)
+        if on_start is not None:
+            on_start(fleet, i, r, ctx)
         fleet.kick(i)
 
     async def start(spec: RequestSpec) -> None:
@@ -355,6 +380,8 @@ async def run_virtual(
                 fleet.router.observe(
                     o.ctx, fleet.names[i], r.prompt_tokens, r.cached_tokens, r.ttft
                 )
+                if on_first_token is not None:
+                    on_first_token(fleet, i, r)
             else:
                 r.itl.append(now - o.last)
             o.last = now

@@ -1,0 +1,89 @@
+"""One object the proxy (or the virtual fleet) holds for disaggregation: window, decider, plans.
+
+Still pure: every method takes the time and the facts; nothing here sends, sleeps or logs.
+The forwarder's part, per request:
+
+    plan = ctl.plan(body, prompt_tokens, uncached_tokens, backends)   # before routing
+    ctl.started(request_id, backend, now, uncached_tokens)           # leg sent
+    ctl.first_token(request_id, now)
+    ctl.finished(RequestFacts(...))                                  # done, measured
+    decision = ctl.evaluate(now, backends)   # at most every disagg.evaluate_s; log if changed
+
+`plan.candidates` narrows the router's candidates (empty: every backend, today's behaviour);
+`plan.legs == "two"` asks for a prefill leg on `plan.prefill_candidates` first
+(docs/disaggregation.md has both flows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from proxy.config import DisaggConfig
+from proxy.disagg.decider import Decider, Decision
+from proxy.disagg.pools import (
+    BackendState,
+    OutputHistory,
+    PoolSplit,
+    RequestPlan,
+    classify,
+    plan_request,
+    requested_output,
+)
+from proxy.disagg.window import RequestFacts, Window
+
+
+class DisaggController:
+    """The decider, its window and per-request planning for one proxy replica."""
+
+    def __init__(self, cfg: DisaggConfig) -> None:
+        self.cfg = cfg
+        self.window = Window(cfg.window_s, cfg.threshold_tokens, cfg.rate_buckets)
+        self.decider = Decider(cfg)
+        self.history = OutputHistory()
+        self._next_eval: float | None = None
+
+    @property
+    def split(self) -> PoolSplit | None:
+        """The pools while the split is active, else None."""
+        return self.decider.split if self.decider.active else None
+
+    def plan(
+        self,
+        body: Mapping[str, Any],
+        prompt_tokens: int,
+        uncached_tokens: int,
+        backends: Sequence[BackendState],
+    ) -> RequestPlan:
+        """Where this request goes now. With the split inactive (always, in mode off) it is
+        one leg on every candidate: exactly what routing does without disaggregation."""
+        expected = self.history.expected(prompt_tokens, requested_output(body))
+        cls = classify(uncached_tokens, expected, self.cfg.threshold_tokens, self.cfg.output_ratio)
+        return plan_request(self.split, backends, cls)
+
+    def started(self, request_id: str, backend: str, now: float, uncached_tokens: int) -> None:
+        self.window.started(request_id, backend, now, uncached_tokens)
+
+    def first_token(self, request_id: str, now: float) -> None:
+        self.window.first_token(request_id, now)
+
+    def finished(self, facts: RequestFacts) -> None:
+        self.window.finished(facts)
+        if facts.ok:
+            self.history.observe(facts.prompt_tokens, facts.output_tokens)
+
+    def evaluate(
+        self, now: float, backends: Sequence[BackendState], *, force: bool = False
+    ) -> Decision | None:
+        """Run the decider if `evaluate_s` passed since the last time (or `force`); the
+        decision, whose `changed` says whether to log a switch. None: not due yet."""
+        if not force and self._next_eval is not None and now < self._next_eval:
+            return None
+        self._next_eval = now + self.cfg.evaluate_s
+        return self.decider.update(self.window.snapshot(now, backends))
+
+    def state(self) -> dict[str, Any]:
+        """GET /admin/disagg."""
+        out = self.decider.state()
+        out["in_flight_tracked"] = self.window.in_flight
+        return out

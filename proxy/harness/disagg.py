@@ -1,0 +1,100 @@
+"""The prefill/decode pool split on the virtual fleet: the decider benchmarked in virtual time.
+
+`run_virtual_disagg` runs a workload through `run_virtual` with a DisaggController wired in as
+the proxy would hold it: every request is classified from its uncached prompt (the router's
+prefix index, as in the proxy) and its expected output, narrowed to a pool while the split is
+active, and every start, first token and finish feeds the decider's window, which is evaluated
+every `disagg.evaluate_s` of virtual time. The engines stay whole-request engines (no KV
+transfer in virtual time): this measures the pool split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from proxy.bench.results import RequestResult, RunResult
+from proxy.bench.workloads import Workload
+from proxy.config import DisaggConfig
+from proxy.disagg.controller import DisaggController
+from proxy.disagg.pools import BackendState, uncached_tokens
+from proxy.disagg.replay import facts_of
+from proxy.harness.virtual import VirtualFleet, run_virtual
+from proxy.routing.types import BackendView, RouteContext
+from proxy.sim.config import SimConfig
+
+
+async def run_virtual_disagg(
+    workload: Workload,
+    *,
+    sim: SimConfig,
+    cfg: DisaggConfig,
+    engines: int = 6,
+    requests: int = 1000,
+    concurrency: int = 48,
+    policy: str = "prefix_aware",
+    roles: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> tuple[RunResult, VirtualFleet, DisaggController]:
+    """`workload` on `engines` virtual engines with `disagg` as configured; the run, the fleet
+    and the controller (its decider's state() and switches say what it did and why)."""
+    ctl = DisaggController(cfg)
+
+    def states(fleet: VirtualFleet) -> list[BackendState]:
+        return [
+            BackendState(name, fleet.roles[i], True, fleet.inflight[i])
+            for i, name in enumerate(fleet.names)
+        ]
+
+    def select(
+        fleet: VirtualFleet, ctx: RouteContext, views: list[BackendView]
+    ) -> list[BackendView]:
+        backends = states(fleet)
+        ctl.evaluate(ctx.now, backends)
+        uncached = min(
+            uncached_tokens(
+                ctx.prompt_chars,
+                ctx.matched_blocks.get(v.name, 0),
+                ctx.block_chars,
+                fleet.cfgs[0].chars_per_token,
+            )
+            for v in views
+        )
+        prompt = -(-ctx.prompt_chars // fleet.cfgs[0].chars_per_token)
+        plan = ctl.plan(ctx.body, prompt, uncached, backends)
+        if not plan.candidates:
+            return views
+        keep = set(plan.candidates)
+        return [v for v in views if v.name in keep]
+
+    def on_start(fleet: VirtualFleet, engine: int, r: RequestResult, ctx: RouteContext) -> None:
+        chars = fleet.cfgs[0].chars_per_token
+        uncached = uncached_tokens(
+            ctx.prompt_chars, ctx.matched_blocks.get(fleet.names[engine], 0), ctx.block_chars, chars
+        )
+        ctl.started(str(r.index), fleet.names[engine], fleet.now, uncached)
+
+    def on_first(fleet: VirtualFleet, engine: int, r: RequestResult) -> None:
+        ctl.first_token(str(r.index), fleet.now)
+
+    def on_finish(fleet: VirtualFleet, engine: int, r: RequestResult, *_: Any) -> None:
+        ctl.finished(facts_of(r))
+        ctl.evaluate(fleet.now, states(fleet))
+
+    run, fleet = await run_virtual(
+        workload,
+        policy=policy,
+        sim=sim,
+        engines=engines,
+        requests=requests,
+        concurrency=concurrency,
+        roles=roles,
+        select=select if cfg.mode != "off" else None,
+        on_start=on_start,
+        on_first_token=on_first,
+        on_finish=on_finish,
+        **kwargs,
+    )
+    run.label = f"disagg {cfg.mode}"
+    run.notes.append(f"disagg: {ctl.decider.reason}")
+    return run, fleet, ctl
