@@ -39,16 +39,27 @@ import socket
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Hashable, Mapping, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import orjson
 import uvicorn
 
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+from proxy.asgi import (
+    SSE,
+    SSE_DONE,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    respond,
+    send_json,
+    serve_lifespan,
+    sse,
+    start_stream,
+    stream_chunk,
+)
 
 CHARS_PER_TOKEN = 3
 DEFAULT_BLOCK_TOKENS = 32
@@ -81,9 +92,7 @@ Sizes: the bench's --system-chars 8000 is ~2700 tokens here (3 characters each),
 
 
 def make_app(chunks: int = 64, model: str = "mock") -> Callable[..., Awaitable[None]]:
-    def event(obj: Any) -> bytes:
-        return b"data: " + orjson.dumps(obj) + b"\n\n"
-
+    event = sse
     base = {"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 0, "model": model}
     body_chunks = [
         event(
@@ -107,35 +116,19 @@ def make_app(chunks: int = 64, model: str = "mock") -> Callable[..., Awaitable[N
         }
     )
     models = orjson.dumps({"object": "list", "data": [{"id": model, "object": "model"}]})
-    sse = [(b"content-type", b"text/event-stream")]
+    head = ((b"content-type", b"text/event-stream"),)
 
-    async def app(
-        scope: Message,
-        receive: Callable[[], Awaitable[Message]],
-        send: Callable[[Message], Awaitable[None]],
-    ) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         if scope["method"] == "GET":
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"application/json")],
-                }
-            )
-            await send({"type": "http.response.body", "body": models})
+            await respond(send, 200, models)
             return
-        raw = b""
-        while True:
-            m = await receive()
-            raw += m.get("body", b"")
-            if not m.get("more_body"):
-                break
-        await send({"type": "http.response.start", "status": 200, "headers": sse})
+        raw = await read_body(receive)
+        await start_stream(send, 200, head)
         for c in body_chunks:
-            await send({"type": "http.response.body", "body": c, "more_body": True})
-        tail = final + (usage if b"include_usage" in raw else b"") + b"data: [DONE]\n\n"
+            await stream_chunk(send, c)
+        tail = final + (usage if b"include_usage" in raw else b"") + SSE_DONE
         await send({"type": "http.response.body", "body": tail})
 
     return app
@@ -372,9 +365,9 @@ class EngineApp:
         self.model = model
         self._ids = 0
 
-    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await serve_lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -383,20 +376,20 @@ class EngineApp:
             if method != "POST":
                 await _error(send, 405, f"use POST for {path}")
                 return
-            await self._complete(await _read_body(receive), send, path.endswith("chat/completions"))
+            await self._complete(await read_body(receive), send, path.endswith("chat/completions"))
         elif path == "/v1/models":
             data = [{"id": self.model, "object": "model", "owned_by": "warmroute-mock"}]
-            await _json(send, 200, {"object": "list", "data": data})
+            await send_json(send, 200, {"object": "list", "data": data})
         elif path == "/health":
-            await _respond(send, 200, b"", b"text/plain")
+            await respond(send, 200, b"", b"text/plain")
         elif path == "/metrics":
             text = self.engine.metrics_text().encode()
-            await _respond(send, 200, text, b"text/plain; version=0.0.4")
+            await respond(send, 200, text, b"text/plain; version=0.0.4")
         elif path == "/mock/cache":
             if method == "POST":
-                await self._resize(await _read_body(receive), send)
+                await self._resize(await read_body(receive), send)
             else:
-                await _json(send, 200, asdict(self.engine.cache.stats()))
+                await send_json(send, 200, asdict(self.engine.cache.stats()))
         else:
             await _error(send, 404, f"no route {path}")
 
@@ -409,7 +402,7 @@ class EngineApp:
             await _error(send, 400, 'send a JSON object {"tokens": N} with N >= 0')
             return
         self.engine.cache.resize(tokens)
-        await _json(send, 200, asdict(self.engine.cache.stats()))
+        await send_json(send, 200, asdict(self.engine.cache.stats()))
 
     async def _complete(self, raw: bytes, send: Send, chat: bool) -> None:
         try:
@@ -430,7 +423,7 @@ class EngineApp:
         tokens = tokenize(render_prompt(body))
         streaming = bool(body.get("stream"))
         if streaming:  # headers at once, as an engine's HTTP layer sends them
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+            await start_stream(send, 200, SSE)
         cached = await self.engine.prefill(tokens)
         usage = {
             "prompt_tokens": len(tokens),
@@ -446,7 +439,7 @@ class EngineApp:
                     await asyncio.sleep(interval * (n_out - 1))
                 self.engine.generation_tokens += n_out
                 text = "".join(f"tok{i} " for i in range(n_out))
-                await _json(send, 200, answer.whole(text, finish, usage))
+                await send_json(send, 200, answer.whole(text, finish, usage))
                 return
             if chat:
                 await _event(send, answer.chunk({"role": "assistant", "content": ""}, None))
@@ -455,16 +448,13 @@ class EngineApp:
                     await asyncio.sleep(interval)
                 await _event(send, answer.chunk({"content": f"tok{i} "}, None))
                 self.engine.generation_tokens += 1
-            tail = _sse(answer.chunk({}, finish))
+            tail = sse(answer.chunk({}, finish))
             options = body.get("stream_options")
             if isinstance(options, dict) and options.get("include_usage"):
-                tail += _sse({**answer.head(), "choices": [], "usage": usage})
-            await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
+                tail += sse({**answer.head(), "choices": [], "usage": usage})
+            await send({"type": "http.response.body", "body": tail + SSE_DONE})
         finally:
             self.engine.running -= 1
-
-
-_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,46 +493,13 @@ class _Answer:
         return {**self.head(), "object": kind, "choices": [choice], "usage": usage}
 
 
-def _sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
 async def _event(send: Send, obj: Any) -> None:
-    await send({"type": "http.response.body", "body": _sse(obj), "more_body": True})
-
-
-async def _respond(send: Send, status: int, body: bytes, content_type: bytes) -> None:
-    headers = [(b"content-type", content_type)]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _json(send: Send, status: int, obj: Any) -> None:
-    await _respond(send, status, orjson.dumps(obj), b"application/json")
+    await stream_chunk(send, sse(obj))
 
 
 async def _error(send: Send, status: int, message: str) -> None:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    await _json(send, status, {"error": {"message": message, "type": kind, "code": status}})
-
-
-async def _read_body(receive: Receive) -> bytes:
-    raw = b""
-    while True:
-        m = await receive()
-        raw += m.get("body", b"")
-        if not m.get("more_body"):
-            return raw
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        m = await receive()
-        if m["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif m["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+    await send_json(send, status, {"error": {"message": message, "type": kind, "code": status}})
 
 
 # --- serving ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,17 +22,29 @@ import orjson
 import xxhash
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from proxy.asgi import (
+    BodyTooLarge,
+    ClientDisconnected,
+    Receive,
+    Scope,
+    Send,
+    end_stream,
+    header,
+    read_body,
+    respond,
+    send_json,
+    serve_lifespan,
+    sse,
+    start_stream,
+    stream_chunk,
+    watch_disconnect,
+)
 from proxy.kvevents.publisher import KvEventPublisher
 from proxy.kvevents.wire import AllBlocksCleared
 from proxy.sim import tokens
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Seq, kv_transfer_seconds, make_seq
 from proxy.sim.runner import AsyncEngine, TokenEvent
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 MAX_BODY = 32 * 1024 * 1024
 MAX_N = 128
@@ -121,18 +133,10 @@ class SimApp:
         try:
             await self._route(scope, receive, send)
         except HTTPError as e:
-            await self._respond(send, e.status, error_body(e.status, e.message, e.param))
+            await respond(send, e.status, error_body(e.status, e.message, e.param))
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            msg = await receive()
-            if msg["type"] == "lifespan.startup":
-                await self.startup()
-                await send({"type": "lifespan.startup.complete"})
-            elif msg["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        await serve_lifespan(receive, send, self.startup, self.shutdown)
 
     async def startup(self) -> None:
         self.engine.start()
@@ -197,29 +201,29 @@ class SimApp:
             await self._completion(scope, receive, send, chat=path.endswith("chat/completions"))
         elif path == "/health":
             status = 500 if self.engine.dead else 503 if loading else 200
-            await self._respond(send, status, b"", "text/plain")
+            await respond(send, status, b"", b"text/plain")
         elif path == "/v1/models":
-            await self._json(send, self._models())
+            await send_json(send, 200, self._models())
         elif path == "/metrics":
             text = self.engine.metrics.render(self.engine.scheduler, self.engine.aborted)
-            await self._respond(send, 200, text.encode(), "text/plain; version=0.0.4")
+            await respond(send, 200, text.encode(), b"text/plain; version=0.0.4")
         elif path == "/version":
-            await self._json(send, {"version": "warmroute-sim"})
+            await send_json(send, 200, {"version": "warmroute-sim"})
         elif path == "/sim/stats":
-            await self._json(send, self.stats())
+            await send_json(send, 200, self.stats())
         elif path == "/sim/faults":
             if method == "POST":
                 await self._set_faults(await _json_body(receive), send)
             else:
-                await self._json(send, asdict(self.cfg.faults))
+                await send_json(send, 200, asdict(self.cfg.faults))
         elif path == "/reset_prefix_cache":
             _need(method, "POST")
             self.engine.scheduler.pool.reset()
             self.engine.flush_kv_events()
-            await self._respond(send, 200, b"", "text/plain")
+            await respond(send, 200, b"", b"text/plain")
         elif path == "/sim/kv-cache":
             pool = self.engine.scheduler.pool
-            await self._json(send, {"block_size": pool.block_size, "hashes": list(pool.cached)})
+            await send_json(send, 200, {"block_size": pool.block_size, "hashes": list(pool.cached)})
         elif path.startswith("/sim/bootstrap/"):
             await self._bootstrap_wait(path.rsplit("/", 1)[1], scope, send)
         else:
@@ -274,7 +278,7 @@ class SimApp:
             raise HTTPError(400, str(e)) from None
         if refuse_for:
             self.refuse_until = time.monotonic() + float(refuse_for)
-        await self._json(send, asdict(self.cfg.faults))
+        await send_json(send, 200, asdict(self.cfg.faults))
         if refuse_for:
             # Keep-alive connections would bypass the accept-time check.
             self._close_idle_connections()
@@ -364,7 +368,7 @@ class SimApp:
         if external:
             await self._kv_transfer(prompts[0], external, cache_salt)
 
-        header_id = _header(scope, b"x-request-id")
+        header_id = header(scope, b"x-request-id")
         rid = header_id or uuid.uuid4().hex
         jobs = [_Job(p) for p in prompts]
         events: asyncio.Queue[tuple[int, TokenEvent | None]] = asyncio.Queue()
@@ -411,7 +415,7 @@ class SimApp:
             ctx.abort_all()
             raise HTTPError(500, str(e)) from None
 
-        watcher = asyncio.create_task(_watch_disconnect(receive, ctx))
+        watcher = asyncio.create_task(watch_disconnect(receive, ctx.client_gone))
         try:
             if stream:
                 await ctx.stream(send, on_done=self._prefilled(rooms) if prefill_leg else None)
@@ -421,7 +425,7 @@ class SimApp:
                     self._prefilled(rooms)(longest)
                     result["kv_transfer_params"] = self._kv_params(scope, seqs[0][1])
                 if result:
-                    await self._json(send, result)
+                    await send_json(send, 200, result)
         finally:
             watcher.cancel()
             ctx.abort_all()
@@ -502,8 +506,10 @@ class SimApp:
         except TimeoutError:
             raise HTTPError(404, f"bootstrap room {room} never prefilled here") from None
         self.rooms.pop(room, None)
-        await self._json(
-            send, {"room": room, "prompt_tokens": r.prompt_tokens, "engine": self.cfg.engine_id}
+        await send_json(
+            send,
+            200,
+            {"room": room, "prompt_tokens": r.prompt_tokens, "engine": self.cfg.engine_id},
         )
 
     async def _bootstrap_fetch(
@@ -533,20 +539,6 @@ class SimApp:
         except (httpx.HTTPError, ValueError, TypeError) as e:
             raise HTTPError(500, f"KV transfer from the prefill engine failed: {e}") from None
         return min(min(got), prompt_tokens)
-
-    # --- plumbing ---------------------------------------------------------------------
-    async def _json(self, send: Send, obj: Any, status: int = 200) -> None:
-        await self._respond(send, status, orjson.dumps(obj))
-
-    async def _respond(
-        self, send: Send, status: int, body: bytes, content_type: str = "application/json"
-    ) -> None:
-        headers = [
-            (b"content-type", content_type.encode()),
-            (b"content-length", str(len(body)).encode()),
-        ]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
 
 
 class _Request:
@@ -647,7 +639,7 @@ class _Request:
         }
         if usage is not None:
             obj["usage"] = usage
-        return b"data: " + orjson.dumps(obj) + b"\n\n"
+        return sse(obj)
 
     async def stream(self, send: Send, on_done: Callable[[int], None] | None = None) -> None:
         app, faults = self.app, self.app.cfg.faults
@@ -657,10 +649,10 @@ class _Request:
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
         ]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await start_stream(send, 200, headers)
 
         async def write(data: bytes) -> None:
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+            await stream_chunk(send, data)
 
         if self.chat:
             for i in range(len(self.texts)):
@@ -697,36 +689,21 @@ class _Request:
         if self.include_usage:
             await write(self._chunk([], self.usage()))
         await write(b"data: [DONE]\n\n")
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await end_stream(send)
 
     def _usage_if_continuous(self) -> dict[str, Any] | None:
         return self.usage() if self.include_usage and self.continuous_usage else None
 
 
-async def _watch_disconnect(receive: Receive, ctx: _Request) -> None:
-    """The request body is read; the next message can only be the client leaving."""
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            ctx.client_gone()
-            return
-
-
 async def _json_body(receive: Receive) -> Any:
-    chunks, size = [], 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise HTTPError(400, "client disconnected")
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise HTTPError(413, f"request body over {MAX_BODY} bytes")
-        chunks.append(chunk)
-        if not msg.get("more_body"):
-            break
     try:
-        return orjson.loads(b"".join(chunks) or b"null")
+        raw = await read_body(receive, MAX_BODY)
+    except ClientDisconnected:
+        raise HTTPError(400, "client disconnected") from None
+    except BodyTooLarge:
+        raise HTTPError(413, f"request body over {MAX_BODY} bytes") from None
+    try:
+        return orjson.loads(raw or b"null")
     except orjson.JSONDecodeError as e:
         raise HTTPError(400, f"invalid JSON body: {e}") from None
 
@@ -764,13 +741,6 @@ def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise HTTPError(400, f"{key} must be an integer in [{lo}, {hi}]", key)
     return v
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for k, v in scope.get("headers", ()):
-        if k == name:
-            return str(v.decode("latin-1"))
-    return None
 
 
 def _protocol_for(app: SimApp) -> type[asyncio.Protocol]:

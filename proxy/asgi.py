@@ -1,0 +1,181 @@
+"""The raw-ASGI pieces every streaming endpoint in warmroute needs, written once.
+
+The proxy's forwarder, the simulated engine (proxy/sim/server.py), the mock backend
+(proxy/bench/mock/) and the tests' servers are raw ASGI callables (docs/architecture.md says
+why): they read a request body within a limit, answer JSON or stream server-sent events, and
+watch for the client leaving. A leaf module: it imports nothing of the proxy, so the simulator
+and the bench may use it and stay on their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import orjson
+from starlette.types import Message, Receive, Scope, Send
+
+__all__ = [
+    "JSON",
+    "SSE",
+    "SSE_DONE",
+    "BodyTooLarge",
+    "ClientDisconnected",
+    "Headers",
+    "Message",
+    "Receive",
+    "Scope",
+    "Send",
+    "end_stream",
+    "header",
+    "headers_of",
+    "read_body",
+    "respond",
+    "send_json",
+    "serve_lifespan",
+    "sse",
+    "start_stream",
+    "stream_chunk",
+    "watch_disconnect",
+]
+
+Headers = Iterable[tuple[bytes, bytes]]
+
+JSON = b"application/json"
+SSE = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class BodyTooLarge(Exception):
+    """The request body is over the limit: by its Content-Length, or by what arrived."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"request body of {size} bytes is over the limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
+
+
+class ClientDisconnected(Exception):
+    """The client left (http.disconnect) while its request was being read."""
+
+
+# -- request ----------------------------------------------------------------------------------
+def headers_of(scope: Scope) -> dict[str, str]:
+    """The request headers by lower-case name (a repeated header: the last one)."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """One request header by its lower-case name, without building the whole dict."""
+    for k, v in scope.get("headers", ()):
+        if k == name:
+            return str(v.decode("latin-1"))
+    return None
+
+
+async def read_body(
+    receive: Receive, limit: int | None = None, declared: str | None = None
+) -> bytes:
+    """The whole request body.
+
+    `declared` is the Content-Length header, if any: a body it says is over `limit` is refused
+    before a byte of it is read. Raises BodyTooLarge over `limit` (None: no limit) and
+    ClientDisconnected when the client leaves before the body's end.
+    """
+    if limit is not None and declared is not None and declared.isdigit():
+        size = int(declared)
+        if size > limit:
+            raise BodyTooLarge(size, limit)
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            raise BodyTooLarge(size, limit)
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def watch_disconnect(receive: Receive, on_disconnect: Callable[[], object]) -> None:
+    """Await the client's http.disconnect, then call `on_disconnect()` once and return.
+
+    Run as a task beside the response once the body is read: `send()` does not report a
+    departed client on uvicorn's servers, so without it an upstream or an engine would go on
+    working for no one. Cancel the task when the response is done.
+    """
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
+
+
+# -- response ---------------------------------------------------------------------------------
+async def respond(
+    send: Send, status: int, body: bytes, content_type: bytes = JSON, headers: Headers = ()
+) -> None:
+    """A whole response with its Content-Length."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send: Send, status: int, obj: Any, headers: Headers = ()) -> None:
+    await respond(send, status, orjson.dumps(obj), JSON, headers)
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event: `data: <JSON>` and the blank line (bytes are sent as they are)."""
+    data = obj if isinstance(obj, bytes) else orjson.dumps(obj)
+    return b"data: " + data + b"\n\n"
+
+
+async def start_stream(send: Send, status: int = 200, headers: Headers = SSE) -> None:
+    """The head of a streamed response (server-sent events unless `headers` say otherwise)."""
+    await send({"type": "http.response.start", "status": status, "headers": list(headers)})
+
+
+async def stream_chunk(send: Send, data: bytes) -> None:
+    """Part of a streamed body; more follows."""
+    await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+async def end_stream(send: Send, data: bytes = b"") -> None:
+    """The last part of a streamed body."""
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+# -- lifespan ---------------------------------------------------------------------------------
+async def serve_lifespan(
+    receive: Receive,
+    send: Send,
+    startup: Callable[[], Awaitable[None]] | None = None,
+    shutdown: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Answer an ASGI lifespan scope, running `startup` and `shutdown` if given."""
+    while True:
+        message: Message = await receive()
+        if message["type"] == "lifespan.startup":
+            if startup is not None:
+                await startup()
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            if shutdown is not None:
+                await shutdown()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
