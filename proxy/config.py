@@ -14,10 +14,13 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from proxy import engines, otel_env
+
 ENV_PREFIX = "WARMROUTE_"
 # Settings of the other subcommands (sim, bench, demo) share the prefix but not this tree.
 OTHER_COMMANDS_ENV = tuple(ENV_PREFIX + p for p in ("SIM_", "BENCH_", "DEMO_", "TEST_", "CACHE"))
-Engine = Literal["vllm", "sglang", "llamacpp", "openai"]
+# auto: read off the backend's /metrics names (proxy/engines.py), openai if it has none.
+Engine = Literal["auto", "vllm", "sglang", "llamacpp", "openai"]
 Role = Literal["mixed", "prefill", "decode"]  # what a backend serves (docs/disaggregation.md)
 DisaggMode = Literal["off", "on", "auto"]
 
@@ -49,10 +52,22 @@ class KvEventsConfig(_Model):
 
 
 class BackendConfig(_Model):
+    @model_validator(mode="before")
+    @classmethod
+    def _url_options(cls, data: Any) -> Any:
+        """Options written in the URL's fragment (proxy/engines.py) become keys."""
+        if not isinstance(data, dict) or "#" not in str(data.get("url", "")):
+            return data
+        parsed = engines.parse_backend_url(str(data["url"]))
+        twice = sorted(k for k in parsed if k != "url" and k in data)
+        if twice:
+            raise ValueError(f"{', '.join(twice)} given both in the URL and as a key; keep one")
+        return {**data, **parsed}
+
     url: str
     name: str | None = None
     models: list[str] | None = None  # None: discovered from GET {url}/v1/models
-    engine: Engine = "openai"
+    engine: Engine = "auto"  # or in the URL: http://h:8000#engine=vllm,role=prefill
     role: Role = "mixed"
     api_key_env: str | None = None  # name of the env var holding the upstream key
     weight: float = Field(1.0, gt=0)
@@ -62,6 +77,19 @@ class BackendConfig(_Model):
     # SGLang prefill engines: their --disaggregation-bootstrap-port (None: the engine's default)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     kv_events: KvEventsConfig | None = None  # listen to its KV events: an exact cache view
+    # Declared hardware, optional: the doctor checks decode against its bandwidth ceiling
+    # (docs/doctor.md). device: h100 | a100 | l40s | a10g | rtx4090 | cpu-ddr5; params: the
+    # model size (8b, 70b, 1.5b...); dtype: its weights' (bf16, fp16, fp8, int8, int4).
+    device: str | None = None
+    params: str | None = None
+    dtype: str = "bf16"
+
+    @model_validator(mode="after")
+    def _hardware(self) -> BackendConfig:
+        from proxy.doctor.hardware import check  # the simulator's device tables, on demand
+
+        check(self.device, self.params, self.dtype)
+        return self
 
     @field_validator("url")
     @classmethod
@@ -231,6 +259,12 @@ class DisaggConfig(_Model):
     target_utilization: float = Field(0.8, gt=0, le=1)  # of the prefill pool's measured rate
     prefill_tokens_per_s: float | None = Field(None, gt=0)  # per engine; None: measured
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `mode: off` / `mode: on` as a boolean.
+        return {False: "off", True: "on"}.get(v, v) if isinstance(v, bool) else v
+
 
 class RedisConfig(_Model):
     url: str | None = None  # redis://, rediss://, redis+sentinel://, or with cluster: true
@@ -258,7 +292,11 @@ class TelemetryConfig(_Model):
     enabled: bool = True  # false: no spans, no metrics (the stream is still metered for routing)
     service_name: str = "warmroute"
     # "otlp" honours the standard OTEL_EXPORTER_OTLP_* variables; "console" prints spans.
+    # The OTEL_* variables set defaults for these keys (proxy/otel_env.py, docs/deployment.md).
     traces_exporter: Literal["none", "otlp", "console"] = "none"
+    # Metrics pushed over OTLP, to a receiver that takes metrics (an OTel Collector; a trace
+    # store such as Jaeger does not): separate from traces. GET /metrics is `prometheus`.
+    metrics_exporter: Literal["none", "otlp", "console"] = "none"
     otlp_protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
     otlp_endpoint: str | None = None
     chunk_events: Literal["off", "first", "sampled", "all"] = "first"
@@ -338,8 +376,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
             continue
         name = raw_key[len(ENV_PREFIX) :].lower()
         if name in ("backend", "backends"):
-            urls = [u.strip() for u in value.split(",") if u.strip()]
-            tree["backends"] = [{"url": u} for u in urls]
+            tree["backends"] = [{"url": u} for u in engines.split_backend_list(value)]
         elif name in FLAT_KEYS:
             _set(tree, FLAT_KEYS[name], value)
         elif "__" in name:
@@ -401,6 +438,10 @@ def load_config(
     env = os.environ if env is None else env
     file = file or env.get(ENV_PREFIX + "CONFIG")
     tree: dict[str, Any] = _read_yaml(Path(file)) if file else {}
+    try:  # the standard OTEL_* variables, under everything of warmroute's own
+        tree = _merge({"telemetry": otel_env.telemetry_defaults(env)}, tree)
+    except otel_env.OtelEnvError as e:
+        raise ConfigError(str(e)) from None
     tree = _merge(tree, _env_overrides(env))
     for name, value in (flags or {}).items():
         if value is None:
