@@ -52,6 +52,7 @@ class StreamFacts:
     # Time from receiving output bytes to writing them to the client, one per write that
     # carried output (the proxy's own per-chunk forwarding cost).
     forward_s: list[float] = field(default_factory=list)
+    engine_prefill_s: float | None = None  # the engine's own prefill time (llama.cpp timings)
 
 
 def _nonempty_string_at(p: bytes, key: bytes) -> bool:
@@ -159,6 +160,7 @@ class _Facts:
         "finish_reasons",
         "input_tokens",
         "output_tokens",
+        "prefill_s",
         "response_id",
         "response_model",
     )
@@ -167,6 +169,7 @@ class _Facts:
         self.output_tokens: int | None = None
         self.input_tokens: int | None = None
         self.cached_tokens: int | None = None
+        self.prefill_s: float | None = None
         self.finish_reasons: list[str] = []
         self.response_id: str | None = None
         self.response_model: str | None = None
@@ -187,9 +190,13 @@ class _Facts:
 
     def timings(self, t: Any) -> None:
         """llama.cpp's `timings` (prompt_n computed + cache_n from its cache): the prompt and
-        cached counts when no usage says them (a client that did not ask for usage)."""
+        cached counts when no usage says them (a client that did not ask for usage), and its
+        prefill time (prompt_ms), which splits TTFT into waiting and prefill."""
         if not isinstance(t, dict):
             return
+        ms = t.get("prompt_ms")
+        if isinstance(ms, int | float) and not isinstance(ms, bool) and ms >= 0:
+            self.prefill_s = ms / 1000.0
         cached, computed = t.get("cache_n"), t.get("prompt_n")
         if isinstance(cached, int) and isinstance(computed, int):
             if self.cached_tokens is None:
@@ -465,6 +472,7 @@ class StreamMeter:
             first_output_at=first,
             last_output_at=last,
             forward_s=self._forward,
+            engine_prefill_s=f.prefill_s,
         )
         return rest, facts
 
@@ -659,4 +667,5 @@ def meter_json(api: str, body: bytes, *, t0: float, now: float) -> StreamFacts:
         cancelled=False,
         first_output_at=None,
         last_output_at=None,
+        engine_prefill_s=f.prefill_s,
     )

@@ -437,6 +437,7 @@ def reference(api: str, stream: bytes, cuts: list[int], strip: bool) -> tuple[by
     reasons: list[str] = []
     rid = model = None
     out_tok = in_tok = cached = None
+    prefill_s: float | None = None
     for ev in events:
         start, pos = pos, ev.end
         obj = None
@@ -487,6 +488,9 @@ def reference(api: str, stream: bytes, cuts: list[int], strip: bool) -> tuple[by
             u = obj["usage"]
             out_tok, in_tok = u.get("completion_tokens"), u.get("prompt_tokens")
             cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+        timings = obj.get("timings")
+        if isinstance(timings, dict) and "prompt_ms" in timings:
+            prefill_s = timings["prompt_ms"] / 1000.0
     if strip:
         client += stream[tail_at:]
     if error is None and not completed:
@@ -517,6 +521,7 @@ def reference(api: str, stream: bytes, cuts: list[int], strip: bool) -> tuple[by
         first_output_at=first,
         last_output_at=last,
         forward_s=[sent_time(i) - recv_time(i) for i in sorted(set(out_feeds))],
+        engine_prefill_s=prefill_s,
     )
     return (bytes(client) if strip else stream), facts
 
@@ -884,6 +889,7 @@ def test_llamacpp_timings_give_prompt_and_cached_tokens_when_no_usage_does() -> 
     )
     _, facts = run_meter("chat", stream, [], strip=False)
     assert facts.cached_tokens == 96 and facts.input_tokens == 103
+    assert facts.engine_prefill_s == 0.0125  # prompt_ms: its prefill, for the doctor
     whole = orjson.dumps(
         {"id": "c1", "choices": [], "usage": {"prompt_tokens": 103, "completion_tokens": 1},
          "timings": {"cache_n": 64, "prompt_n": 39}}
