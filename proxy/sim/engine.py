@@ -58,6 +58,7 @@ class Seq:
     preemptions: int = 0
     # Simulated clock readings (seconds): for tests of the physics without a wall clock.
     arrival: float = 0.0
+    scheduled_at: float | None = None  # first left the waiting queue (vLLM's queue time ends)
     first_token_at: float | None = None
     finished_at: float | None = None
 
@@ -244,6 +245,7 @@ class Scheduler:
             seq.num_computed = computed
             seq.num_committed = len(hit)
             if seq.num_cached < 0:
+                seq.scheduled_at = self.now
                 seq.num_cached = computed
                 self.prefix_queries += seq.num_prompt
                 self.prefix_hits += len(hit) * bs

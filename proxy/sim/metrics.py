@@ -66,6 +66,9 @@ class EngineMetrics:
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(REQUEST_BUCKETS)
         self.tpot = Histogram(ITL_BUCKETS)
+        # vLLM's per-request phases: waiting to be scheduled, then scheduled to first token
+        self.queue_time = Histogram(REQUEST_BUCKETS)
+        self.prefill_time = Histogram(REQUEST_BUCKETS)
         self.success = dict.fromkeys(FINISH_REASONS, 0)
         self.prefill_tokens = 0
         self.decode_steps = 0
@@ -170,6 +173,16 @@ class EngineMetrics:
                 "vllm:e2e_request_latency_seconds",
                 "Histogram of end to end request latency.",
                 self.e2e,
+            ),
+            (
+                "vllm:request_queue_time_seconds",
+                "Histogram of time spent in WAITING phase for request.",
+                self.queue_time,
+            ),
+            (
+                "vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.",
+                self.prefill_time,
             ),
         ):
             metric(name, "histogram", help_, hist.lines(name, lbl))

@@ -155,6 +155,10 @@ class AsyncEngine:
         if prev is None:
             self.first_token[sid] = now
             self.metrics.ttft.observe(now - self.arrivals[sid])
+            if seq.scheduled_at is not None and seq.first_token_at is not None:
+                scale = self.cfg.time_scale  # simulated seconds, as a client's clock sees them
+                self.metrics.queue_time.observe((seq.scheduled_at - seq.arrival) / scale)
+                self.metrics.prefill_time.observe((seq.first_token_at - seq.scheduled_at) / scale)
         else:
             self.metrics.itl.observe(now - prev)
         self.last_token[sid] = now
