@@ -31,6 +31,15 @@ LOAD_METRICS: dict[str, dict[str, str]] = {
         "vllm:num_requests_running": "running",
         "vllm:kv_cache_usage_perc": "kv_usage",
         "vllm:gpu_cache_usage_perc": "kv_usage",  # older vLLM name
+        # Cumulative counters (EngineLoad.counters): the doctor compares them across its window
+        # to split TTFT into queueing and prefill and to read the prefix cache (docs/doctor.md).
+        "vllm:request_queue_time_seconds_sum": "queue_time_sum",
+        "vllm:request_queue_time_seconds_count": "queue_time_count",
+        "vllm:request_prefill_time_seconds_sum": "prefill_time_sum",
+        "vllm:request_prefill_time_seconds_count": "prefill_time_count",
+        "vllm:prefix_cache_queries_total": "prefix_queries",
+        "vllm:prefix_cache_hits_total": "prefix_hits",
+        "vllm:num_preemptions_total": "preemptions",
     },
     "sglang": {
         "sglang:num_queue_reqs": "waiting",
@@ -51,6 +60,7 @@ HEALTH_PATH = {
 
 
 KV_CONFIG_INFO = "vllm:cache_config_info"
+_GAUGES = ("waiting", "running", "kv_usage")
 
 
 def parse_load(engine: str, text: str, now: float) -> EngineLoad | None:
@@ -90,6 +100,7 @@ def parse_load(engine: str, text: str, now: float) -> EngineLoad | None:
         kv_usage=sums.get("kv_usage"),
         kv_tokens=kv_tokens,
         scraped_at=now,
+        counters={k: v for k, v in sums.items() if k not in _GAUGES},
     )
 
 

@@ -21,6 +21,9 @@ class EngineLoad:
     kv_usage: float | None = None  # 0..1 KV-cache usage
     kv_tokens: int | None = None  # KV pool size in tokens (vllm:cache_config_info)
     scraped_at: float = 0.0  # monotonic time of the scrape
+    # Cumulative engine counters by short name (queue/prefill time sums and counts, prefix
+    # cache queries and hits, preemptions): read by the doctor, not by routing.
+    counters: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
