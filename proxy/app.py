@@ -98,7 +98,9 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
         log.log(
             logging.INFO if healthy else logging.WARNING,
             "warmroute %s: %d of %d backend(s) healthy, policy %s, prefix index %s",
-            "ready" if healthy else "started but not ready (GET /ready answers 503 until a "
+            "ready"
+            if healthy
+            else "started but not ready (GET /ready answers 503 until a "
             "backend passes its health check)",
             healthy,
             len(state.registry.backends),
@@ -123,6 +125,7 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
         steering=state.steering,
         recorder=state.telemetry,
         retry=RetryPolicy(config.retries),
+        pd=pd_flows(config, state),
     )
     state.forwarding = forwarding
     endpoints = {path: ProxyEndpoint(forwarding, api) for api, path in API_PATHS.items()}
@@ -131,6 +134,22 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
     inner = Starlette(routes=routes, lifespan=lifespan)
     inner.state.warmroute = state
     return WarmrouteApp(inner, endpoints, state)
+
+
+def pd_flows(config: Config, state: AppState) -> Any:
+    """The prefill/decode flows when disagg.mode is on or auto (None: off, today's path)."""
+    if config.disagg.mode == "off":
+        return None
+    from proxy.disagg.controller import DisaggController
+    from proxy.pdflow import PdFlows
+
+    hasher = state.routing.router.hasher
+    return PdFlows(
+        DisaggController(config.disagg),
+        state.registry,
+        state.steering,
+        chars_per_token=hasher.chars_per_token,
+    )
 
 
 def kv_event_caches(

@@ -43,6 +43,8 @@ from proxy.upstream import CONNECT_ERRORS, UpstreamProtocolError
 
 if TYPE_CHECKING:
     from proxy.backends import Backend
+    from proxy.meter import StreamFacts
+    from proxy.pdflow import PdFlows
     from proxy.ports import UpstreamResponseLike
     from proxy.telemetry import RequestRecord
 
@@ -68,6 +70,7 @@ class Forwarding:
     steering: RequestRouting
     recorder: Recorder
     retry: RetryPolicy
+    pd: PdFlows | None = None  # disagg.mode on or auto
     open_requests: int = 0
 
 
@@ -81,6 +84,7 @@ class ProxyEndpoint:
         self.relay = Relay(
             api, fw.steering, fw.config.timeouts.idle_s, fw.config.server.debug_headers
         )
+        self.pd = fw.pd  # prefill/decode flows (proxy/pdflow.py); None when disagg is off
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -175,7 +179,10 @@ class ProxyEndpoint:
         assert task is not None
         watcher = task.get_loop().create_task(_watch_disconnect(receive, ex, task))
         try:
-            await self._attempts(ex, decision.ranking, ranking[0], record, send)
+            if self.pd is None:
+                await self.attempts(ex, decision.ranking, ranking[0], record, send)
+            else:
+                await self.pd.forward(self, ex, decision.ranking, record, send)
         except asyncio.CancelledError:
             task.uncancel()
             if ex.client_gone:  # our own cancel (the client left while we awaited the backend)
@@ -211,9 +218,19 @@ class ProxyEndpoint:
         finally:
             watcher.cancel()
 
-    async def _attempts(
-        self, ex: Exchange, ranking: list[str], first: str, record: RequestRecord, send: Send
-    ) -> None:
+    async def attempts(
+        self,
+        ex: Exchange,
+        ranking: list[str],
+        first: str,
+        record: RequestRecord,
+        send: Send,
+        body: bytes | None = None,
+        final: bool = True,
+    ) -> tuple[str, StreamFacts | None] | None:
+        """Attempts until one is answered (its backend and facts), or None: the client got
+        an error, or (`final` False) nothing yet, for the caller to fall back. `body`
+        replaces what each backend is sent (a decode leg's)."""
         fw = self.fw
         policy = fw.retry
         deadline = policy.deadline(time.monotonic())
@@ -222,8 +239,7 @@ class ProxyEndpoint:
         while True:
             backend = fw.fleet[name]
             try:
-                await self._attempt(ex, backend, record, send, fresh)
-                return
+                return name, await self._attempt(ex, backend, record, send, fresh, body)
             except Retry as r:
                 failures.append(f"{backend.name}: {r.reason}")
                 kind = "overloaded" if r.status == 429 else r.kind
@@ -252,7 +268,9 @@ class ProxyEndpoint:
                 name, fresh = nxt.backend, nxt.fresh
         if ex.client_gone:
             record.finish(None, status=499, error_type="cancelled")
-            return
+            return None
+        if not final:
+            return None
         await self._fail(
             ex,
             send,
@@ -261,6 +279,7 @@ class ProxyEndpoint:
             "All backends failed before responding: " + "; ".join(failures) + ".",
             "backends_unavailable",
         )
+        return None
 
     async def _fail(
         self,
@@ -319,8 +338,14 @@ class ProxyEndpoint:
         return upstream
 
     async def _attempt(
-        self, ex: Exchange, backend: Backend, record: RequestRecord, send: Send, fresh: bool
-    ) -> None:
+        self,
+        ex: Exchange,
+        backend: Backend,
+        record: RequestRecord,
+        send: Send,
+        fresh: bool,
+        body: bytes | None = None,
+    ) -> StreamFacts | None:
         fw = self.fw
         headers = upstream_headers(ex, backend, ex.client)
         attempt = record.attempt(
@@ -336,15 +361,19 @@ class ProxyEndpoint:
         try:
             t_sent = time.perf_counter()
             strip = ex.strip_usage and not _keeps_own_usage(backend)
-            body = ex.raw if strip or not ex.strip_usage else ex.client_raw
+            if body is None:
+                body = ex.raw if strip or not ex.strip_usage else ex.client_raw
+            if self.pd is not None:
+                self.pd.started(ex, backend.name, t_sent)
             upstream = await self.open_leg(ex, backend, body, headers, fresh)
             ex.upstream = upstream
             try:
                 fw.fleet.mark_success(backend)
                 if ex.stream and upstream.status == 200:
-                    await self.relay.stream(ex, backend, upstream, t_sent, record, send, strip)
-                else:
-                    await self.relay.whole(ex, backend, upstream, record, send)
+                    return await self.relay.stream(
+                        ex, backend, upstream, t_sent, record, send, strip
+                    )
+                return await self.relay.whole(ex, backend, upstream, record, send)
             finally:
                 ex.upstream = None
                 upstream.release()

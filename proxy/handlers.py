@@ -34,7 +34,14 @@ def routes(state: AppState) -> list[Route]:
         # Names and health only: the serving port is not the place for URLs (admin has them).
         ok = state.registry.any_ready()
         now = time.monotonic()
-        up = [{"name": b.name, "up": b.is_up(now)} for b in state.registry.backends.values()]
+        up = [
+            {
+                "name": b.name,
+                "up": b.is_up(now),
+                "circuit": b.breaker.info(now)["state"] if b.breaker else None,
+            }
+            for b in state.registry.backends.values()
+        ]
         return _json({"ready": ok, "backends": up}, 200 if ok else 503)
 
     def _backends() -> list[dict[str, object]]:
@@ -49,6 +56,8 @@ def routes(state: AppState) -> list[Route]:
                 "inflight": state.routing.board.get(b.name),  # all replicas' open requests
                 "models": sorted(b.models) if b.models is not None else None,
                 "last_error": redact_text(b.last_error) if b.last_error else None,
+                # passive health: outlier ejection (closed / open / half_open)
+                "circuit": b.breaker.info(time.monotonic()) if b.breaker else None,
                 "load": {
                     "waiting": b.load.waiting,
                     "running": b.load.running,
@@ -115,6 +124,20 @@ def routes(state: AppState) -> list[Route]:
     async def routing_info(request: Request) -> Response:
         return _json(state.routing.info())
 
+    async def disagg(request: Request) -> Response:
+        """The prefill/decode decider: mode, active, pools, its window's inputs, why."""
+        pd = state.forwarding.pd if state.forwarding is not None else None
+        if pd is None:
+            return _json(
+                {
+                    "mode": "off",
+                    "active": False,
+                    "reason": "disagg.mode is off: every request goes whole to the backend "
+                    "routing picks",
+                }
+            )
+        return _json(pd.state())
+
     async def backends(request: Request) -> Response:
         return _json({"backends": _backends(), "policy": state.router.policy.name})
 
@@ -125,5 +148,6 @@ def routes(state: AppState) -> list[Route]:
         Route("/admin/backends", backends, methods=["GET"]),
         Route("/admin/route/explain", explain, methods=["POST"]),
         Route("/admin/routing", routing_info, methods=["GET"]),
+        Route("/admin/disagg", disagg, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

@@ -20,7 +20,7 @@ import orjson
 
 from proxy.errors import error_body, sse_error_event
 from proxy.exchange import Exchange
-from proxy.meter import StreamMeter, meter_json
+from proxy.meter import StreamFacts, StreamMeter, meter_json
 from proxy.retry import Retry, describe
 from proxy.upstream import NOT_FORWARDED_DOWNSTREAM_B, NOT_FORWARDED_UPSTREAM, READ_ERRORS
 
@@ -124,7 +124,7 @@ class Relay:
         upstream: UpstreamResponseLike,
         record: RequestRecord,
         send: Send,
-    ) -> None:
+    ) -> StreamFacts | None:
         try:
             payload = await upstream.read()
         except READ_ERRORS as e:
@@ -153,6 +153,7 @@ class Relay:
             error_type=None if upstream.status < 400 else f"http_{upstream.status}",
             backend=backend.name,
         )
+        return facts
 
     async def stream(
         self,
@@ -163,7 +164,7 @@ class Relay:
         record: RequestRecord,
         send: Send,
         strip: bool,
-    ) -> None:
+    ) -> StreamFacts:
         meter = StreamMeter(self.api, t0=ex.t0, strip_usage=strip)  # type: ignore[arg-type]
         meter.upstream_sent(t_sent)
         # The first read decides between "retry elsewhere" and "committed to this backend".
@@ -282,6 +283,7 @@ class Relay:
             error_type="cancelled" if cancelled else error,
             backend=backend.name,
         )
+        return facts
 
 
 async def respond(

@@ -159,6 +159,8 @@ class RequestMetrics:
         self.inflight: Callable[[], Mapping[str, int]] = dict
         # per backend: the learned prefix cache and how well the index predicts it
         self.cache: Callable[[], Mapping[str, Mapping[str, Any]]] = dict
+        # the doctor's current findings: (finding id, backend, severity)
+        self.findings: Callable[[], Iterable[tuple[str, str, str]]] = tuple
         # the model's metric label: the name when a backend lists it (see bound_model_labels)
         self.model_label: Callable[[str], str] = str
         self._routes: dict[tuple[str, str], tuple[tuple[str, str], Point]] = {}
@@ -195,6 +197,13 @@ class RequestMetrics:
             meter.create_observable_gauge(
                 name, [self._cache_gauge(field_)], unit=unit, description=text
             )
+        meter.create_observable_gauge(
+            "warmroute.doctor.findings",
+            [self._observe_findings],
+            unit="{finding}",
+            description="The doctor's current findings: 1 per finding id and backend "
+            "(docs/doctor.md).",
+        )
 
     def _cache_gauge(self, field_: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(_options: CallbackOptions) -> Iterable[Observation]:
@@ -204,6 +213,15 @@ class RequestMetrics:
                     yield Observation(value, {"warmroute.backend": backend})
 
         return observe
+
+    def _observe_findings(self, _options: CallbackOptions) -> Iterable[Observation]:
+        for finding, backend, severity in list(self.findings()):
+            attrs = {
+                "warmroute.doctor.finding": finding,
+                "warmroute.backend": backend,
+                "warmroute.doctor.severity": severity,
+            }
+            yield Observation(1, attrs)
 
     def _observe_inflight(self, _options: CallbackOptions) -> Iterable[Observation]:
         # dict() copies in one C call: the event loop thread may be changing the counts

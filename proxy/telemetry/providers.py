@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider, TraceBasedExemplarFilter
@@ -64,6 +64,8 @@ class Telemetry:
         self._exporters: list[Any] = []  # OTLP exporters, to cut short at shutdown
         self.spans = self._tracing(span_exporter)
         self.metrics = RequestMetrics()
+        # Called once per finished request: (model, backend, facts, error, decision, t0).
+        self.finished: Callable[..., None] | None = None
         self._registry: Any = None
         self.meter_provider = self._metering(metric_readers)
 
@@ -187,6 +189,16 @@ class Telemetry:
         """Report `source()` (backend -> the capacity learner's estimate, as in
         /admin/routing) as the warmroute.prefix.* gauges in CACHE_GAUGES."""
         self.metrics.cache = source
+
+    def read_findings(self, source: Callable[[], Iterable[tuple[str, str, str]]]) -> None:
+        """Report `source()` ((finding id, backend, severity) per current finding of the
+        doctor) as the warmroute.doctor.findings gauge, so an alert can fire on it."""
+        self.metrics.findings = source
+
+    def on_finish(self, callback: Callable[..., None]) -> None:
+        """Call `callback(model, backend, facts, error, decision, t0)` once per finished
+        request (StreamFacts or None, error.type or None, the routing Decision or None)."""
+        self.finished = callback
 
     def shutdown(self, deadline_s: float = SHUTDOWN_EXPORT_S) -> None:
         """Flush and stop exporters; the Prometheus collector is unregistered.

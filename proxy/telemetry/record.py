@@ -4,7 +4,7 @@ and, when it finishes, its metrics. One span per request and attempt, never one 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import trace
@@ -35,6 +35,8 @@ class Telemetry(Protocol):
     cfg: TelemetryConfig
     spans: Spans
     metrics: RequestMetrics
+    finished: Callable[..., None] | None  # called once per finished request (the doctor)
+
 
 _propagator = TraceContextTextMapPropagator()
 
@@ -64,6 +66,24 @@ class AttemptRecord:
         headers["traceparent"] = f"00-{span.trace_id:032x}-{span.span_id:016x}-{span.flags:02x}"
         if span.trace_state:
             headers["tracestate"] = span.trace_state.to_header()
+
+    def set_attribute(self, key: str, value: str | int | float | bool) -> None:
+        """One more attribute on this attempt's span (e.g. warmroute.pd.leg)."""
+        _set(self.span, key, value)
+
+    def done(self, status: int) -> None:
+        """The attempt succeeded and is over before the request is (a prefill leg)."""
+        if self.ended:
+            return
+        self.ended = True
+        span = self.span
+        if span.recording:
+            if span.enc is not None:
+                span.enc.append(STATUS_CODE.any(status))
+                span.end(self.tel.spans, time.time_ns(), None, b"")
+            else:
+                span.attrs["http.response.status_code"] = status
+                span.end(self.tel.spans, time.time_ns())
 
     def fail(self, error_type: str, status: int | None = None) -> None:
         """The attempt failed (connect error, 5xx before the first byte...): end it as error."""
@@ -182,6 +202,33 @@ class RequestRecord:
         else:
             span_attrs.decision(DictWriter(span.attrs), decision)
 
+    def set_attribute(self, key: str, value: str | int | float | bool) -> None:
+        """One more attribute on the request's SERVER span."""
+        _set(self.span, key, value)
+
+    def interval(self, name: str, start_ns: int, end_ns: int, attrs: dict[str, Any]) -> None:
+        """An INTERNAL child span of the request for a wait the proxy observed between its
+        own spans (e.g. the KV transfer between a prefill leg and the decode leg)."""
+        spans = self.tel.spans
+        server = self.span
+        if not spans.tracing or not server.recording:
+            return
+        span = SpanData(
+            spans,
+            name,
+            SpanKind.INTERNAL,
+            server if spans.decide is not None else server.ctx,
+            server.context() if spans.decide is None else None,
+            dict(attrs),
+            start_ns,
+        )
+        if span.recording:
+            if spans.sink is not None:
+                span.enc = [attributes(ATTR, span.attrs)]
+                span.end(spans, end_ns, None, b"")
+            else:
+                span.end(spans, end_ns)
+
     def attempt(self, *, backend: str, address: str, port: int, attempt: int) -> AttemptRecord:
         """Open the CLIENT span of one upstream attempt (attempt numbers start at 1)."""
         tel = self.tel
@@ -298,6 +345,17 @@ class RequestRecord:
             self.decision,
             exemplar,
         )
+        if tel.finished is not None:  # the doctor's windows (proxy/doctor/collector.py)
+            tel.finished(self.model or "", name, facts, err, self.decision, self.t0)
+
+
+def _set(span: SpanData, key: str, value: str | int | float | bool) -> None:
+    if not span.recording:
+        return
+    if span.enc is not None:
+        span.enc.append(attributes(ATTR, {key: value}))
+    elif span.attrs is not None:
+        span.attrs[key] = value
 
 
 class _DisabledAttempt(AttemptRecord):
@@ -307,6 +365,12 @@ class _DisabledAttempt(AttemptRecord):
 
     def __init__(self) -> None:
         self.ended = True
+
+    def set_attribute(self, key: str, value: str | int | float | bool) -> None:
+        pass
+
+    def done(self, status: int) -> None:
+        pass
 
     def inject_headers(self, headers: dict[str, str]) -> None:
         pass
@@ -324,6 +388,12 @@ class _DisabledRecord(RequestRecord):
         pass
 
     def set_decision(self, decision: Decision) -> None:
+        pass
+
+    def set_attribute(self, key: str, value: str | int | float | bool) -> None:
+        pass
+
+    def interval(self, name: str, start_ns: int, end_ns: int, attrs: dict[str, Any]) -> None:
         pass
 
     def attempt(self, *, backend: str, address: str, port: int, attempt: int) -> AttemptRecord:

@@ -1,0 +1,197 @@
+"""Prefill/decode flows through the forwarder: exact leg bodies against an in-memory upstream,
+and both KV-transfer flows end to end against `warmroute sim` engines in P/D roles."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.app import create_app
+from proxy.config import load_config
+from proxy.upstream import UpstreamConnectError
+from tests.test_forward_fake_upstream import CHUNK, DONE, FakeResponse, FakeUpstream, _call
+
+PREFILL, DECODE = "127.0.0.1:9201", "127.0.0.1:9202"
+KV = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "e1",
+    "remote_block_ids": [1, 2, 3],
+    "remote_host": "10.0.0.1",
+    "remote_port": 5600,
+}
+
+
+def _pd_app(scripts: dict[str, list[Any]], engine: str = "vllm") -> tuple[Any, FakeUpstream]:
+    cfg = load_config(flags={"backends": ["http://127.0.0.1:1"]}, env={})
+    cfg = cfg.model_validate(
+        {
+            **cfg.model_dump(),
+            "backends": [
+                {
+                    "url": f"http://{PREFILL}",
+                    "models": ["m"],
+                    "engine": engine,
+                    "role": "prefill",
+                    "bootstrap_port": 8998,
+                },
+                {"url": f"http://{DECODE}", "models": ["m"], "engine": engine, "role": "decode"},
+            ],
+            "disagg": {"mode": "on", "threshold_tokens": 256},
+            "retries": {"backoff_base_s": 0.0},
+        }
+    )
+    app = create_app(cfg)
+    fake = FakeUpstream(scripts)
+    app.state.forwarding.upstream = fake
+    return app, fake
+
+
+def _long_chat(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "stream": True,
+        "max_tokens": 16,
+        "messages": [{"role": "user", "content": "a long document. " * 400}],
+        **extra,
+    }
+
+
+def _prefill_answer() -> FakeResponse:
+    answer = {"choices": [{"text": "x"}], "kv_transfer_params": KV}
+    r = FakeResponse(200, [orjson.dumps(answer)])
+    r.headers = [(b"content-type", b"application/json")]
+    return r
+
+
+def _stream() -> FakeResponse:
+    return FakeResponse(200, [CHUNK, DONE])
+
+
+def _bodies(fake: FakeUpstream, name: str) -> list[dict[str, Any]]:
+    return [
+        orjson.loads(b) for (n, _, _), b in zip(fake.calls, fake.bodies, strict=True) if n == name
+    ]
+
+
+async def test_vllm_flow_sends_the_exact_prefill_and_decode_bodies() -> None:
+    app, fake = _pd_app({PREFILL: [_prefill_answer], DECODE: [_stream]})
+    client = _long_chat(min_tokens=4, max_completion_tokens=16)
+    status, body, _ = await _call(app, client)
+    assert status == 200 and body == CHUNK + DONE
+    [prefill] = _bodies(fake, PREFILL)
+    [decode] = _bodies(fake, DECODE)
+    expected_prefill = {k: v for k, v in client.items() if k != "min_tokens"}
+    expected_prefill.update(
+        stream=False,
+        max_tokens=1,
+        max_completion_tokens=1,
+        kv_transfer_params={
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    )
+    assert prefill == expected_prefill  # no stream_options, min_tokens held back
+    assert decode == {
+        **client,
+        "stream_options": {"include_usage": True},  # the proxy's own, cut from the stream
+        "kv_transfer_params": KV,
+    }
+    ids = {c[2]["x-request-id"] for c in fake.calls}
+    assert len(ids) == 1  # both legs carry the same request id
+
+
+async def test_sglang_flow_sends_one_body_with_bootstrap_fields_to_both_legs() -> None:
+    app, fake = _pd_app({PREFILL: [_prefill_answer], DECODE: [_stream]}, engine="sglang")
+    status, body, _ = await _call(app, _long_chat())
+    assert status == 200 and body == CHUNK + DONE
+    [prefill] = _bodies(fake, PREFILL)
+    [decode] = _bodies(fake, DECODE)
+    assert prefill == decode
+    assert prefill["bootstrap_host"] == "127.0.0.1" and prefill["bootstrap_port"] == 8998
+    assert 0 <= prefill["bootstrap_room"] < 2**63
+
+
+async def test_a_failing_prefill_leg_falls_back_to_decode_only() -> None:
+    app, fake = _pd_app({PREFILL: [UpstreamConnectError("refused")], DECODE: [_stream]})
+    status, body, _ = await _call(app, _long_chat())
+    assert status == 200 and body == CHUNK + DONE
+    [decode] = _bodies(fake, DECODE)
+    assert "kv_transfer_params" not in decode  # the engine prefills itself
+    assert app.state.forwarding.pd.counts["prefill_failed"] == 1
+
+
+async def test_a_prefill_answer_without_kv_params_falls_back_too() -> None:
+    def plain() -> FakeResponse:
+        return FakeResponse(200, [b'{"choices":[{"text":"x"}],"kv_transfer_params":null}'])
+
+    app, fake = _pd_app({PREFILL: [plain], DECODE: [_stream]})
+    status, _, _ = await _call(app, _long_chat())
+    assert status == 200
+    assert "kv_transfer_params" not in _bodies(fake, DECODE)[0]
+
+
+async def test_short_prompts_go_straight_to_decode() -> None:
+    app, fake = _pd_app({PREFILL: [_prefill_answer], DECODE: [_stream]})
+    short = {**_long_chat(), "messages": [{"role": "user", "content": "hi"}]}
+    status, _, _ = await _call(app, short)
+    assert status == 200
+    assert [c[0] for c in fake.calls] == [DECODE]
+
+
+async def test_mode_off_never_plans() -> None:
+    cfg = load_config(flags={"backends": [f"http://{DECODE}"]}, env={})
+    assert create_app(cfg).state.forwarding.pd is None
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_both_flows_against_sims_in_pd_roles(proxy_server: Any) -> None:
+    import openai
+
+    from tests.test_sim_http import sim, text_of_tokens
+
+    for flow in ("vllm", "sglang"):
+        with (
+            sim("a10g", time_scale=8, role="prefill", pd=flow) as (p_url, _),
+            sim("a10g", time_scale=8, role="decode", pd=flow) as (d_url, _),
+        ):
+            port = int(p_url.rsplit(":", 1)[1])
+            proxy = proxy_server(
+                [p_url, d_url],
+                config={
+                    "backends": [
+                        {"url": p_url, "engine": flow, "role": "prefill", "bootstrap_port": port},
+                        {"url": d_url, "engine": flow, "role": "decode"},
+                    ],
+                    "disagg": {"mode": "on", "threshold_tokens": 512},
+                },
+            )
+            client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+            stream = await client.chat.completions.create(
+                model="sim-8b",
+                messages=[{"role": "user", "content": text_of_tokens(3000, flow)}],
+                max_tokens=12,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            chunks = [c async for c in stream]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            usage = chunks[-1].usage
+            assert text and usage is not None and usage.completion_tokens == 12
+            import httpx
+
+            async with httpx.AsyncClient() as h:
+                d_stats = (await h.get(d_url + "/sim/stats")).json()
+                state = (await h.get(proxy.url + "/admin/disagg")).json()
+            assert d_stats["external_kv_tokens"] >= 2900, flow  # KV came over, not prefilled
+            assert state["requests"].get("two:prefill") == 1
+            await asyncio.sleep(0)
