@@ -16,6 +16,7 @@ import plugins
 from proxy import handlers
 from proxy.backends import Backend, BackendRegistry
 from proxy.config import Config, ConfigError
+from proxy.doctor.http import routes as doctor_routes
 from proxy.edge import Edge
 from proxy.forward import API_PATHS, Forwarding, ProxyEndpoint
 from proxy.retry import RetryPolicy
@@ -131,6 +132,7 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
     endpoints = {path: ProxyEndpoint(forwarding, api) for api, path in API_PATHS.items()}
     routes: list[Route | Mount] = [Route(p, ep, methods=["POST"]) for p, ep in endpoints.items()]
     routes += handlers.routes(state)
+    routes += doctor_routes(state)  # GET /admin/doctor, the findings gauge
     inner = Starlette(routes=routes, lifespan=lifespan)
     inner.state.warmroute = state
     return WarmrouteApp(inner, endpoints, state)

@@ -1,0 +1,213 @@
+"""Windows of measurements in the running proxy: per backend and model, the last minutes.
+
+The collector is fed where a request's telemetry record finishes (one call per request, a
+small object appended to a bounded deque: no work on the way to the first byte), and samples
+the engine gauges the backend registry already scrapes each time a request finishes on that
+backend and a new scrape has arrived since. Nothing here does I/O or runs a task; the
+diagnosis reads a copy when asked.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from proxy.doctor.model import GaugeSample, Hardware, RequestSample, Window
+
+DEFAULT_WINDOW_S = 300.0
+MAX_REQUESTS = 2000  # per backend and model: enough for an ITL p99 at any traffic
+MAX_GAPS_PER_STREAM = 4096  # a longer stream keeps its first ones (memory stays bounded)
+MAX_GAUGES = 1000  # per backend: 2,000 s of scrapes every 2 s
+
+
+class Facts(Protocol):
+    """What the doctor reads of the stream meter's facts (proxy.meter.StreamFacts)."""
+
+    ttft_s: float | None
+    upstream_ttft_s: float | None
+    itl_s: list[float]
+    input_tokens: int | None
+    cached_tokens: int | None
+    output_tokens: int | None
+    first_output_at: float | None
+    engine_prefill_s: float | None
+
+
+class Load(Protocol):
+    """What the doctor reads of a backend's scraped gauges (proxy.routing.types.EngineLoad)."""
+
+    waiting: float | None
+    running: float | None
+    kv_usage: float | None
+    kv_tokens: int | None
+    scraped_at: float
+
+
+class DecisionLike(Protocol):
+    matched_blocks: Mapping[str, int]
+    block_chars: int
+    prompt_chars: int
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    name: str
+    engine: str = "openai"
+    hardware: Hardware | None = None
+
+
+def predicted_tokens(
+    decision: DecisionLike | None, backend: str, input_tokens: int | None
+) -> tuple[float | None, float | None]:
+    """(tokens the index expected cached on `backend`, on the best backend it looked at).
+
+    The index matches blocks of characters; their share of the prompt's characters, times the
+    engine's prompt tokens, is the prediction in the engine's unit."""
+    if decision is None or not input_tokens or not decision.prompt_chars:
+        return None, None
+    per_block = decision.block_chars / decision.prompt_chars * input_tokens
+    matched = decision.matched_blocks
+    here = min(matched.get(backend, 0) * per_block, float(input_tokens))
+    best = min(max(matched.values(), default=0) * per_block, float(input_tokens))
+    return here, best
+
+
+class Collector:
+    """Bounded per-(backend, model) windows of finished requests and sampled gauges."""
+
+    def __init__(
+        self,
+        backends: Iterable[BackendInfo],
+        *,
+        loads: Callable[[str], Load | None] | None = None,
+        counters: Callable[[Load], Mapping[str, float]] | None = None,
+        engines: Callable[[str], str | None] | None = None,
+        window_s: float = DEFAULT_WINDOW_S,
+        clock: Callable[[], float] = time.perf_counter,
+        max_requests: int = MAX_REQUESTS,
+    ) -> None:
+        self.backends = {b.name: b for b in backends}
+        self.loads = loads
+        self.counters = counters
+        self.engines = engines  # the engine kind now (an `auto` backend learns it when scraped)
+        self.window_s = window_s
+        self.clock = clock
+        self.max_requests = max_requests
+        self.policy: str | None = None
+        self.cache: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None
+        self._requests: dict[tuple[str, str], deque[RequestSample]] = {}
+        self._errors: dict[tuple[str, str], deque[float]] = {}
+        self._gauges: dict[str, deque[GaugeSample]] = {}
+        self._last_scrape: dict[str, float] = {}
+
+    # -- fed once per finished request ----------------------------------------------------
+    def finished(
+        self,
+        model: str,
+        backend: str,
+        facts: Facts | None,
+        error: str | None,
+        decision: DecisionLike | None,
+        t0: float,
+    ) -> None:
+        if not backend:
+            return
+        key = (backend, model)
+        if error is not None or facts is None:
+            errs = self._errors.get(key)
+            if errs is None:
+                errs = self._errors[key] = deque(maxlen=self.max_requests)
+            errs.append(t0)
+        else:
+            here, best = predicted_tokens(decision, backend, facts.input_tokens)
+            gaps = facts.itl_s
+            sample = RequestSample(
+                start=t0,
+                ttft_s=facts.ttft_s,
+                upstream_ttft_s=facts.upstream_ttft_s,
+                first_at=facts.first_output_at,
+                itl_s=array("d", gaps[:MAX_GAPS_PER_STREAM]) if gaps else (),
+                input_tokens=facts.input_tokens,
+                cached_tokens=facts.cached_tokens,
+                output_tokens=facts.output_tokens,
+                predicted_tokens=here,
+                seen_tokens=best,
+                engine_prefill_s=facts.engine_prefill_s,
+            )
+            window = self._requests.get(key)
+            if window is None:
+                window = self._requests[key] = deque(maxlen=self.max_requests)
+            window.append(sample)
+        self._sample_load(backend)
+
+    def _sample_load(self, backend: str) -> None:
+        if self.loads is None:
+            return
+        load = self.loads(backend)
+        if load is None or not load.scraped_at or self._last_scrape.get(backend) == load.scraped_at:
+            return
+        self._last_scrape[backend] = load.scraped_at
+        gauges = self._gauges.get(backend)
+        if gauges is None:
+            gauges = self._gauges[backend] = deque(maxlen=MAX_GAUGES)
+        gauges.append(
+            GaugeSample(
+                at=self.clock(),
+                waiting=load.waiting,
+                running=load.running,
+                kv_usage=load.kv_usage,
+                kv_tokens=load.kv_tokens,
+                counters=dict(self.counters(load)) if self.counters is not None else {},
+            )
+        )
+
+    # -- read when a report is asked for --------------------------------------------------
+    def windows(self, window_s: float | None = None) -> list[Window]:
+        """A Window per (backend, model) seen in the last `window_s` seconds, plus one (empty)
+        per configured backend that served nothing in it."""
+        span = self.window_s if window_s is None else window_s
+        since = self.clock() - span
+        cache = dict(self.cache()) if self.cache is not None else {}
+        out: list[Window] = []
+        served: set[str] = set()
+        keys = sorted(set(self._requests) | set(self._errors))
+        for backend, model in keys:
+            # list() copies in one C call: an exporter thread may read while the loop appends
+            reqs = [r for r in list(self._requests.get((backend, model), ())) if r.start >= since]
+            errors = sum(1 for t in list(self._errors.get((backend, model), ())) if t >= since)
+            if not reqs and not errors:
+                continue
+            served.add(backend)
+            out.append(self._window(backend, model, reqs, errors, since, cache))
+        for name in sorted(self.backends):
+            if name not in served:
+                out.append(self._window(name, "", [], 0, since, cache))
+        return out
+
+    def _window(
+        self,
+        backend: str,
+        model: str,
+        reqs: list[RequestSample],
+        errors: int,
+        since: float,
+        cache: Mapping[str, Mapping[str, Any]],
+    ) -> Window:
+        info = self.backends.get(backend, BackendInfo(backend))
+        gauges = [g for g in list(self._gauges.get(backend, ())) if g.at >= since]
+        engine = (self.engines(backend) if self.engines is not None else None) or info.engine
+        return Window(
+            backend=backend,
+            model=model,
+            engine=engine,
+            requests=reqs,
+            gauges=gauges,
+            errors=errors,
+            hardware=info.hardware,
+            cache=cache.get(backend),
+            policy=self.policy,
+        )
