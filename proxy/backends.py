@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy import engines
 from proxy.config import BackendConfig, Config
 from proxy.outlier import Breaker
 from proxy.routing.types import BackendView, EngineLoad
@@ -56,6 +57,7 @@ HEALTH_PATH = {
     "sglang": "/health",
     "llamacpp": "/health",
     "openai": "/v1/models",
+    "auto": "/v1/models",  # until /metrics says which engine it is (proxy/engines.py)
 }
 
 
@@ -287,6 +289,10 @@ class BackendRegistry:
                 log.warning("backend %s is unhealthy: %s", b.name, b.last_error)
 
     async def _scrape(self, b: Backend) -> None:
+        if b.cfg.engine == "auto":
+            b.cfg = await engines.detect(
+                self.http, b.cfg, self._headers(b), self.config.timeouts.health_s
+            )
         if b.cfg.engine not in LOAD_METRICS:
             return
         try:

@@ -31,6 +31,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from proxy.app import create_app
+from proxy.bench.mock import prompt_tokens
 from proxy.config import Config
 from proxy.telemetry import Telemetry
 from tests.support import ServerThread, serve_lifespan
@@ -207,7 +208,7 @@ def test_span_tree_with_a_retried_attempt_and_trace_context_on_both_hops(
         usage = chunks[-1].usage
         assert usage is not None  # asked for, so not stripped
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert text == "alpha0 bravo1 charlie2 delta3 "
+        assert text == "tok0 tok1 tok2 tok3 "
 
         server, children = proxy.request_spans(request_id)
         seen.append((server, children))
@@ -229,7 +230,7 @@ def test_span_tree_with_a_retried_attempt_and_trace_context_on_both_hops(
             "gen_ai.request.max_tokens": 16,
             "gen_ai.request.temperature": 0.5,
             "gen_ai.request.top_p": 0.9,
-            "gen_ai.response.id": "chatcmpl-fake",
+            "gen_ai.response.id": chunks[0].id,
             "gen_ai.response.model": MODEL,
             "gen_ai.response.finish_reasons": ("length",),
             # the backend's own usage, exactly as its client saw it
@@ -383,8 +384,9 @@ def test_ttft_itl_usage_and_overhead_match_what_the_client_saw(
     assert a["warmroute.e2e_s"] >= proxy_ttft + (CHUNKS - 1) * GAP_S * 0.9
     assert a["warmroute.e2e_s"] <= t_end - t_start
     # Usage: exactly the backend's (it computes usage from what it received).
-    usage = backend_app._usage(backend_app.rec.requests[-1]["body"], CHUNKS)
-    assert backend_app.rec.requests[-1]["body"]["stream_options"] == {"include_usage": True}
+    sent = backend_app.rec.requests[-1]["body"]
+    usage = {"prompt_tokens": prompt_tokens(sent), "completion_tokens": CHUNKS}
+    assert sent["stream_options"] == {"include_usage": True}
     assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == CHUNKS
     assert a["warmroute.tpot_s"] == pytest.approx(
@@ -674,7 +676,11 @@ def test_otlp_http_export_from_the_running_proxy(
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
     monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "200")
     with OtlpReceiver() as receiver:
-        telemetry: dict[str, Any] = {"traces_exporter": "otlp", "service_name": "wr-e2e"}
+        telemetry: dict[str, Any] = {
+            "traces_exporter": "otlp",
+            "metrics_exporter": "otlp",
+            "service_name": "wr-e2e",
+        }
         if endpoint_from == "config":
             telemetry["otlp_endpoint"] = receiver.url
         else:

@@ -416,6 +416,7 @@ def test_otlp_http_export_reaches_a_receiver_as_protobuf() -> None:
     try:
         cfg = TelemetryConfig(
             traces_exporter="otlp",
+            metrics_exporter="otlp",
             otlp_endpoint=f"http://127.0.0.1:{server.server_port}",
             prometheus=False,
         )

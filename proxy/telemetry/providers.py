@@ -6,6 +6,7 @@ No process globals: the app owns one Telemetry, and its lifespan shuts it down.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -29,7 +30,8 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from proxy.config import TelemetryConfig
+from proxy import otel_env
+from proxy.config import ConfigError, TelemetryConfig
 from proxy.telemetry import sdk_bridge
 from proxy.telemetry.batcher import EncodedBatcher
 from proxy.telemetry.metrics import RequestMetrics
@@ -102,10 +104,16 @@ class Telemetry:
 
             self._registry = CollectorRegistry(auto_describe=True)
             readers.append(PrometheusMetricReader(registry=self._registry))
-        if cfg.traces_exporter == "otlp" and self.enabled:
+        # Pushed only when asked (telemetry.metrics_exporter, OTEL_METRICS_EXPORTER): a trace
+        # store that takes OTLP traces may take no metrics, and would log an error per export.
+        if cfg.metrics_exporter == "otlp" and self.enabled:
             metric_exporter = _otlp_metric_exporter(cfg)
             self._exporters.append(metric_exporter)
             readers.append(PeriodicExportingMetricReader(metric_exporter))
+        elif cfg.metrics_exporter == "console" and self.enabled:
+            from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+
+            readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
         provider = MeterProvider(
             metric_readers=readers,
             resource=self.resource,
@@ -190,6 +198,18 @@ class Telemetry:
         /admin/routing) as the warmroute.prefix.* gauges in CACHE_GAUGES."""
         self.metrics.cache = source
 
+    def read_health(
+        self, ejected: Callable[[], Mapping[str, int]], budget_exhausted: Callable[[], int]
+    ) -> None:
+        """Report passive health: warmroute.backend.ejected per backend (1 while its circuit
+        is open) and warmroute.upstream.retry_budget_exhausted."""
+        self.metrics.ejected = ejected
+        self.metrics.budget_exhausted = budget_exhausted
+
+    def read_disagg(self, source: Callable[[], tuple[bool, Mapping[str, float]] | None]) -> None:
+        """Report the disaggregation decider: warmroute.disagg.active and its inputs."""
+        self.metrics.disagg = source
+
     def read_findings(self, source: Callable[[], Iterable[tuple[str, str, str]]]) -> None:
         """Report `source()` ((finding id, backend, severity) per current finding of the
         doctor) as the warmroute.doctor.findings gauge, so an alert can fire on it."""
@@ -237,19 +257,43 @@ def _otlp_endpoint(cfg: TelemetryConfig, signal: str) -> str | None:
     return cfg.otlp_endpoint.rstrip("/") + f"/v1/{signal}"
 
 
+def _grpc_missing() -> ConfigError:
+    return ConfigError(
+        "telemetry.otlp_protocol: grpc needs the gRPC exporter, which the base install leaves "
+        "out: pip install 'warmroute[grpc]' (or use http/protobuf, OTLP's port 4318)"
+    )
+
+
 def otlp_span_exporter(cfg: TelemetryConfig) -> SpanExporter:
     if cfg.otlp_protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as G
-
-        return G(endpoint=_otlp_endpoint(cfg, "traces"))
-    return http_span_exporter(endpoint=_otlp_endpoint(cfg, "traces"))
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                OTLPSpanExporter as G,
+            )
+        except ImportError:
+            raise _grpc_missing() from None
+        return G(endpoint=_otlp_endpoint(cfg, "traces"), timeout=_timeout_s("TRACES"))
+    return http_span_exporter(endpoint=_otlp_endpoint(cfg, "traces"), timeout=_timeout_s("TRACES"))
 
 
 def _otlp_metric_exporter(cfg: TelemetryConfig) -> Any:
     if cfg.otlp_protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as G
-
-        return G(endpoint=_otlp_endpoint(cfg, "metrics"))
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+                OTLPMetricExporter as G,
+            )
+        except ImportError:
+            raise _grpc_missing() from None
+        return G(endpoint=_otlp_endpoint(cfg, "metrics"), timeout=_timeout_s("METRICS"))
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as H
 
-    return H(endpoint=_otlp_endpoint(cfg, "metrics"))
+    return H(endpoint=_otlp_endpoint(cfg, "metrics"), timeout=_timeout_s("METRICS"))
+
+
+def _timeout_s(signal: str) -> float | None:
+    """The OTLP timeout from the environment, in milliseconds as specified (None: the SDK's
+    default); the SDK itself would read the same variable as seconds."""
+    try:
+        return otel_env.otlp_timeout_s(os.environ, signal)
+    except otel_env.OtelEnvError as e:
+        raise ConfigError(str(e)) from None

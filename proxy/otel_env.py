@@ -1,0 +1,141 @@
+"""The OpenTelemetry SDK's standard environment variables, as warmroute settings.
+
+Operators and the OpenTelemetry Operator configure every instrumented service with the same
+`OTEL_*` variables; warmroute honours them as defaults under its own configuration (YAML file,
+`WARMROUTE_*`, flags), which override them key by key. Pure: environment in, config keys out.
+
+Variables that choose *what* is exported map to `telemetry:` keys here:
+
+  OTEL_SDK_DISABLED=true            telemetry.enabled: false
+  OTEL_SERVICE_NAME                 telemetry.service_name (else service.name from
+                                    OTEL_RESOURCE_ATTRIBUTES)
+  OTEL_TRACES_EXPORTER              telemetry.traces_exporter: otlp | console | none
+  OTEL_METRICS_EXPORTER             telemetry.metrics_exporter: otlp | console | none (pushed);
+                                    `prometheus` is GET /metrics, which is on anyway
+  OTEL_EXPORTER_OTLP_PROTOCOL,
+  OTEL_EXPORTER_OTLP_{TRACES,METRICS}_PROTOCOL
+                                    telemetry.otlp_protocol: http/protobuf | grpc
+
+Unset, the specification's default exporter is `otlp` to localhost; warmroute exports traces
+only once a destination is named (OTEL_EXPORTER_OTLP_ENDPOINT or ..._TRACES_ENDPOINT), and
+pushes metrics only when asked (OTEL_METRICS_EXPORTER=otlp or ..._METRICS_ENDPOINT): a trace
+store such as Jaeger takes no metrics, and Prometheus scrapes /metrics.
+
+OTEL_EXPORTER_OTLP_[{TRACES,METRICS}_]TIMEOUT is in milliseconds, as the specification
+defines it; the Python SDK (1.45) reads it as seconds, so warmroute converts it and hands the
+exporters the timeout itself (10000 means 10 s, not 2.8 hours).
+
+The rest are read by the SDK itself, unchanged: OTEL_EXPORTER_OTLP_[{TRACES,METRICS}_]ENDPOINT
+(unless telemetry.otlp_endpoint is set), ..._HEADERS, ..._COMPRESSION, ..._CERTIFICATE,
+OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG, OTEL_RESOURCE_ATTRIBUTES, OTEL_BSP_*,
+OTEL_METRIC_EXPORT_INTERVAL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+TRACES_EXPORTERS = ("otlp", "console", "none")
+METRICS_EXPORTERS = ("otlp", "console", "none", "prometheus")
+PROTOCOLS = ("http/protobuf", "grpc")
+
+
+class OtelEnvError(ValueError):
+    """An OTEL_* variable warmroute cannot honour; the message says which and what works."""
+
+
+def _names(env: Mapping[str, str], var: str, allowed: tuple[str, ...]) -> list[str]:
+    raw = env.get(var, "")
+    names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise OtelEnvError(
+            f"{var}={raw}: warmroute cannot export to {', '.join(unknown)}; use "
+            + " | ".join(allowed)
+        )
+    return names
+
+
+def _exporter(names: list[str], var: str) -> str | None:
+    chosen = [n for n in names if n != "prometheus"]
+    if "none" in chosen and len(chosen) > 1:
+        raise OtelEnvError(f"{var}={','.join(names)}: `none` cannot be combined with an exporter")
+    if len(chosen) > 1:
+        raise OtelEnvError(f"{var}={','.join(names)}: warmroute exports to one of them; pick one")
+    return chosen[0] if chosen else None
+
+
+def _resource_service_name(env: Mapping[str, str]) -> str | None:
+    for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip() == "service.name" and value.strip():
+            return value.strip()
+    return None
+
+
+def _protocol(env: Mapping[str, str]) -> str | None:
+    general = env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").strip() or None
+    traces = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "").strip() or general
+    metrics = env.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "").strip() or general
+    for var, value in (
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", general),
+        ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", traces),
+        ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", metrics),
+    ):
+        if value is not None and value not in PROTOCOLS:
+            raise OtelEnvError(f"{var}={value}: warmroute speaks {' or '.join(PROTOCOLS)}")
+    if traces and metrics and traces != metrics:
+        raise OtelEnvError(
+            f"OTLP protocols differ (traces {traces}, metrics {metrics}): warmroute sends both "
+            "signals with one; set OTEL_EXPORTER_OTLP_PROTOCOL alone"
+        )
+    return traces or metrics
+
+
+def otlp_timeout_s(env: Mapping[str, str], signal: str) -> float | None:
+    """OTEL_EXPORTER_OTLP_<SIGNAL>_TIMEOUT, else OTEL_EXPORTER_OTLP_TIMEOUT (milliseconds), in
+    seconds; None when neither is set. `signal`: TRACES or METRICS."""
+    for var in (f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"):
+        raw = env.get(var, "").strip()
+        if not raw:
+            continue
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = -1.0
+        if not ms > 0:
+            raise OtelEnvError(f"{var}={raw}: a timeout in milliseconds, e.g. 10000")
+        return ms / 1000
+    return None
+
+
+def telemetry_defaults(env: Mapping[str, str]) -> dict[str, Any]:
+    """The `telemetry:` keys the standard OTEL_* variables in `env` ask for."""
+    for signal in ("TRACES", "METRICS"):
+        otlp_timeout_s(env, signal)  # a bad value stops the start here, naming the variable
+    out: dict[str, Any] = {}
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        out["enabled"] = False
+    service = env.get("OTEL_SERVICE_NAME", "").strip() or _resource_service_name(env)
+    if service:
+        out["service_name"] = service
+    traces = _exporter(
+        _names(env, "OTEL_TRACES_EXPORTER", TRACES_EXPORTERS), "OTEL_TRACES_EXPORTER"
+    )
+    if traces is None and (
+        env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    ):
+        traces = "otlp"
+    if traces is not None:
+        out["traces_exporter"] = traces
+    metric_names = _names(env, "OTEL_METRICS_EXPORTER", METRICS_EXPORTERS)
+    metrics = _exporter(metric_names, "OTEL_METRICS_EXPORTER")
+    if metrics is None and not metric_names and env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+        metrics = "otlp"
+    if metrics is not None:
+        out["metrics_exporter"] = metrics
+    protocol = _protocol(env)
+    if protocol is not None:
+        out["otlp_protocol"] = protocol
+    return out
