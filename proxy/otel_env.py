@@ -37,6 +37,27 @@ from collections.abc import Mapping
 from typing import Any
 
 TRACES_EXPORTERS = ("otlp", "console", "none")
+_OTLP = tuple(
+    f"OTEL_EXPORTER_OTLP_{signal}{what}"
+    for signal in ("", "TRACES_", "METRICS_")
+    for what in ("ENDPOINT", "PROTOCOL", "HEADERS", "TIMEOUT", "COMPRESSION", "CERTIFICATE")
+)
+# Every OTEL_* variable warmroute honours, here or through the SDK (deployment files set only
+# these; tests/test_compose.py checks it).
+HONOURED = (
+    "OTEL_SDK_DISABLED",
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_METRICS_EXPORTER",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+    "OTEL_METRIC_EXPORT_INTERVAL",
+    "OTEL_BSP_SCHEDULE_DELAY",
+    "OTEL_BSP_MAX_QUEUE_SIZE",
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+    *_OTLP,
+)
 METRICS_EXPORTERS = ("otlp", "console", "none", "prometheus")
 PROTOCOLS = ("http/protobuf", "grpc")
 

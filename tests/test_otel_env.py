@@ -348,3 +348,18 @@ def test_otel_exporter_otlp_timeout_is_milliseconds_as_specified() -> None:
     assert otlp_timeout_s(env, "METRICS") == 0.5 and otlp_timeout_s(env, "TRACES") == 10.0
     with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_TIMEOUT=soon: a timeout in"):
         telemetry_of({"OTEL_EXPORTER_OTLP_TIMEOUT": "soon"})
+
+
+def test_every_replica_has_a_service_instance_id_unless_the_resource_gives_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Replicas pushing metrics to one collector keep apart (it keys series by instance): the
+    SDK gives each process a random id, OTEL_RESOURCE_ATTRIBUTES may name it."""
+    cfg = load_config(flags={"backends": ["http://127.0.0.1:9"]}, env={}).telemetry
+    t = Telemetry(cfg)
+    assert len(str(t.resource.attributes["service.instance.id"])) >= 8
+    t.shutdown()
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=pod-7")
+    t = Telemetry(cfg)
+    assert t.resource.attributes["service.instance.id"] == "pod-7"
+    t.shutdown()
