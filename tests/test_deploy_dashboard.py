@@ -1,0 +1,96 @@
+"""Every series the Grafana dashboard queries is in a real /metrics after traffic.
+
+The stack in miniature: three simulated engines listed by URL alone (so their engine is
+detected), one of which answers every request with a 500 (so retries and upstream errors are
+counted), the proxy taking them in turn, streamed chat requests through it; then the proxy's
+and the engines' GET /metrics, as Prometheus scrapes them. A number on a dashboard that
+nothing measures fails here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.app import create_app
+from proxy.config import load_config
+from proxy.serve import NoDelayHttpToolsProtocol
+from proxy.sim.config import Faults, SimConfig
+from proxy.sim.server import create_sim_app
+from tests.support import ServerThread, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "deploy/grafana/dashboards/warmroute.json"
+# The collector's re-exposed copy (deploy/otel-collector/config.yaml, namespace: otlp) carries
+# the same names behind this prefix.
+COLLECTOR_PREFIX = "otlp_"
+
+
+def dashboard_metrics() -> set[str]:
+    """Metric names in the dashboard's queries: selectors `name{...}` / `name[...]`, and the
+    template variables' label_values(name, label)."""
+    d = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
+    names = {m for e in exprs for m in re.findall(r"([a-zA-Z_:][\w:]*)\s*[{\[]", e)}
+    for var in d.get("templating", {}).get("list", []):
+        query = var.get("definition") or var.get("query", {}).get("query", "")
+        names |= set(re.findall(r"label_values\(\s*([a-zA-Z_:][\w:]*)", query))
+    return {n.removeprefix(COLLECTOR_PREFIX) for n in names}
+
+
+def exposed(text: str) -> set[str]:
+    return {
+        line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"
+    }
+
+
+@pytest.mark.e2e
+def test_every_metric_a_dashboard_panel_queries_is_exposed_after_traffic() -> None:
+    used = dashboard_metrics()
+    assert len(used) >= 15 and any(m.startswith("vllm:") for m in used)
+
+    def sim(**faults: float) -> Any:
+        cfg = SimConfig.from_preset("h100", kv_blocks=512, time_scale=20, faults=Faults(**faults))
+        return create_sim_app(cfg)
+
+    engines = [sim(), sim(), sim(error_rate=1.0)]
+    with contextlib.ExitStack() as stack:
+        a, b, c = (stack.enter_context(ServerThread(e, **e.uvicorn_kwargs())) for e in engines)
+        port = free_port()
+        config = load_config(
+            flags={
+                "backends": [a.url, b.url, c.url],
+                "policy": "round_robin",
+                "port": port,
+                "admin_port": port,
+            },
+            env={"WARMROUTE_HEALTH__METRICS_SCRAPE_S": "0.1"},
+        )
+        with ServerThread(create_app(config), port=port, http=NoDelayHttpToolsProtocol) as proxy:
+            system = "You answer questions about the warmroute deployment. " * 40
+            with httpx.Client(base_url=proxy.url, timeout=30) as client:
+                for i in range(12):
+                    body = {
+                        "model": "sim-8b",
+                        "stream": True,
+                        "max_tokens": 8,
+                        "messages": [
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": f"question {i}"},
+                        ],
+                    }
+                    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                        assert r.status_code == 200
+                        assert "[DONE]" in "".join(r.iter_text())
+                texts = [client.get("/metrics").text] + [
+                    httpx.get(s.url + "/metrics", timeout=10).text for s in (a, b)
+                ]
+    have = set().union(*(exposed(t) for t in texts))
+    missing = sorted(used - have)
+    assert not missing, f"the dashboard queries series nothing exposes: {missing}"
