@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
     ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_deploy_yaml_parses(path):
-    assert yaml.safe_load(path.read_text()) is not None
+    docs = list(yaml.safe_load_all(path.read_text()))  # Kubernetes files may hold several
+    assert docs and all(d is not None for d in docs)
 
 
 def test_example_config_is_valid():

@@ -1,0 +1,181 @@
+"""deploy/kubernetes, rendered and validated offline: the Kustomize output against the
+Kubernetes schemas (kubernetes-validate), probes against the proxy's real endpoints, and the
+pieces against each other (selectors, ports, config, drain times)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kubernetes_validate
+import pytest
+import yaml
+
+from proxy.app import create_app
+from proxy.cli import build_parser
+from proxy.config import Config, load_config
+from proxy.otel_env import HONOURED
+from tests import kustomize_lite
+from tests.support import ServerThread, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+KUBE = ROOT / "deploy/kubernetes"
+OVERLAYS = [KUBE / "base", KUBE / "overlays/example"]
+K8S_VERSION = "1.31.0"  # schemas shipped with kubernetes-validate
+CRDS = {"ServiceMonitor"}  # no schema offline: checked by hand below
+
+
+def kubectl_render(directory: Path) -> list[dict[str, Any]] | None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return None
+    out = subprocess.run(
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize` where installed, else tests/kustomize_lite.py (checked against it)."""
+    return kubectl_render(directory) or kustomize_lite.render(directory)
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def _unsuffixed(docs: list[dict[str, Any]]) -> dict[tuple[str, str], Any]:
+    text = yaml.safe_dump(docs, sort_keys=True)
+    text = re.sub(r"(warmroute-config)-[a-z0-9]{10}\b", r"\1-HASH", text)
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load(text)}
+
+
+@pytest.mark.parametrize("directory", OVERLAYS, ids=lambda p: p.name)
+def test_the_small_renderer_agrees_with_kubectl_kustomize(directory: Path) -> None:
+    real = kubectl_render(directory)
+    if real is None:
+        pytest.skip("kubectl is not installed: the rendering is kustomize_lite's alone")
+    assert _unsuffixed(kustomize_lite.render(directory)) == _unsuffixed(real)
+
+
+@pytest.mark.parametrize("directory", OVERLAYS, ids=lambda p: p.name)
+def test_rendered_manifests_validate_against_the_kubernetes_schemas(directory: Path) -> None:
+    docs = render(directory)
+    kinds = {d["kind"] for d in docs}
+    for wanted in ("Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler"):
+        assert wanted in kinds
+    assert {"PodDisruptionBudget", "NetworkPolicy", "ServiceAccount"} <= kinds
+    for d in docs:
+        if d["kind"] in CRDS:
+            continue
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)  # raises on any error
+
+
+def test_the_validator_rejects_a_broken_manifest() -> None:
+    """The offline validation is not vacuous: a misspelt field fails it."""
+    [deployment] = by_kind(render(KUBE / "base"), "Deployment")
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGett"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+
+
+def _proxy(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    [deployment] = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "warmroute"]
+    pod = deployment["spec"]["template"]
+    [container] = pod["spec"]["containers"]
+    return deployment, pod, container
+
+
+@pytest.mark.parametrize("directory", OVERLAYS, ids=lambda p: p.name)
+def test_the_pods_config_is_valid_and_the_ports_and_drain_times_line_up(directory: Path) -> None:
+    docs = render(directory)
+    deployment, pod, container = _proxy(docs)
+    args = build_parser("serve").parse_args(container["args"])
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == "config"]
+    [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == "config"]
+    [cm] = [
+        c
+        for c in by_kind(docs, "ConfigMap")
+        if c["metadata"]["name"] == volume["configMap"]["name"]
+    ]
+    key = str(Path(args.config).relative_to(mount["mountPath"]))
+    config = Config.model_validate(yaml.safe_load(cm["data"][key]))  # as `serve --config` would
+    assert config.server.host == "0.0.0.0"
+    [port] = container["ports"]
+    assert port["containerPort"] == config.server.port
+    [service] = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "warmroute"]
+    assert service["spec"]["ports"][0]["targetPort"] == port["name"]
+    assert service["metadata"]["annotations"]["prometheus.io/port"] == str(config.server.port)
+    assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+    # Drain: preStop wait + the proxy's shutdown grace fit in the pod's termination grace.
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    assert pod["spec"]["terminationGracePeriodSeconds"] > int(pre_stop[1]) + (
+        config.server.shutdown_grace_s
+    )
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+@pytest.mark.parametrize("directory", OVERLAYS, ids=lambda p: p.name)
+def test_selectors_and_references_find_the_proxy_pods(directory: Path) -> None:
+    docs = render(directory)
+    deployment, pod, _ = _proxy(docs)
+    labels = pod["metadata"]["labels"]
+
+    def selects(selector: dict[str, str]) -> bool:
+        return bool(selector) and selector.items() <= labels.items()
+
+    assert selects(deployment["spec"]["selector"]["matchLabels"])
+    [service] = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "warmroute"]
+    assert selects(service["spec"]["selector"])
+    [pdb] = by_kind(docs, "PodDisruptionBudget")
+    assert selects(pdb["spec"]["selector"]["matchLabels"])
+    [policy] = by_kind(docs, "NetworkPolicy")
+    assert selects(policy["spec"]["podSelector"]["matchLabels"])
+    [hpa] = by_kind(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    assert hpa["spec"]["minReplicas"] >= 2
+    ingress_ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert service["spec"]["ports"][0]["port"] in ingress_ports
+    for monitor in by_kind(docs, "ServiceMonitor"):
+        assert (
+            monitor["spec"]["selector"]["matchLabels"].items()
+            <= service["metadata"]["labels"].items()
+        )
+        ports = {p["name"] for p in service["spec"]["ports"]}
+        assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
+        assert {e["path"] for e in monitor["spec"]["endpoints"]} == {"/metrics"}
+
+
+def test_environment_variables_are_ones_warmroute_reads() -> None:
+    _, _, container = _proxy(render(KUBE / "overlays/example"))
+    names = {e["name"] for e in container["env"]}
+    otel = {n for n in names if n.startswith("OTEL_")}
+    assert otel <= set(HONOURED), otel - set(HONOURED)
+    assert names - otel <= {"POD_NAME", "POD_NAMESPACE"}  # the downward API, used in the above
+    env = {e["name"]: e.get("value", "") for e in container["env"]}
+    cfg = load_config(flags={"backends": ["http://x:1"]}, env=env).telemetry
+    assert cfg.traces_exporter == "otlp" and cfg.metrics_exporter == "none"  # scraped, not pushed
+
+
+@pytest.mark.e2e
+def test_probes_point_at_endpoints_the_proxy_serves(fake_backends: Any) -> None:
+    _, _, container = _proxy(render(KUBE / "overlays/example"))
+    probes = {
+        kind: container[kind]["httpGet"]["path"]
+        for kind in ("readinessProbe", "livenessProbe", "startupProbe")
+    }
+    assert probes["readinessProbe"] == "/ready" and probes["livenessProbe"] == "/health"
+    [(_, backend)] = fake_backends(1)
+    port = free_port()
+    cfg = load_config(flags={"backends": [backend.url], "port": port}, env={})
+    with ServerThread(create_app(cfg), port=port) as proxy:
+        for kind, path in probes.items():
+            assert httpx.get(proxy.url + path, timeout=5).status_code == 200, kind
+        metrics = httpx.get(proxy.url + "/metrics", timeout=5)  # what the ServiceMonitor reads
+        assert metrics.status_code == 200 and "# TYPE" in metrics.text
