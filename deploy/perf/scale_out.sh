@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Scale-out: do N proxy replicas sharing Redis route as well as one proxy? One load generator
+# spreads a workload round robin over N `warmroute serve` processes in front of the same
+# engines; the prefix-cache hit ratio (the engines' own cached_tokens) is compared with one
+# proxy on the same workload, and with N replicas that do not share Redis.
+#
+# The engines are the bench mock in engine mode (python -m proxy.bench.mock --cache-tokens):
+# an LRU prefix cache of its own tokenization, serial prefill, nothing published about the cache,
+# so every replica must learn it from responses. Every run starts on fresh engines (cold caches)
+# and its own Redis key prefix.
+#
+#   deploy/perf/scale_out.sh                       # seed 1, 1 proxy vs 3 with/without Redis
+#   SEEDS="1 2 3" REPLICAS=3 deploy/perf/scale_out.sh
+#   REDIS_URL=redis://10.0.0.9:6379/0 deploy/perf/scale_out.sh
+#
+# Prints one line per run (hit ratio, TTFT p50/p99) and writes results JSON under $OUT.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+SEEDS="${SEEDS:-1}"
+REPLICAS="${REPLICAS:-3}"
+CACHE="${CACHE:-8500}"             # mock tokens per engine: ~3 of the 8 prompts of ~2.7k each
+REQUESTS="${REQUESTS:-400}"
+CONCURRENCY="${CONCURRENCY:-32}"
+RATE_TPS="${RATE_TPS:-20000}"      # prefill tokens/s of each engine
+REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
+OUT="${OUT:-/tmp/warmroute-scale-out}"
+MOCK_PORT=9401
+PROXY_PORT=9410
+mkdir -p "$OUT"
+
+pids=()
+cleanup() { for p in "${pids[@]:-}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+wait_http() {
+  for _ in $(seq 150); do curl -fs "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done
+  echo "scale_out: $1 did not come up" >&2; return 1
+}
+
+start_mock() {
+  python -m proxy.bench.mock --port "$MOCK_PORT" --instances 4 --chunks 16 \
+    --cache-tokens "$CACHE" --prefill-tokens-per-s "$RATE_TPS" >"$OUT/mock.log" 2>&1 &
+  pids+=($!)
+  for i in 0 1 2 3; do wait_http "http://127.0.0.1:$((MOCK_PORT + i))/v1/models"; done
+}
+
+start_proxies() {  # count, redis url or "" (each replica its own in-memory index)
+  local count=$1 redis=$2 backends=() extra=()
+  for i in 0 1 2 3; do backends+=(--backend "http://127.0.0.1:$((MOCK_PORT + i))"); done
+  if [[ -n "$redis" ]]; then extra=(--redis "$redis"); fi
+  for ((r = 0; r < count; r++)); do
+    WARMROUTE_REDIS__KEY_PREFIX="scale-out-$$-$run" warmroute serve --port $((PROXY_PORT + r)) \
+      --log-level warning "${backends[@]}" "${extra[@]}" >"$OUT/proxy-$r.log" 2>&1 &
+    pids+=($!)
+  done
+  for ((r = 0; r < count; r++)); do wait_http "http://127.0.0.1:$((PROXY_PORT + r))/ready"; done
+}
+
+stop_all() { cleanup; pids=(); }
+
+bench() {  # label, proxy count
+  local label=$1 count=$2 targets=()
+  for ((r = 0; r < count; r++)); do targets+=(--direct "http://127.0.0.1:$((PROXY_PORT + r))"); done
+  # --direct repeated, round-robin: one load generator in front of every replica.
+  warmroute bench --workload shared-prefix --prefixes 8 --system-chars 8000 --zipf 0 \
+    --requests "$REQUESTS" --concurrency "$CONCURRENCY" --max-tokens 16 --seed "$seed" \
+    --no-progress --label "$label" --out "$OUT/$label-s$seed.json" "${targets[@]}" \
+    --direct-affinity round-robin >/dev/null
+  python - "$OUT/$label-s$seed.json" "$label" "$seed" <<'EOF'
+import json, sys
+run = json.load(open(sys.argv[1]))
+r = run.get("runs", [run])[0]
+ok = [q for q in r["requests"] if q.get("ok")]
+p = sum(q.get("prompt_tokens") or 0 for q in ok)
+c = sum(q.get("cached_tokens") or 0 for q in ok)
+t = sorted(q["ttft"] for q in ok if q.get("ttft") is not None)
+pct = lambda f: t[min(len(t) - 1, int(f * len(t)))] * 1000
+print(f"seed {sys.argv[3]}  {sys.argv[2]:<22} ok {len(ok)}/{len(r['requests'])}"
+      f"  hit {c / max(p, 1):6.1%}  TTFT p50 {pct(0.5):6.0f} ms  p99 {pct(0.99):6.0f} ms")
+EOF
+}
+
+run=0
+for seed in $SEEDS; do
+  for setup in "1 redis" "$REPLICAS redis" "$REPLICAS none" "1 none"; do
+    read -r count store <<<"$setup"
+    run=$((run + 1))
+    start_mock
+    start_proxies "$count" "$([[ $store == redis ]] && echo "$REDIS_URL" || true)"
+    bench "${count}-proxy-${store}" "$count"
+    stop_all
+  done
+done
