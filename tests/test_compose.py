@@ -230,6 +230,7 @@ def _promtool() -> str:
     pytest.skip(why)
 
 
+@pytest.mark.e2e
 def test_promtool_accepts_the_prometheus_config() -> None:
     r = subprocess.run(
         [_promtool(), "check", "config", str(DEPLOY / "prometheus/prometheus.yml")],

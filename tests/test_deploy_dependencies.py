@@ -133,6 +133,7 @@ def test_serve_runs_and_streams_without_the_extras(
     assert "IMPORT-ATTEMPT" not in err, err[-2000:]
 
 
+@pytest.mark.e2e
 def test_bench_and_demo_say_which_extra_to_install_when_it_is_missing() -> None:
     for command in ("bench", "demo"):
         r = _run_base([command, "--requests", "5"])
