@@ -275,8 +275,8 @@ def proxy_metrics_excerpt(url: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from proxy.bench import make_workload, run_bench, summarize
-    from proxy.sim.config import SimConfig
     from proxy.harness.virtual import engine_stats, run_virtual
+    from proxy.sim.config import SimConfig
 
     available = plugins.policy_names()
     policies = args.policies.split(",") if args.policies else available

@@ -13,8 +13,8 @@ from proxy.bench.metrics import cache_hit_ratio
 from proxy.bench.results import RequestResult
 from proxy.bench.workloads import make_workload
 from proxy.demo import format_engine_balance, oracle_hit_ratio
-from proxy.sim.config import SimConfig
 from proxy.harness.virtual import engine_stats, run_virtual
+from proxy.sim.config import SimConfig
 
 SIM = SimConfig.from_preset("l40s", kv_blocks=600)  # 9.6k tokens: ~2 of the 8 prompts fit
 
