@@ -7,21 +7,39 @@ from typing import Any
 import pytest
 
 from proxy.app import create_app
+from proxy.bench.mock import EngineSettings, MockBackend, MockEngine, prompt_directives
 from proxy.config import load_config
 from proxy.serve import NoDelayHttpToolsProtocol
-from tests.backend_app import FakeBackend
 from tests.support import ServerThread, free_port
 
 
 @pytest.fixture
-def fake_backends() -> Iterator[Callable[..., list[tuple[FakeBackend, ServerThread]]]]:
-    """Start fake backends as real loopback servers: fake_backends(2) -> [(app, server), ...]."""
+def fake_backends() -> Iterator[Callable[..., list[tuple[MockBackend, ServerThread]]]]:
+    """Start mock backends as real loopback servers: fake_backends(2) -> [(app, server), ...].
+
+    Each answers as its prompt's words ask (proxy.bench.mock.prompt_directives: "fail500",
+    "cut:3", "chunks:10", ...) and records what it saw (`app.rec`). `cache_tokens`: an engine
+    with a prefix cache of that size (and prefill that costs nothing) reports cached tokens.
+    """
     started: list[ServerThread] = []
 
-    def start(n: int = 1, **kwargs: Any) -> list[tuple[FakeBackend, ServerThread]]:
+    def start(
+        n: int = 1, models: tuple[str, ...] = ("test-model",), cache_tokens: int = 0
+    ) -> list[tuple[MockBackend, ServerThread]]:
         out = []
         for _ in range(n):
-            app = FakeBackend(name=f"b{len(started)}", **kwargs)
+            engine = None
+            if cache_tokens:
+                settings = EngineSettings(cache_tokens, prefill_tokens_per_s=1e12)
+                engine = MockEngine(settings)
+            app = MockBackend(
+                engine,
+                chunks=5,
+                models=models,
+                name=f"b{len(started)}",
+                script=prompt_directives,
+                record=True,
+            )
             server = ServerThread(app).start()
             started.append(server)
             out.append((app, server))

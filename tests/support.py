@@ -15,6 +15,10 @@ from typing import Any
 import httpx
 import uvicorn
 
+from proxy.asgi import serve_lifespan
+
+__all__ = ["ServerThread", "free_port", "process", "serve_lifespan", "serving"]
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -64,17 +68,6 @@ class ServerThread:
 def serving(app: Any, **kwargs: Any) -> Iterator[ServerThread]:
     with ServerThread(app, **kwargs) as server:
         yield server
-
-
-async def serve_lifespan(receive: Any, send: Any) -> None:
-    """Answer an ASGI lifespan scope for a test app that owns no resources."""
-    while True:
-        msg = await receive()
-        if msg["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif msg["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 @contextlib.contextmanager

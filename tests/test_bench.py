@@ -1,12 +1,11 @@
 """`warmroute bench`: workloads, runner, metrics, results schema, plots and the CLI.
 
-Timing tests run against TimedServer (below), an OpenAI-compatible stream with known timing,
+Timing tests run against the mock backend scripted with known timing (timed_server, below),
 and compare ratios with generous bounds: the 2-core CI machine is shared and noisy.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import re
@@ -31,137 +30,53 @@ from proxy.bench import (
 )
 from proxy.bench.client import poisson_arrivals
 from proxy.bench.metrics import distribution
+from proxy.bench.mock import MockBackend, Reply, Request
 from proxy.cli import main as warmroute
 from proxy.sim import SimConfig, create_sim_app, engine
-from tests.support import ServerThread, serve_lifespan
+from tests.support import ServerThread
 
 
-class TimedServer:
-    """A role-only chunk at once (it must not count as the first token), then `ttft` seconds of
-    silence, `tokens` content chunks `itl` apart, a finish chunk, a usage chunk (prompt tokens
-    = chars / 4, cached = `cached_fraction` of them) and [DONE]. Request i of a plan (read
-    from the workload's "Request i," tag) gets HTTP 500 when i % fail_every == 1 and loses
-    its connection after two chunks when i % cut_every == 2."""
+def timed_server(
+    ttft: float = 0.05,
+    itl: float = 0.01,
+    tokens: int = 8,
+    cached_fraction: float = 0.0,
+    model: str = "timed-model",
+    fail_every: int = 0,
+    cut_every: int = 0,
+) -> MockBackend:
+    """The mock backend with known timing: a role-only chunk at once (it must not count as the
+    first token), then `ttft` seconds of silence, `tokens` content chunks `itl` apart, a finish
+    chunk, a usage chunk (cached = `cached_fraction` of the prompt) and [DONE]. Request i of a
+    plan (read from the workload's "Request i," tag) gets HTTP 500 when i % fail_every == 1
+    and loses its connection after two chunks when i % cut_every == 2."""
 
-    def __init__(
-        self,
-        ttft: float = 0.05,
-        itl: float = 0.01,
-        tokens: int = 8,
-        cached_fraction: float = 0.0,
-        model: str = "timed-model",
-        fail_every: int = 0,
-        cut_every: int = 0,
-    ) -> None:
-        self.fail_every = fail_every
-        self.cut_every = cut_every
-        self.ttft = ttft
-        self.itl = itl
-        self.tokens = tokens
-        self.cached_fraction = cached_fraction
-        self.model = model
-        self.bodies: list[dict[str, Any]] = []
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            return await serve_lifespan(receive, send)
-        path = scope["path"]
-        if scope["method"] == "GET" and path == "/v1/models":
-            await _json(send, 200, {"object": "list", "data": [{"id": self.model}]})
-            return
-        if scope["method"] != "POST" or path not in ("/v1/chat/completions", "/v1/completions"):
-            await _json(send, 404, {"error": {"message": "not found"}})
-            return
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        body = orjson.loads(raw)
-        self.bodies.append(body)
-        chat = path.endswith("chat/completions")
-        text = (
-            " ".join(str(m["content"]) for m in body["messages"]) if chat else str(body["prompt"])
-        )
-        tags = re.findall(r"Request (\d+),", text)  # the last one is this turn's
+    def script(request: Request) -> Reply:
+        tags = re.findall(r"Request (\d+),", request.text)  # the last one is this turn's
         index = int(tags[-1]) if tags else -1
-        fail = bool(self.fail_every) and index % self.fail_every == 1
-        cut = bool(self.cut_every) and index % self.cut_every == 2
-        if fail:
-            await _json(send, 500, {"error": {"message": "injected failure", "type": "server"}})
-            return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")],
-            }
+        return Reply(
+            status=500 if fail_every and index % fail_every == 1 else 200,
+            first_token_s=ttft,
+            interval_s=itl,
+            cut_after=2 if cut_every and index % cut_every == 2 else None,
+            cached_fraction=cached_fraction,
         )
 
-        async def event(obj: Any) -> None:
-            data = obj if isinstance(obj, bytes) else orjson.dumps(obj)
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": b"data: " + data + b"\n\n",
-                    "more_body": True,
-                }
-            )
-
-        def chunk(delta: dict[str, Any] | None, finish: str | None = None) -> dict[str, Any]:
-            if chat:
-                choice: dict[str, Any] = {"index": 0, "delta": delta or {}, "finish_reason": finish}
-            else:
-                choice = {
-                    "index": 0,
-                    "text": (delta or {}).get("content", ""),
-                    "finish_reason": finish,
-                }
-            return {"id": "x", "model": self.model, "choices": [choice]}
-
-        if chat:
-            await event(chunk({"role": "assistant", "content": ""}))
-        await asyncio.sleep(self.ttft)
-        n = min(self.tokens, int(body.get("max_tokens") or self.tokens))
-        for i in range(n):
-            if i:
-                await asyncio.sleep(self.itl)
-            await event(chunk({"content": f"tok{i} "}))
-            if i == 1 and cut:
-                raise RuntimeError("injected disconnect")  # uvicorn drops the connection
-        await event(chunk({}, "length"))
-        prompt_tokens = max(len(text) // 4, 1)
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": n,
-            "total_tokens": prompt_tokens + n,
-            "prompt_tokens_details": {"cached_tokens": int(prompt_tokens * self.cached_fraction)},
-        }
-        await event({"id": "x", "model": self.model, "choices": [], "usage": usage})
-        await event(b"[DONE]")
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return MockBackend(chunks=tokens, model=model, script=script, record=True)
 
 
-async def _json(send: Any, status: int, obj: Any) -> None:
-    data = orjson.dumps(obj)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json")],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
+def bodies(app: MockBackend) -> list[dict[str, Any]]:
+    assert app.rec is not None
+    return [r["body"] for r in app.rec.requests]
 
 
 @pytest.fixture
 def timed() -> Iterator[Any]:
-    """timed(**TimedServer kwargs) -> (app, ServerThread) on a free loopback port."""
+    """timed(**timed_server kwargs) -> (app, ServerThread) on a free loopback port."""
     started: list[ServerThread] = []
 
-    def start(**kwargs: Any) -> tuple[TimedServer, ServerThread]:
-        app = TimedServer(**kwargs)
+    def start(**kwargs: Any) -> tuple[MockBackend, ServerThread]:
+        app = timed_server(**kwargs)
         server = ServerThread(app).start()
         started.append(server)
         return app, server
@@ -313,7 +228,9 @@ async def test_open_loop_completions_endpoint(timed: Any) -> None:
     )  # fmt: skip
     s = summarize(run)
     assert s["completed"] == 10 and s["rate"] == 40.0
-    assert all("prompt" in b and b["stream_options"] == {"include_usage": True} for b in app.bodies)
+    assert all(
+        "prompt" in b and b["stream_options"] == {"include_usage": True} for b in bodies(app)
+    )
     assert 0.2 < s["duration_s"] < 2.0  # ~10/40 s of arrivals plus one request
 
 
@@ -323,7 +240,7 @@ async def test_multi_turn_sends_the_real_replies_in_the_history(timed: Any) -> N
     w = Workload("multi-turn", seed=4, turns=3, active_conversations=2, max_tokens=3)
     run = await run_bench(srv.url, w, requests=6, concurrency=4, rate=None, progress=False)
     assert summarize(run)["completed"] == 6
-    last_turns = [b for b in app.bodies if len(b["messages"]) == 1 + 2 * 2 + 1]
+    last_turns = [b for b in bodies(app) if len(b["messages"]) == 1 + 2 * 2 + 1]
     assert len(last_turns) == 2
     for body in last_turns:
         roles = [m["role"] for m in body["messages"]]

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from proxy.bench import BenchError, Workload, run_bench, summarize
-from proxy.bench.mock import EngineApp, EngineSettings, MockEngine
+from proxy.bench.mock import EngineSettings, MockBackend, MockEngine
 from proxy.cli import main as warmroute
 from tests.support import ServerThread
 
@@ -26,7 +26,7 @@ def engines() -> Iterator[Callable[..., list[str]]]:
     def start(n: int, cache_tokens: int = 100_000) -> list[str]:
         for _ in range(n):
             settings = EngineSettings(cache_tokens=cache_tokens, prefill_tokens_per_s=1e6)
-            started.append(ServerThread(EngineApp(MockEngine(settings), chunks=2)).start())
+            started.append(ServerThread(MockBackend(MockEngine(settings), chunks=2)).start())
         return [s.url for s in started[-n:]]
 
     yield start

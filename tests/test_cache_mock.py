@@ -21,8 +21,8 @@ import pytest
 
 from proxy.backends import parse_load
 from proxy.bench.mock import (
-    EngineApp,
     EngineSettings,
+    MockBackend,
     MockEngine,
     PrefixCache,
     build_parser,
@@ -148,7 +148,7 @@ def engine_server() -> Iterator[Callable[..., tuple[MockEngine, str]]]:
 
     def start(chunks: int = 4, **settings: Any) -> tuple[MockEngine, str]:
         engine = MockEngine(EngineSettings(**{"cache_tokens": 4000, **settings}))
-        server = ServerThread(EngineApp(engine, chunks=chunks, model="mock-engine")).start()
+        server = ServerThread(MockBackend(engine, chunks=chunks, model="mock-engine")).start()
         started.append(server)
         return engine, server.url
 

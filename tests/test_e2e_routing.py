@@ -130,9 +130,8 @@ def _explain(proxy: str, body: dict) -> dict:
 @pytest.mark.redis
 @pytest.mark.slow
 def test_same_prefix_same_backend_across_three_proxies_sharing_redis(fake_backends):
-    started = fake_backends(3)
-    for app, _ in started:
-        app.caches = True  # engines that cache: the proxies learn their caches are big enough
+    # Engines that cache: the proxies learn their caches are big enough.
+    started = fake_backends(3, cache_tokens=1_000_000)
     backends = [s.url for _, s in started]
     port = free_port()
     with private_redis(port), proxies(3, backends, f"redis://127.0.0.1:{port}/0") as urls:

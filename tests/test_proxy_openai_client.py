@@ -33,16 +33,7 @@ def test_sync_chat_and_completions_match_direct(fake_backends, proxy_server):
             assert "".join(
                 c["choices"][0]["delta"]["content"] or "" for c in v_chunks if c["choices"]
             ) == "".join(
-                f"{w}"
-                for w in [
-                    "alpha0 ",
-                    "bravo1 ",
-                    "charlie2 ",
-                    "delta3 ",
-                    "echo4 ",
-                    "foxtrot5 ",
-                    "golf6 ",
-                ]
+                f"{w}" for w in ["tok0 ", "tok1 ", "tok2 ", "tok3 ", "tok4 ", "tok5 ", "tok6 "]
             )
         else:
             assert v.model_dump() == d.model_dump()
@@ -76,7 +67,7 @@ async def test_async_client_streams_and_usage_when_asked(fake_backends, proxy_se
     assert v == d
     assert v[-1]["usage"]["completion_tokens"] == 7
     r = await via.chat.completions.create(model="test-model", messages=MSG)
-    assert r.choices[0].message.content.startswith("alpha0")
+    assert r.choices[0].message.content.startswith("tok0")
     await direct.close()
     await via.close()
 

@@ -1,0 +1,5 @@
+"""`python -m proxy.bench.mock`: see serve.py."""
+
+from proxy.bench.mock.serve import main
+
+main()
