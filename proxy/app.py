@@ -129,6 +129,16 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
         pd=pd_flows(config, state),
     )
     state.forwarding = forwarding
+    registry = state.registry
+    state.telemetry.read_health(
+        lambda: {
+            b.name: int(b.breaker is not None and b.breaker.state == "open")
+            for b in registry.backends.values()
+        },
+        lambda: forwarding.retry.exhausted,
+    )
+    if forwarding.pd is not None:
+        state.telemetry.read_disagg(forwarding.pd.gauges)
     endpoints = {path: ProxyEndpoint(forwarding, api) for api, path in API_PATHS.items()}
     routes: list[Route | Mount] = [Route(p, ep, methods=["POST"]) for p, ep in endpoints.items()]
     routes += handlers.routes(state)

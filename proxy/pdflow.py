@@ -409,6 +409,16 @@ class PdFlows:
     def _count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
 
+    def gauges(self) -> tuple[bool, dict[str, float]]:
+        """(active, the decider's numeric inputs) for warmroute.disagg.* metrics."""
+        d = self.ctl.decider
+        inputs = d.last.inputs() if d.last else {}
+        return d.active, {
+            k: float(v)
+            for k, v in inputs.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+
     def state(self) -> dict[str, Any]:
         out = self.ctl.state()
         out["requests"] = dict(self.counts)

@@ -4,6 +4,7 @@ and both KV-transfer flows end to end against `warmroute sim` engines in P/D rol
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import orjson
@@ -195,3 +196,17 @@ async def test_both_flows_against_sims_in_pd_roles(proxy_server: Any) -> None:
             assert d_stats["external_kv_tokens"] >= 2900, flow  # KV came over, not prefilled
             assert state["requests"].get("two:prefill") == 1
             await asyncio.sleep(0)
+
+
+async def test_decider_and_passive_health_are_metrics() -> None:
+    app, _ = _pd_app({PREFILL: [UpstreamConnectError("refused")], DECODE: [_stream]})
+    await _call(app, _long_chat())
+    body, _ = app.state.telemetry.prometheus_text()
+    text = body.decode() if isinstance(body, bytes) else body
+    assert re.search(r"(?m)^warmroute_disagg_active(\{[^}]*\})? 1(\.0)?$", text)
+    ejected = re.search(
+        r'(?m)^warmroute_backend_ejected\{[^}]*"127\.0\.0\.1:9201"[^}]*\} (\S+)', text
+    )
+    assert ejected and float(ejected.group(1)) == 1
+    assert "warmroute_upstream_retry_budget_exhausted" in text
+    assert "warmroute_disagg_input{" in text

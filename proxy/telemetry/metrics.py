@@ -161,6 +161,12 @@ class RequestMetrics:
         self.cache: Callable[[], Mapping[str, Mapping[str, Any]]] = dict
         # the doctor's current findings: (finding id, backend, severity)
         self.findings: Callable[[], Iterable[tuple[str, str, str]]] = tuple
+        # passive health: backend -> 1 while ejected (outlier detection), and the failures the
+        # retry budget answered at once
+        self.ejected: Callable[[], Mapping[str, int]] = dict
+        self.budget_exhausted: Callable[[], int] = int
+        # prefill/decode disaggregation: (active, the decider's numeric inputs), or None (off)
+        self.disagg: Callable[[], tuple[bool, Mapping[str, float]] | None] = lambda: None
         # the model's metric label: the name when a backend lists it (see bound_model_labels)
         self.model_label: Callable[[str], str] = str
         self._routes: dict[tuple[str, str], tuple[tuple[str, str], Point]] = {}
@@ -198,6 +204,30 @@ class RequestMetrics:
                 name, [self._cache_gauge(field_)], unit=unit, description=text
             )
         meter.create_observable_gauge(
+            "warmroute.backend.ejected",
+            [self._observe_ejected],
+            unit="1",
+            description="1 while the backend is ejected by outlier detection (its circuit is "
+            "open), else 0.",
+        )
+        meter.create_observable_counter(
+            "warmroute.upstream.retry_budget_exhausted",
+            [self._observe_budget],
+            unit="{failure}",
+            description="Failures answered at once because the retry budget was spent.",
+        )
+        meter.create_observable_gauge(
+            "warmroute.disagg.active",
+            [self._observe_disagg_active],
+            unit="1",
+            description="1 while prefill/decode disaggregation is active (docs/disaggregation.md).",
+        )
+        meter.create_observable_gauge(
+            "warmroute.disagg.input",
+            [self._observe_disagg_inputs],
+            description="The disaggregation decider's window inputs, by warmroute.disagg.input.",
+        )
+        meter.create_observable_gauge(
             "warmroute.doctor.findings",
             [self._observe_findings],
             unit="{finding}",
@@ -222,6 +252,24 @@ class RequestMetrics:
                 "warmroute.doctor.severity": severity,
             }
             yield Observation(1, attrs)
+
+    def _observe_ejected(self, _options: CallbackOptions) -> Iterable[Observation]:
+        for backend, n in dict(self.ejected()).items():
+            yield Observation(n, {"warmroute.backend": backend})
+
+    def _observe_budget(self, _options: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(self.budget_exhausted())
+
+    def _observe_disagg_active(self, _options: CallbackOptions) -> Iterable[Observation]:
+        state = self.disagg()
+        if state is not None:
+            yield Observation(1 if state[0] else 0)
+
+    def _observe_disagg_inputs(self, _options: CallbackOptions) -> Iterable[Observation]:
+        state = self.disagg()
+        if state is not None:
+            for name, value in dict(state[1]).items():
+                yield Observation(value, {"warmroute.disagg.input": name})
 
     def _observe_inflight(self, _options: CallbackOptions) -> Iterable[Observation]:
         # dict() copies in one C call: the event loop thread may be changing the counts
