@@ -99,6 +99,7 @@ class Collector:
         self.max_requests = max_requests
         self.policy: str | None = None
         self.cache: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None
+        self.disagg: Callable[[], Mapping[str, Any]] | None = None  # the decider's view
         self._requests: dict[tuple[str, str], deque[RequestSample]] = {}
         self._errors: dict[tuple[str, str], deque[float]] = {}
         self._gauges: dict[str, deque[GaugeSample]] = {}
@@ -172,6 +173,7 @@ class Collector:
         span = self.window_s if window_s is None else window_s
         since = self.clock() - span
         cache = dict(self.cache()) if self.cache is not None else {}
+        disagg = dict(self.disagg()) if self.disagg is not None else None
         out: list[Window] = []
         served: set[str] = set()
         keys = sorted(set(self._requests) | set(self._errors))
@@ -182,10 +184,10 @@ class Collector:
             if not reqs and not errors:
                 continue
             served.add(backend)
-            out.append(self._window(backend, model, reqs, errors, since, cache))
+            out.append(self._window(backend, model, reqs, errors, since, cache, disagg))
         for name in sorted(self.backends):
             if name not in served:
-                out.append(self._window(name, "", [], 0, since, cache))
+                out.append(self._window(name, "", [], 0, since, cache, disagg))
         return out
 
     def _window(
@@ -196,6 +198,7 @@ class Collector:
         errors: int,
         since: float,
         cache: Mapping[str, Mapping[str, Any]],
+        disagg: Mapping[str, Any] | None = None,
     ) -> Window:
         info = self.backends.get(backend, BackendInfo(backend))
         gauges = [g for g in list(self._gauges.get(backend, ())) if g.at >= since]
@@ -210,4 +213,5 @@ class Collector:
             hardware=info.hardware,
             cache=cache.get(backend),
             policy=self.policy,
+            disagg=disagg,
         )

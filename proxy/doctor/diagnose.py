@@ -7,7 +7,7 @@ and the evicted prefixes). Why each threshold is where it is: docs/doctor.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,7 +116,7 @@ def queueing(m: Measures, t: Thresholds) -> Finding | None:
         "queueing",
         share >= t.dominated_critical,
         f"time to first token is mostly waiting: {share:.0%} of the upstream TTFT "
-        f"({m.split.queue_s * 1000 if m.split.queue_s else 0:.0f} of "
+        f"({share * (m.split.upstream_ttft_s or 0) * 1000:.0f} of "
         f"{(m.split.upstream_ttft_s or 0) * 1000:.0f} ms) was spent queued, per the "
         f"{m.split.source}",
         {
@@ -216,8 +216,8 @@ def cache_affinity_lost(m: Measures, t: Thresholds) -> Finding | None:
             change = "the engine caches nothing: enable its prefix caching; " + change
     else:
         what = (
-            f"the engine reported {unexpected:.0%} of its cached tokens where the index "
-            "predicted none"
+            f"{unexpected:.0%} of the tokens the engine reported cached were beyond what the "
+            "index predicted"
         )
         change = (
             "the index forgets what the engine keeps: raise routing.plugins.prefix."
@@ -251,6 +251,7 @@ def prefill_interference(m: Measures, t: Thresholds) -> Finding | None:
     if ratio < t.itl_inflation or tl.inflated_share < t.inflated_share:
         return None
     chunk = max(64, -(-int(tl.step_tokens) // 64) * 64)
+    split, disagg = _split_advice(m.window.disagg)
     return _finding(
         m,
         "prefill_interference",
@@ -272,13 +273,35 @@ def prefill_interference(m: Measures, t: Thresholds) -> Finding | None:
             "long_prefill_tokens_mean": tl.long_prefill_tokens_mean,
             "step_tokens": tl.step_tokens,
             "prefill_tokens_per_s": m.prefill_rate,
+            "disagg": disagg,
         },
         "lower the engine's prefill chunk (vLLM --max-num-batched-tokens) toward about "
         f"{chunk} tokens, what this device prefills in one decode step: a shared step then "
-        "costs about two decode steps (smaller chunks favour ITL, larger ones TTFT); or give "
-        "long prompts their own backends (role: prefill and decode) so decoding streams never "
-        "share a step with them",
+        "costs about two decode steps (smaller chunks favour ITL, larger ones TTFT); " + split,
     )
+
+
+def _split_advice(view: Mapping[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
+    """The prefill/decode split half of the change, with the decider's current view."""
+    if not view:
+        return (
+            "or split prefill from decode (backends' role: prefill and decode, disagg.mode: "
+            "auto lets warmroute decide from this traffic) so decoding streams never share a "
+            "step with a long prompt",
+            None,
+        )
+    seen = {k: view.get(k) for k in ("mode", "active", "reason")}
+    if view.get("active"):
+        advice = (
+            f"the disaggregation decider has split the pools already ({view.get('reason')}): "
+            "what remains shares a step inside a pool"
+        )
+    else:
+        advice = (
+            "or split prefill from decode; the disaggregation decider "
+            f"({view.get('mode')}) keeps the pools joined: {view.get('reason')}"
+        )
+    return advice, seen
 
 
 def long_context_itl(m: Measures, t: Thresholds) -> Finding | None:

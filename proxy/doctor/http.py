@@ -37,6 +37,7 @@ class DoctorState(Protocol):
     registry: Any  # .backends: name -> Backend (its scraped .load)
     telemetry: Any  # Telemetry: on_finish(), read_findings()
     routing: Any  # Routing: .router.capacity.snapshot()
+    # and, when present, .forwarding.pd.state(): the disaggregation decider's view
 
 
 def engine_counters(load: Load) -> Mapping[str, float]:
@@ -124,6 +125,9 @@ def install(state: DoctorState, window_s: float = DEFAULT_WINDOW_S) -> Doctor:
     capacity = getattr(getattr(state.routing, "router", None), "capacity", None)
     if capacity is not None:
         collector.cache = capacity.snapshot
+    pd = getattr(getattr(state, "forwarding", None), "pd", None)  # disagg.mode on or auto
+    if pd is not None:
+        collector.disagg = pd.state
     doctor = Doctor(collector)
     state.telemetry.on_finish(doctor.finished)
     state.telemetry.read_findings(doctor.current)

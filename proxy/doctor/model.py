@@ -138,6 +138,9 @@ class Window:
     # The capacity learner's view of this backend (CacheEstimate.as_dict()), if any.
     cache: Mapping[str, Any] | None = None
     policy: str | None = None  # the routing policy, for the change texts
+    # The disaggregation decider's current view (GET /admin/disagg: mode, active, reason);
+    # None when disagg.mode is off.
+    disagg: Mapping[str, Any] | None = None
 
 
 @dataclass(slots=True)
