@@ -88,7 +88,9 @@ class Edge:
             await self.inner(scope, receive, send)
             return
         if b"%" in scope.get("raw_path", b""):
-            await _error(send, 404, "This proxy serves no percent-encoded paths.", "not_found")
+            rid = [(b"x-request-id", _request_id(scope).encode())]
+            message = "This proxy serves no percent-encoded paths."
+            await _error(send, 404, message, "not_found", headers=rid)
             return
         admin = self.admin
         on_admin = admin.admin_port is not None and admin.on_admin_listener(scope.get("server"))
