@@ -8,9 +8,10 @@
 # zero-latency mock (started here unless one answers on 127.0.0.1:9101), warms it with 200
 # requests, counts the next REQUESTS (default 400) at CONCURRENCY (default 8), and prints
 #   LABEL  <instructions per request>
-# Settings: CHUNKS (mock's chunks per response, default 64), REQUESTS, CONCURRENCY, PORT
-# (default 9100). An OTLP/HTTP receiver that reads and discards exports listens on
-# 127.0.0.1:9250 while this runs, for OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:9250.
+# Settings: CHUNKS (mock's chunks per response, default 64), SYSTEM_CHARS (the system prompt's
+# length, default 200; ~8000 is a 2k-token prompt), REQUESTS, CONCURRENCY, PORT (default 9100).
+# An OTLP/HTTP receiver that reads and discards exports listens on 127.0.0.1:9250 while this
+# runs, for OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:9250.
 # Kernel time (the socket calls) is not counted. Example, telemetry off against the default:
 #   deploy/perf/count-instructions.sh off WARMROUTE_TELEMETRY__ENABLED=false
 #   deploy/perf/count-instructions.sh metrics
@@ -55,7 +56,8 @@ for _ in $(seq 120); do
   sleep 1
 done
 bench=($PY -m proxy bench --base-url "http://127.0.0.1:$PORT" --workload hot-prompt
-  --system-chars 200 --user-chars 50 --model mock --concurrency "${CONCURRENCY:-8}" --no-progress)
+  --system-chars "${SYSTEM_CHARS:-200}" --user-chars 50 --model mock
+  --concurrency "${CONCURRENCY:-8}" --no-progress)
 "${bench[@]}" --requests 200 >/dev/null
 callgrind_control -i on "$proxy" >/dev/null 2>&1
 "${bench[@]}" --requests "${REQUESTS:-400}" >/dev/null
