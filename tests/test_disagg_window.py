@@ -8,6 +8,7 @@ import pytest
 
 from proxy.disagg.pools import BackendState
 from proxy.disagg.window import RequestFacts, Window, itl_quantiles
+from proxy.stats import percentile
 
 LONG = 1024
 
@@ -128,9 +129,10 @@ def test_steady_arrivals_have_a_low_cv_and_bursts_a_high_one() -> None:
     assert Window(60, LONG).snapshot(1.0).rate_cv is None  # too few arrivals to tell
 
 
-def test_itl_quantiles_by_nearest_rank() -> None:
+def test_itl_quantiles_are_the_projects_one_percentile() -> None:
     gaps = [0.01] * 98 + [0.07, 0.08]
-    assert itl_quantiles(gaps) == (0.01, 0.07)
+    assert itl_quantiles(gaps) == (0.01, percentile(sorted(gaps), 0.99))
+    assert itl_quantiles(gaps) == (0.01, pytest.approx(0.0701))  # linear between ranks
     assert itl_quantiles([]) is None
     assert itl_quantiles([0.02]) == (0.02, 0.02)
 
@@ -138,3 +140,31 @@ def test_itl_quantiles_by_nearest_rank() -> None:
 def test_window_rejects_nonsense_sizes() -> None:
     with pytest.raises(ValueError):
         Window(0, LONG)
+
+
+def test_a_retry_is_one_arrival_and_its_long_prefill_moves_to_the_new_backend() -> None:
+    w = Window(60, LONG)
+    w.started("doc", "a", 10.0, 8_000)
+    w.started("doc", "b", 11.0, 8_000)  # the attempt on a failed before its first byte
+    w.first_token("doc", 13.0)
+    w.finished(stream("on-a", "a", 11.5, 12.0, 20.0))  # decoding on a after a was given up
+    w.finished(stream("on-b", "b", 11.5, 12.0, 20.0))
+    w.finished(stream("doc", "b", 10.0, 13.0, 13.5, uncached=8_000, output=4))
+    s = w.snapshot(20.0)
+    assert s.requests == 3 and s.rate_per_s * s.span_s == pytest.approx(3)  # not 4 arrivals
+    assert s.overlapped == 1  # on-b only
+
+
+def test_a_decode_leg_started_with_no_prefill_opens_no_interval_on_its_engine() -> None:
+    w = Window(60, LONG)
+    w.prefill_started("doc/prefill", "p", 10.0, 8_000)
+    w.prefill_ended("doc/prefill", 12.0)
+    w.started("doc", "d", 12.0, 0)  # KV-transfer decode leg: the KV comes over the link
+    w.first_token("doc", 12.1)
+    w.finished(stream("beside-decode", "d", 9.0, 9.5, 20.0))
+    w.finished(stream("beside-prefill", "p", 9.0, 9.5, 20.0))
+    w.finished(stream("doc", "d", 10.0, 12.1, 12.5, uncached=8_000, output=16))
+    s = w.snapshot(20.0)
+    assert (s.streams, s.overlapped) == (3, 1)  # only the stream on the prefill engine
+    assert s.requests == 3 and s.long_prefills == 1 and w.in_flight == 0
+    assert s.rate_per_s * s.span_s == pytest.approx(3)  # the prefill leg is no arrival

@@ -3,8 +3,10 @@
 Still pure: every method takes the time and the facts; nothing here sends, sleeps or logs.
 The forwarder's part, per request:
 
-    plan = ctl.plan(body, prompt_tokens, uncached_tokens, backends)   # before routing
-    ctl.started(request_id, backend, now, uncached_tokens)           # leg sent
+    plan = ctl.plan(body, prompt_tokens, uncached_tokens, backends)   # after routing
+    ctl.started(request_id, backend, now, uncached_tokens)  # each attempt; 0 for a decode leg
+    ctl.prefill_started(key, backend, now, uncached_tokens)  # a KV-transfer flow's prefill leg
+    ctl.prefill_ended(key, now)
     ctl.first_token(request_id, now)
     ctl.finished(RequestFacts(...))                                  # done, measured
     decision = ctl.evaluate(now, backends)   # at most every disagg.evaluate_s; log if changed
@@ -63,6 +65,12 @@ class DisaggController:
 
     def started(self, request_id: str, backend: str, now: float, uncached_tokens: int) -> None:
         self.window.started(request_id, backend, now, uncached_tokens)
+
+    def prefill_started(self, key: str, backend: str, now: float, uncached_tokens: int) -> None:
+        self.window.prefill_started(key, backend, now, uncached_tokens)
+
+    def prefill_ended(self, key: str, now: float) -> None:
+        self.window.prefill_ended(key, now)
 
     def first_token(self, request_id: str, now: float) -> None:
         self.window.first_token(request_id, now)

@@ -7,6 +7,12 @@ passed in, and `snapshot(now, backends)` returns the numbers the decider reads.
     window.first_token(request_id, at)                         # its first output token
     window.finished(RequestFacts(...))                         # done (or failed)
 
+`uncached_tokens` is what *that* engine has to prefill: a retry or a fallback calls `started`
+again for the same request (one arrival, the interval moves to the new backend), and the decode
+leg of a KV-transfer flow is started with 0, since its KV comes over the link. The prefill leg
+of such a flow is no request of its own: `prefill_started(key, ...)` / `prefill_ended(key, at)`
+open and close its long-prefill interval on the prefill engine without counting an arrival.
+
 Interference is measured, not assumed. A prompt of at least `long_prefill_tokens` uncached
 tokens holds its backend's compute from `started` to `first_token` (its prefill), and every
 stream decoding on that backend meanwhile waits for those prefill steps (docs/physics.md). So
@@ -20,13 +26,13 @@ with the others' gives the interference a prefill/decode split would remove.
 from __future__ import annotations
 
 import bisect
-import math
 import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from proxy.disagg.pools import BackendState
+from proxy.stats import percentile
 
 MIN_ITL_P50_S = 1e-3  # a p50 below 1 ms is bunched delivery, not a decode step
 INTERVAL_CAP = 4096  # long-prefill intervals kept per backend
@@ -112,11 +118,11 @@ class WindowStats:
 
 
 def itl_quantiles(gaps: Sequence[float]) -> tuple[float, float] | None:
-    """(p50, p99) of one stream's inter-token gaps, nearest rank; None for fewer than one."""
+    """(p50, p99) of one stream's inter-token gaps (proxy.stats.percentile); None for none."""
     if not gaps:
         return None
     ordered = sorted(gaps)
-    return _rank(ordered, 0.50), _rank(ordered, 0.99)
+    return percentile(ordered, 0.50), percentile(ordered, 0.99)
 
 
 @dataclass(slots=True)
@@ -136,6 +142,7 @@ class _Open:
     backend: str
     at: float
     long: bool
+    leg: bool = False  # a prefill leg: an interval, not a request
 
 
 @dataclass(slots=True)
@@ -165,13 +172,32 @@ class Window:
 
     # --- feeding --------------------------------------------------------------------------
     def started(self, request_id: str, backend: str, at: float, uncached_tokens: int) -> None:
-        """A request was sent to `backend`; `uncached_tokens` as predicted (prefix index)."""
+        """A request (or its next attempt, or its decode leg) was sent to `backend`, which
+        has `uncached_tokens` of it to prefill (as predicted by the prefix index)."""
         self._seen(at)
-        self._arrivals.append(at)
+        before = self._open.get(request_id)
+        if before is None:
+            self._arrivals.append(at)
+        elif before.long:
+            self._close(before.backend, request_id, at)  # that attempt is over
         long = uncached_tokens >= self.long_prefill_tokens
         self._open[request_id] = _Open(backend, at, long)
         if long:
             self._intervals_of(backend).open[request_id] = at
+
+    def prefill_started(self, key: str, backend: str, at: float, uncached_tokens: int) -> None:
+        """A prefill leg (KV-transfer flow) was sent to `backend`: an interval, no arrival."""
+        self._seen(at)
+        long = uncached_tokens >= self.long_prefill_tokens
+        self._open[key] = _Open(backend, at, long, leg=True)
+        if long:
+            self._intervals_of(backend).open[key] = at
+
+    def prefill_ended(self, key: str, at: float) -> None:
+        """The prefill leg answered (or failed, or was cancelled): its compute is released."""
+        opened = self._open.pop(key, None)
+        if opened is not None and opened.long:
+            self._close(opened.backend, key, at)
 
     def first_token(self, request_id: str, at: float) -> None:
         """The request's first output token arrived: its prefill is over."""
@@ -249,13 +275,13 @@ class Window:
             long_share=(sum(1 for u in uncached if u >= self.long_prefill_tokens) / n)
             if n
             else 0.0,
-            uncached_p50=_rank(uncached, 0.50) if uncached else 0.0,
-            uncached_p90=_rank(uncached, 0.90) if uncached else 0.0,
+            uncached_p50=percentile(uncached, 0.50) if uncached else 0.0,
+            uncached_p90=percentile(uncached, 0.90) if uncached else 0.0,
             streams=len(streams),
             overlapped=len(over),
             itl_inflation=statistics.median(over) if over else None,
             itl_inflation_baseline=statistics.median(clean) if clean else None,
-            prefill_rate_per_engine=_rank(long_rates, 0.90) if long_rates else None,
+            prefill_rate_per_engine=percentile(long_rates, 0.90) if long_rates else None,
             mean_streams=decoding / span,
             backends=tuple(backends),
         )
@@ -281,7 +307,7 @@ class Window:
 
     @property
     def in_flight(self) -> int:
-        return len(self._open)
+        return sum(not o.leg for o in self._open.values())
 
     # --- internals --------------------------------------------------------------------------
     def _seen(self, at: float) -> None:
@@ -337,10 +363,6 @@ class Window:
             counts[min(self.rate_buckets - 1, int((a - start) / width))] += 1
         mean = len(arrivals) / self.rate_buckets
         return statistics.pstdev(counts) / mean
-
-
-def _rank(ordered: Sequence[float], q: float) -> float:
-    return float(ordered[max(0, math.ceil(q * len(ordered)) - 1)])
 
 
 def _round(x: float | None) -> float | None:
