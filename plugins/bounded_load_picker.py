@@ -57,6 +57,7 @@ class BoundedLoadPicker:
         placement: bool = True,
         spill_ratio: float = 0.5,
         placement_config: dict[str, Any] | None = None,
+        shared: bool = True,
     ) -> None:
         self.choices = max(1, choices)
         # A copy should carry at most this fraction of one backend's fair share of traffic.
@@ -68,13 +69,17 @@ class BoundedLoadPicker:
         # Read by the router: assign hot prefixes homes (proxy.routing.placement).
         self.uses_placement = placement
         self.placement_config = {"copy_load": self.copy_load, **(placement_config or {})}
+        # Read where the routing is built: with Redis, replicas exchange homes and learned
+        # capacities (proxy.routing.shared_placement) unless this is off.
+        self.shares_placement = shared
         self.spill_ratio = spill_ratio
         self._ttft = PredictedTtftScorer()
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> BoundedLoadPicker:
-        known = {"fill", "imbalance", "rebalance_every", "max_keys", "copy_inflight"}
+        known = {"fill", "imbalance", "rebalance_every", "max_keys", "copy_inflight", "shared"}
         placement_cfg = {k: v for k, v in dict(cfg.get("placement_options", {})).items()}
+        shared = _flag(placement_cfg.pop("shared", True), "placement_options.shared")
         unknown = set(placement_cfg) - known
         if unknown:
             raise ValueError(
@@ -88,9 +93,10 @@ class BoundedLoadPicker:
             slack=int(cfg.get("slack", 8)),
             choices=int(cfg.get("choices", 2)),
             copy_load=float(cfg.get("copy_load", 0.8)),
-            placement=bool(cfg.get("placement", True)),
+            placement=_flag(cfg.get("placement", True), "placement"),
             spill_ratio=float(cfg.get("spill_ratio", 0.5)),
             placement_config=placement_cfg,
+            shared=shared,
         )
 
     def pick(
@@ -228,6 +234,18 @@ class BoundedLoadPicker:
             )
             return [alt.name] + [n for n in order if n != alt.name], reason
         return order, f"placed prefix: its home{of}, over the load bound but still cheapest"
+
+
+def _flag(value: Any, key: str) -> bool:
+    """A boolean option, also as the text an environment variable gives ("false", "0")."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"bounded_load.{key}: expected true or false, got {value!r}")
 
 
 def _long_queues(backends: list[BackendView], epsilon: float, slack: int) -> list[BackendView]:

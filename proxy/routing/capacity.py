@@ -20,6 +20,9 @@ one is compared with what the index predicted for that backend when the request 
 - anything else agrees (or is not evidence: no `cached_tokens`, a prompt too short to tell).
 
 Between the two the estimate settles where the index forgets a little before the engine does.
+Replicas that share what they learn (proxy.routing.shared_placement) hand over each estimate
+that moved on their own evidence (`take_moved`) and `adopt` the others': one estimate per
+backend, moved by every replica's responses, as one proxy's would be by all of them.
 A published pool size is the upper bound, never the estimate itself. Units are the index's
 blocks (64 characters by default), so the estimate sizes the index directly; the engine's
 tokens are compared as fractions of the prompt, which needs no tokenizer.
@@ -27,6 +30,7 @@ tokens are compared as fractions of the prompt, which needs no tokenizer.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +61,7 @@ class CacheEstimate:
     predicted_hits: int = 0
     false_hits: int = 0
     ghost_hits: int = 0
+    adopted: int = 0  # times the estimate was taken from another replica's evidence
     predicted_ratio: float = 0.0  # EWMA of predicted cached share of the prompt
     actual_ratio: float = 0.0  # EWMA of the engine-reported cached share
     agreement: float = 1.0  # EWMA of "prediction and report agree"
@@ -71,6 +76,7 @@ class CacheEstimate:
             "predicted_hits": self.predicted_hits,
             "false_hits": self.false_hits,
             "ghost_hits": self.ghost_hits,
+            "adopted": self.adopted,
             "predicted_hit_ratio": round(self.predicted_ratio, 4),
             "actual_hit_ratio": round(self.actual_ratio, 4),
             "agreement": round(self.agreement, 4),
@@ -90,6 +96,7 @@ class CapacityLearner:
     tolerance: float = 0.25  # share of the prediction that engines' rounding may lose
     half_life: float = 32.0  # responses, for the ratio and agreement averages
     estimates: dict[str, CacheEstimate] = field(default_factory=dict)
+    moved: set[str] = field(default_factory=set)  # moved on this replica's evidence, not taken
 
     def estimate(self, backend: str) -> CacheEstimate:
         est = self.estimates.get(backend)
@@ -106,7 +113,31 @@ class CapacityLearner:
     def measured(self, backend: str) -> bool:
         """Whether an engine report ever moved `backend`'s estimate (else it is a bound)."""
         est = self.estimates.get(backend)
-        return est is not None and est.false_hits + est.ghost_hits > 0
+        return est is not None and est.false_hits + est.ghost_hits + est.adopted > 0
+
+    def take_moved(self) -> dict[str, float]:
+        """Estimates that moved on this replica's evidence since the last call."""
+        moved, self.moved = self.moved, set()
+        return {b: self.estimates[b].capacity for b in sorted(moved) if b in self.estimates}
+
+    def requeue(self, backends: Iterable[str]) -> None:
+        """Moves taken but not delivered (the exchange failed): hand them over next time."""
+        self.moved |= set(backends)
+
+    def adopt(self, backend: str, blocks: float) -> bool:
+        """Take another replica's estimate for `backend` (its evidence is as good as ours);
+        returns whether ours changed. An estimate that moved here since the moves were last
+        taken is newer and stays."""
+        if backend in self.moved:
+            return False
+        est = self.estimate(backend)
+        value = min(max(float(blocks), float(self.min_blocks)), est.upper)
+        if round(value) == round(est.capacity):
+            return False
+        est.capacity = value
+        est.adopted += 1
+        est.last_change = f"adopted from another replica: {value:.0f} blocks"
+        return True
 
     def set_upper(self, backend: str, blocks: int) -> None:
         """The engine published its pool size: a bound on the estimate, not the estimate.
@@ -144,6 +175,7 @@ class CapacityLearner:
                 est.last_change = (
                     f"shrink: predicted {predicted} blocks cached, engine reported {actual:.0f}"
                 )
+                self.moved.add(backend)
                 return "shrink"
         proven = min(actual, float(o.ghost_blocks))
         if actual > predicted + slack and proven > predicted + slack:
@@ -153,7 +185,10 @@ class CapacityLearner:
             est.last_change = (
                 f"grow: engine still held {proven - predicted:.0f} blocks the index had trimmed"
             )
-            return "grow" if est.capacity > before else None
+            if est.capacity > before:
+                self.moved.add(backend)
+                return "grow"
+            return None
         return None
 
     @staticmethod

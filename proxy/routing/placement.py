@@ -26,6 +26,11 @@ rest for the unique suffixes and running sequences):
 
 The assignment is recomputed every `rebalance_every` requests (hottest `max_keys` prefixes);
 in between, a prefix seen for the first time is placed at once against the current loads.
+
+Replicas that share it (proxy.routing.shared_placement does the I/O) exchange the homes this
+module decided: `take_changes` hands over what changed since the last exchange, `adopt` takes
+another replica's homes, and with `leads` False this replica leaves the periodic
+recomputation to the one that leads (it still places the prefixes it sees first).
 """
 
 from __future__ import annotations
@@ -48,6 +53,15 @@ class Placed:
     moves: int = 0  # times its homes changed after the first placement
 
 
+@dataclass(frozen=True, slots=True)
+class SharedHomes:
+    """One prefix's homes as another replica placed them."""
+
+    homes: tuple[str, ...]
+    size: float
+    overflow: bool = False
+
+
 @dataclass
 class Placement:
     fill: float = 0.8  # share of a backend's learned cache that placed prefixes may take
@@ -65,6 +79,14 @@ class Placement:
     requests: int = 0
     rebalances: int = 0
     moves: int = 0
+    # False while another replica recomputes the assignment (shared placement): this one
+    # then only places the prefixes it sees first, and adopts the rest.
+    leads: bool = True
+    adopted: int = 0  # prefixes whose homes were taken from another replica
+    # What this replica decided since its changes were last taken: prefix -> whether it was a
+    # first placement (another replica's, if it has one, wins), and whether it recomputed all.
+    dirty: dict[int, bool] = field(default_factory=dict)
+    reassigned: bool = False
 
     def observe(self, key: int, blocks: Sequence[int]) -> Placed | None:
         """Note one request whose prompt starts with `key`; returns its placement, if any."""
@@ -72,13 +94,16 @@ class Placement:
         p = self.placed.get(key)
         if p is None:
             return None
+        if not p.last:  # adopted from another replica: nothing of this one's to compare yet
+            p.last = blocks
+            return p
         shared = _common_prefix(p.last, blocks)
         p.size += self.size_alpha * (shared - p.size)
         p.last = blocks
         return p
 
     def due(self) -> bool:
-        return self.requests >= (self.rebalances + 1) * self.rebalance_every
+        return self.leads and self.requests >= (self.rebalances + 1) * self.rebalance_every
 
     def homes(
         self,
@@ -112,7 +137,9 @@ class Placement:
                 room[h] -= p.size
             self.room = room
             self._hosts = None
+            self.dirty.setdefault(key, False)
             return p.homes
+        first = p is None
         if p is None:
             if len(self.placed) >= self.max_keys:
                 self._forget_coolest(share_of)
@@ -133,6 +160,7 @@ class Placement:
         if previous and p.homes != previous:
             p.moves += 1
             self.moves += 1
+        self.dirty[key] = self.dirty.get(key, first)
         return p.homes
 
     def full_for(
@@ -173,6 +201,8 @@ class Placement:
         ranked = sorted(self.placed.items(), key=lambda kv: (-kv[1].share, kv[0]))
         keep = ranked[: self.max_keys]
         self.placed = dict(keep)
+        for key, _ in ranked[self.max_keys :]:
+            self.dirty.pop(key, None)  # so it stays bounded where nobody takes the changes
         loads = dict.fromkeys(backends, 0.0)
         room = {b: self.fill * capacity(b) for b in backends}
         total = sum(p.share for _, p in keep)
@@ -190,6 +220,55 @@ class Placement:
                 room[h] -= p.size
         self.room = room
         self._hosts = None
+        self.reassigned = True
+
+    # -- sharing with other replicas (the I/O is proxy.routing.shared_placement) --------------
+
+    def take_changes(self) -> tuple[bool, dict[int, bool]]:
+        """What this replica decided since the last call: (whether it recomputed the whole
+        assignment, {prefix: whether it was a first placement}); forgotten prefixes left out."""
+        full, dirty = self.reassigned, self.dirty
+        self.reassigned, self.dirty = False, {}
+        return full, {k: first for k, first in dirty.items() if k in self.placed}
+
+    def requeue(self, full: bool, changes: Mapping[int, bool]) -> None:
+        """Changes taken but not delivered (the exchange failed): hand them over next time."""
+        self.reassigned = self.reassigned or full
+        for key, first in changes.items():
+            self.dirty[key] = self.dirty.get(key, True) and first
+
+    def adopt(self, shared: Mapping[int, SharedHomes], capacity: Callable[[str], float]) -> int:
+        """Take other replicas' homes; returns how many prefixes changed here.
+
+        A prefix this replica changed since its changes were last taken keeps its own homes
+        (they are newer and go out with the next exchange), and so does everything when it
+        recomputed the whole assignment meanwhile. `capacity` is the learned cache per
+        backend, to redo the room the placed prefixes leave."""
+        if self.reassigned:
+            return 0
+        changed = 0
+        for key, theirs in shared.items():
+            if key in self.dirty or not theirs.homes:
+                continue
+            p = self.placed.get(key)
+            if p is None:
+                if len(self.placed) >= self.max_keys:
+                    continue
+                p = self.placed[key] = Placed((), theirs.size, ())
+            elif p.homes == theirs.homes:
+                continue
+            p.homes, p.overflow = theirs.homes, theirs.overflow
+            changed += 1
+        if changed:
+            self.adopted += changed
+            self._hosts = None
+            backends = set(self.room) | {h for p in self.placed.values() for h in p.homes}
+            room = {b: self.fill * capacity(b) for b in backends}
+            for p in self.placed.values():
+                for h in p.homes:
+                    room[h] -= p.size
+            self.room = room
+        return changed
 
     def _accounting(
         self,
@@ -315,6 +394,7 @@ class Placement:
     def _forget_coolest(self, share_of: Callable[[int], float]) -> None:
         coolest = min(self.placed, key=share_of)
         del self.placed[coolest]
+        self.dirty.pop(coolest, None)
         self._hosts = None
 
     def snapshot(self, share_of: Callable[[int], float], top: int = 32) -> dict[str, Any]:
@@ -326,6 +406,8 @@ class Placement:
             "placed_prefixes": len(self.placed),
             "rebalances": self.rebalances,
             "moves": self.moves,
+            "leads": self.leads,
+            "adopted": self.adopted,
             "prefixes_by_copies": copies,
             "hottest": [
                 {

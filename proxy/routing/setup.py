@@ -31,6 +31,7 @@ from proxy.routing.index import (
 from proxy.routing.inflight import InflightBoard
 from proxy.routing.learn import PrefillLearner
 from proxy.routing.router import PREFIX_BLOCK, Router
+from proxy.routing.shared_placement import SharedPlacement
 from proxy.routing.types import Policy
 
 
@@ -43,12 +44,17 @@ class Routing:
     board: InflightBoard
     learner: PrefillLearner
     redis: Any | None = None  # the shared client, closed last
+    shared: SharedPlacement | None = None  # placement and capacities shared with other replicas
 
     async def start(self) -> None:
         await self.index.start()
         await self.board.start()
+        if self.shared is not None:
+            await self.shared.start()
 
     async def close(self) -> None:
+        if self.shared is not None:
+            await self.shared.close()
         await self.board.close()
         await self.index.close()
         if self.redis is not None:
@@ -63,6 +69,7 @@ class Routing:
             "prefill": self.learner.snapshot(),
             "backlog_tokens": self.router.backlog.snapshot(self.router.prefill_rate),
             "cache": self.router.cache_info(),
+            **({"shared_placement": self.shared.info()} if self.shared is not None else {}),
         }
 
 
@@ -120,4 +127,23 @@ def build_routing(config: Any, replica_id: str | None = None) -> Routing:
     # (forward.py): off the critical path before the upstream write, and never for a backend
     # that refused the connection.
     router.record_on_route = False
-    return Routing(router=router, index=index, board=board, learner=router.learner, redis=client)
+    shared = None
+    share = getattr(router.policy.picker, "shares_placement", True)
+    if client is not None and share and (router.placement is not None or router.learn_capacity):
+        shared = SharedPlacement(
+            client,
+            router.placement,
+            router.capacity,
+            share_capacity=router.learn_capacity,
+            apply_capacity=index.set_capacity,
+            key_prefix=rc.key_prefix,
+            replica_id=board.replica_id,
+        )
+    return Routing(
+        router=router,
+        index=index,
+        board=board,
+        learner=router.learner,
+        redis=client,
+        shared=shared,
+    )

@@ -1,0 +1,327 @@
+"""Placement and learned cache capacities shared by proxy replicas through Redis.
+
+A shared prefix index is not enough for replicas to route alike: each also decides where the
+hot prefixes live (proxy.routing.placement) and how much each engine caches
+(proxy.routing.capacity), and replicas that decide apart give a prompt a copy on several
+engines, each copy evicting another prompt from a small cache. So the replicas exchange those
+decisions, off the request path: a background task makes one script call every `interval_s`
+that publishes what this replica decided since the last one and, when anything changed
+(a version counter), reads back every replica's.
+
+- **Homes**: one replica holds a lease (renewed by every exchange, `lease_s`) and leads: it
+  alone recomputes the whole assignment every `rebalance_every` of its requests and publishes
+  it, replacing the previous one. The others adopt it and skip their own recomputation. Every
+  replica still places a prefix it sees first at once (a request cannot wait for an
+  exchange); that first placement is published only if no replica placed the prefix before,
+  and otherwise the earlier one is adopted at the next exchange.
+- **Capacities**: an estimate that moved on a replica's evidence is published, and the others
+  adopt it: one estimate per backend, moved by every replica's responses, as one proxy's is.
+
+Nothing here is on the hot path; a request reads only the local copies. When Redis stops
+answering, the local copies stay as they were, and after `lease_s` without an exchange this
+replica leads its own placement again (per-replica placement); the next exchange that works
+publishes what it decided meanwhile.
+
+Redis layout (one hash tag, so one script touches one slot under Cluster)::
+
+    {key_prefix}:{{key_prefix}:place}:homes     HASH  prefix head -> "<version>|<json homes>"
+    {key_prefix}:{{key_prefix}:place}:capacity  HASH  backend -> "<version>|<blocks>"
+    {key_prefix}:{{key_prefix}:place}:version   STRING  bumped by every change
+    {key_prefix}:{{key_prefix}:place}:leader    STRING  the leading replica, with a TTL (lease)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+
+from proxy.routing.capacity import CapacityLearner
+from proxy.routing.index import REDIS_DOWN_ERRORS, _reraise_if_cancelled, stop_task
+from proxy.routing.placement import Placement, SharedHomes
+
+log = logging.getLogger("warmroute.routing.shared_placement")
+
+# KEYS: homes hash, capacity hash, version, leader. ARGV: replica, lease ms (0: this replica
+# places nothing and must not lead), the version this
+# replica last read, 1 if the homes are a whole assignment (replace), key TTL ms, the number of
+# home entries; then per home entry: mode ("n": only if no replica placed it, "s": set), prefix,
+# body; then backend, blocks pairs. A whole assignment replaces the previous one only from the
+# leader, and removes only entries written at or before the version it had read (an entry
+# written since may be another replica's first placement it has not seen yet); from any other
+# replica its entries count as first placements. Returns the leader, the version and, when
+# something changed or was sent, both hashes.
+SYNC_LUA = """
+local rep, lease, known = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local full, ttl, n = ARGV[4] == '1', tonumber(ARGV[5]), tonumber(ARGV[6])
+local leader = redis.call('GET', KEYS[4])
+if lease > 0 and not leader then
+  redis.call('SET', KEYS[4], rep, 'PX', lease)
+  leader = rep
+elseif lease > 0 and leader == rep then
+  redis.call('PEXPIRE', KEYS[4], lease)
+end
+leader = leader or ''
+local lead = leader == rep
+local ver = tonumber(redis.call('GET', KEYS[3]) or '0')
+if known > ver then known = -1 end
+local nextv = ver + 1
+local changed = false
+local function split(v)
+  local bar = string.find(v, '|', 1, true)
+  return tonumber(string.sub(v, 1, bar - 1)), string.sub(v, bar + 1)
+end
+if full and lead then
+  local keep = {}
+  for i = 0, n - 1 do keep[ARGV[8 + 3 * i]] = true end
+  local all = redis.call('HGETALL', KEYS[1])
+  for i = 1, #all, 2 do
+    if not keep[all[i]] then
+      local wv = split(all[i + 1])
+      if wv <= known then
+        redis.call('HDEL', KEYS[1], all[i])
+        changed = true
+      end
+    end
+  end
+end
+for i = 0, n - 1 do
+  local mode, f, b = ARGV[7 + 3 * i], ARGV[8 + 3 * i], ARGV[9 + 3 * i]
+  local cur = redis.call('HGET', KEYS[1], f)
+  local set = not cur or (mode == 's' and (lead or not full))
+  if set and (not cur or select(2, split(cur)) ~= b) then
+    redis.call('HSET', KEYS[1], f, nextv .. '|' .. b)
+    changed = true
+  end
+end
+local sent = n > 0
+for i = 7 + 3 * n, #ARGV, 2 do
+  sent = true
+  local cur = redis.call('HGET', KEYS[2], ARGV[i])
+  if not cur or select(2, split(cur)) ~= ARGV[i + 1] then
+    redis.call('HSET', KEYS[2], ARGV[i], nextv .. '|' .. ARGV[i + 1])
+    changed = true
+  end
+end
+if changed then ver = redis.call('INCR', KEYS[3]) end
+for k = 1, 3 do redis.call('PEXPIRE', KEYS[k], ttl) end
+if ver == known and not sent then return {leader, ver} end
+return {leader, ver, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2])}
+"""
+
+# KEYS[1]: leader. ARGV[1]: replica. Gives the lease up only if this replica holds it.
+RESIGN_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class SharedPlacement:
+    """Exchanges this replica's placement decisions and learned capacities with the others."""
+
+    def __init__(
+        self,
+        client: Any,
+        placement: Placement | None,
+        capacity: CapacityLearner,
+        share_capacity: bool = True,
+        apply_capacity: Callable[[str, int], None] | None = None,
+        key_prefix: str = "warmroute",
+        replica_id: str | None = None,
+        interval_s: float = 0.2,
+        lease_s: float = 2.0,
+        timeout_s: float = 1.0,
+        ttl_s: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.placement = placement
+        self.capacity = capacity  # read for the room placed prefixes leave, shared if asked
+        self.share_capacity = share_capacity
+        # The index keeps as many blocks per backend as its capacity says: told on adoption.
+        self.apply_capacity = apply_capacity
+        self.key_prefix = key_prefix
+        self.replica_id = replica_id or uuid.uuid4().hex
+        self.interval_s = interval_s
+        self.lease_s = lease_s
+        self.timeout_s = timeout_s
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.version = 0  # of the shared state, as last read
+        self.leader: str | None = None
+        self.synced_at: float | None = None
+        self._republish = False
+        self._script = client.register_script(SYNC_LUA)
+        self._resign = client.register_script(RESIGN_LUA)
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._up = True
+        self.counters = {
+            "syncs": 0,
+            "sync_errors": 0,
+            "published_homes": 0,
+            "published_capacities": 0,
+            "adopted_homes": 0,
+            "adopted_capacities": 0,
+        }
+
+    @property
+    def keys(self) -> list[str]:
+        kp = self.key_prefix
+        tag = f"{kp}:{{{kp}:place}}"
+        return [f"{tag}:homes", f"{tag}:capacity", f"{tag}:version", f"{tag}:leader"]
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="shared-placement")
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            await stop_task(self._task)
+            self._task = None
+        # Hand the lease over now rather than after lease_s: another replica leads at once.
+        with contextlib.suppress(*REDIS_DOWN_ERRORS):
+            async with asyncio.timeout(self.timeout_s):
+                await self._resign(keys=self.keys[3:], args=[self.replica_id])
+
+    async def sync(self) -> None:
+        """One exchange: publish what this replica decided, adopt what the others did."""
+        placement, capacity = self.placement, self.capacity
+        full, changes = placement.take_changes() if placement is not None else (False, {})
+        moved = capacity.take_moved() if self.share_capacity else {}
+        full = full or self._republish
+        try:
+            flat = await self._exchange(full, changes, moved)
+        except BaseException:
+            if placement is not None:
+                placement.requeue(full, changes)
+            capacity.requeue(moved)
+            raise
+        self._republish = False
+        self.counters["syncs"] += 1
+        self.synced_at = self.clock()
+        leader, version = _text(flat[0]) or None, int(flat[1])
+        if version < self.version:
+            # Redis lost the shared state (a restart without persistence): what this replica
+            # holds goes out again, as the leader's assignment or as first placements.
+            self._republish = True
+        self.version = version
+        self.leader = leader
+        if placement is not None:
+            leads = leader == self.replica_id
+            if leads and not placement.leads:
+                self._republish = True  # a new leader publishes its whole assignment
+            placement.leads = leads
+        if len(flat) > 2:
+            self._adopt(flat[2], flat[3])
+
+    async def _exchange(self, full: bool, changes: dict[int, bool], moved: dict[str, float]) -> Any:
+        placement = self.placement
+        entries: list[Any] = []
+        if placement is not None:
+            keys = list(placement.placed) if full else list(changes)
+            for key in keys:
+                p = placement.placed[key]
+                if not p.homes:
+                    continue
+                mode = "n" if not full and changes.get(key, False) else "s"
+                # Whole blocks: a size that moves by a fraction is not worth a new version.
+                body = orjson.dumps([list(p.homes), round(p.size), p.overflow]).decode()
+                entries += [mode, str(key), body]
+        args: list[Any] = [
+            self.replica_id,
+            int(self.lease_s * 1000) if placement is not None else 0,
+            self.version,
+            int(full),
+            int(self.ttl_s * 1000),
+            len(entries) // 3,
+            *entries,
+        ]
+        for backend, blocks in moved.items():
+            args += [backend, str(round(blocks))]
+        async with asyncio.timeout(self.timeout_s):
+            flat = await self._script(keys=self.keys, args=args)
+        self.counters["published_homes"] += len(entries) // 3
+        self.counters["published_capacities"] += len(moved)
+        return flat
+
+    def _adopt(self, homes_flat: Sequence[Any], caps_flat: Sequence[Any]) -> None:
+        capacity = self.capacity
+        if self.share_capacity:
+            for backend, value in _pairs(caps_flat):
+                if capacity.adopt(backend, float(value)):
+                    self.counters["adopted_capacities"] += 1
+                    if self.apply_capacity is not None:
+                        self.apply_capacity(backend, capacity.capacity(backend))
+        placement = self.placement
+        if placement is None:
+            return
+        shared: dict[int, SharedHomes] = {}
+        for field, body in _pairs(homes_flat):
+            try:
+                homes, size, overflow = orjson.loads(body)
+                entry = SharedHomes(tuple(map(str, homes)), float(size), bool(overflow))
+                shared[int(field)] = entry
+            except (ValueError, TypeError) as e:
+                # Another version's format, or a hand edit: skipped, never fatal.
+                log.debug("shared placement: unreadable entry %r: %s", field, e)
+        self.counters["adopted_homes"] += placement.adopt(shared, capacity.capacity)
+
+    async def _loop(self) -> None:
+        while not self._closed:
+            try:
+                await self.sync()
+                if not self._up:
+                    self._up = True
+                    log.warning("shared placement: Redis is back; placing with the other replicas")
+            except REDIS_DOWN_ERRORS as e:
+                _reraise_if_cancelled()
+                self.counters["sync_errors"] += 1
+                if self._up:
+                    self._up = False
+                    log.warning(
+                        "shared placement: Redis unavailable (%s: %s); placing on this replica's "
+                        "own view until it answers",
+                        type(e).__name__,
+                        e,
+                    )
+                self.fall_back()
+            await asyncio.sleep(self.interval_s)
+
+    def fall_back(self) -> None:
+        """After `lease_s` without an exchange, nobody else's assignment is current: this
+        replica recomputes its own placement, as it would with no Redis at all."""
+        stale = self.synced_at is None or self.clock() - self.synced_at > self.lease_s
+        if stale and self.placement is not None:
+            self.placement.leads = True
+
+    def info(self) -> dict[str, Any]:
+        leads = self.placement.leads if self.placement is not None else None
+        return {
+            "mode": "redis" if self._up else "local-fallback",
+            "replica": self.replica_id,
+            "leads": leads,
+            "leader": self.leader,
+            "version": self.version,
+            **self.counters,
+        }
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _pairs(flat: Sequence[Any]) -> list[tuple[str, str]]:
+    """A flattened HGETALL of "<version>|<body>" values, as (field, body)."""
+    out = []
+    for field, value in zip(flat[::2], flat[1::2], strict=True):
+        _, _, body = _text(value).partition("|")
+        out.append((_text(field), body))
+    return out
