@@ -1,0 +1,533 @@
+"""The prefix index in Redis, shared by proxy replicas (see proxy/routing/index.py).
+
+When Redis counts as down: a refused or dropped connection at once, a timeout only when it
+repeats (see TimeoutStreak), because a busy event loop makes a healthy Redis time out too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from redis import exceptions as redis_errors
+
+from proxy.routing.index_memory import (
+    DEFAULT_CAPACITY_BLOCKS,
+    DEFAULT_TTL_S,
+    MemoryPrefixIndex,
+    Probe,
+)
+
+log = logging.getLogger("warmroute.routing.index")
+
+# Scores are seconds since this epoch, not since 1970: near 6e7 a double still resolves 1e-8 s,
+# fine enough to give each block of a prompt its own, slightly older, score (see _flush).
+SCORE_EPOCH = 1_700_000_000.0
+BLOCK_STEP_S = 1e-7
+# Errors that mean "Redis is not answering properly"; anything else is a bug and propagates.
+REDIS_DOWN_ERRORS: tuple[type[BaseException], ...] = (
+    redis_errors.RedisError,
+    OSError,
+    TimeoutError,
+    asyncio.TimeoutError,
+)
+# Of those, the ones that may only mean this process was too busy to read the answer in time.
+TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, redis_errors.TimeoutError)
+TIMEOUTS_TO_OUTAGE = 3
+
+
+def _reraise_if_cancelled() -> None:
+    """Call in an `except` of Redis errors: a cancel that arrived while a Redis call timed out
+    can surface as TimeoutError; swallowing it would leave a task that never stops."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def stop_task(task: asyncio.Task[Any], grace_s: float = 1.0) -> None:
+    """Cancel a background task and wait for it, but never hang shutdown on it."""
+    task.cancel()
+    await asyncio.wait({task}, timeout=grace_s)
+
+
+class TimeoutStreak:
+    """Whether lookup timeouts say Redis is down, or only that this process was slow.
+
+    A stalled event loop (CPU load, a long pause) times out every lookup in flight at once, and
+    a single late reply is noise; neither is an outage. So a timeout counts only when its lookup
+    started after the last counted timeout was seen (lookups in flight then share its cause),
+    and `limit` counted timeouts with no answer between them make an outage. Against a frozen
+    Redis that takes `limit` rounds of the lookup timeout; no request waits longer than one.
+    """
+
+    def __init__(self, limit: int = TIMEOUTS_TO_OUTAGE) -> None:
+        self.limit = limit
+        self._started = 0
+        self._barrier = 0
+        self._streak = 0
+
+    def start(self) -> int:
+        """A lookup starts; returns its ticket."""
+        self._started += 1
+        return self._started
+
+    def answered(self) -> None:
+        self._streak = 0
+
+    def timed_out(self, ticket: int) -> bool:
+        """The lookup with `ticket` timed out; True when that makes an outage."""
+        if ticket <= self._barrier:
+            return False
+        self._barrier = self._started
+        self._streak += 1
+        return self._streak >= self.limit
+
+    def reset(self) -> None:
+        self._streak = 0
+        self._barrier = self._started
+
+
+async def drop_idle_connections(client: Any) -> None:
+    """Close the pooled connections no call holds. After Redis restarts, each one is a socket
+    to the old process: handed out after the reconnect, it fails its first command and would
+    declare a second outage."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:  # Redis, and Sentinel's master_for
+        await pool.disconnect(inuse_connections=False)
+        return
+    for node in client.get_nodes():  # RedisCluster: a pool per node
+        await node.disconnect_free_connections()
+
+
+# KEYS: one ZSET per candidate backend. ARGV[1]: the prompt's block hashes, 8 bytes each,
+# packed into one string (one argument instead of hundreds); ARGV[2]: oldest score still valid.
+# Returns the longest present prefix per key, found by binary search (see MemoryPrefixIndex).
+LOOKUP_LUA = """
+local blob = ARGV[1]
+local oldest = tonumber(ARGV[2])
+local n = math.floor(#blob / 8)
+local out = {}
+local function present(key, i)
+  local s = redis.call('ZSCORE', key, string.sub(blob, (i - 1) * 8 + 1, i * 8))
+  return s and tonumber(s) >= oldest
+end
+for k = 1, #KEYS do
+  local key = KEYS[k]
+  local lo = 0
+  if n > 0 and present(key, 1) then
+    lo = 1
+    local hi = n
+    while lo < hi do
+      local mid = math.floor((lo + hi + 1) / 2)
+      if present(key, mid) then lo = mid else hi = mid - 1 end
+    end
+  end
+  out[k] = lo
+end
+return out
+"""
+
+
+# Writes a batch of records in one call. KEYS: the backend ZSET of each record (all under one
+# hash tag: one slot). ARGV[1..3]: score step per block, key TTL (ms), oldest score to keep; then
+# per record: packed block hashes, record time, index of its first block in the prompt, capacity.
+# Later blocks get slightly older scores so that trimming by rank drops a prompt's tail first.
+# Scores are formatted with %.17g: Lua's default number-to-string keeps 14 digits, too few.
+RECORD_LUA = """
+local step, ttl, oldest = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+local caps = {}
+for j = 1, #KEYS do
+  local base = 3 + (j - 1) * 4
+  local blob, ts, first = ARGV[base + 1], tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+  caps[KEYS[j]] = tonumber(ARGV[base + 4])
+  local args = {}
+  for i = 1, math.floor(#blob / 8) do
+    args[#args + 1] = string.format('%.17g', ts - (first + i - 1) * step)
+    args[#args + 1] = string.sub(blob, (i - 1) * 8 + 1, i * 8)
+    if #args >= 512 then
+      redis.call('ZADD', KEYS[j], unpack(args))
+      args = {}
+    end
+  end
+  if #args > 0 then redis.call('ZADD', KEYS[j], unpack(args)) end
+end
+for key, cap in pairs(caps) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', oldest)
+  redis.call('ZREMRANGEBYRANK', key, 0, -cap - 1)
+  redis.call('PEXPIRE', key, ttl)
+end
+return #KEYS
+"""
+RECORDS_PER_CALL = 64  # one call runs atomically in Redis: keep each one short
+
+
+def _pack(blocks: Sequence[int]) -> bytes:
+    return array("Q", blocks).tobytes()
+
+
+async def _run(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    pipe = client.pipeline(transaction=False)
+    for name, *args in commands:
+        getattr(pipe, name)(*args)
+    return list(await pipe.execute())
+
+
+class RedisPrefixIndex:
+    """The prefix index in Redis, shared by proxy replicas, with a warm local fallback."""
+
+    def __init__(
+        self,
+        client: Any,
+        key_prefix: str = "warmroute",
+        timeout_s: float = 0.05,
+        capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+        ttl_s: float = DEFAULT_TTL_S,
+        flush_interval_s: float = 0.005,
+        flush_items: int = 64,
+        max_pending: int = 10_000,
+        refresh_s: float = 2.0,
+        reconnect_min_s: float = 0.1,
+        reconnect_max_s: float = 5.0,
+        owns_client: bool = False,
+        timeouts_to_outage: int = TIMEOUTS_TO_OUTAGE,
+    ) -> None:
+        self.client = client
+        self.key_prefix = key_prefix
+        self.timeout_s = timeout_s
+        self.ttl_s = ttl_s
+        self.default_capacity = capacity_blocks
+        self.flush_interval_s = flush_interval_s
+        self.flush_items = flush_items
+        self.reconnect_min_s = reconnect_min_s
+        self.reconnect_max_s = reconnect_max_s
+        self.owns_client = owns_client
+        # Wall-clock scores: replicas on different hosts must agree on what "old" means.
+        self.local = MemoryPrefixIndex(capacity_blocks, ttl_s, clock=time.time)
+        self._capacity: dict[str, int] = {}
+        self.refresh_s = refresh_s
+        # (backend, blocks, time, index of the first block): only the part not written lately.
+        self._pending: deque[tuple[str, Sequence[int], float, int]] = deque(maxlen=max_pending)
+        self._script = client.register_script(LOOKUP_LUA)
+        self._record_script = client.register_script(RECORD_LUA)
+        self._timeouts = TimeoutStreak(timeouts_to_outage)
+        self._up = True
+        self._up_event = asyncio.Event()
+        self._up_event.set()
+        self._closed = False
+        self._wake = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
+        self._reconnector: asyncio.Task[None] | None = None
+        self.counters = {
+            "lookups": 0,
+            "fallback_lookups": 0,
+            "lookup_errors": 0,
+            "lookup_timeouts": 0,
+            "records": 0,
+            "writes": 0,
+            "write_errors": 0,
+            "dropped_records": 0,
+            "outages": 0,
+            "reconnects": 0,
+            "reseeded_backends": 0,
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        return "redis" if self._up else "memory-fallback"
+
+    async def start(self) -> None:
+        # Load the scripts now so the first lookup is one round trip, not NOSCRIPT + load + call.
+        try:
+            async with asyncio.timeout(self._slow_s):
+                await self._load_scripts()
+        except REDIS_DOWN_ERRORS as e:
+            self._went_down(e)  # start anyway: a Redis outage must not stop the proxy
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_loop(), name="prefix-index-flush")
+
+    @property
+    def _slow_s(self) -> float:
+        """The bound on background calls, which no request waits on."""
+        return max(self.timeout_s * 20, 1.0)
+
+    async def _load_scripts(self) -> None:
+        await self.client.script_load(LOOKUP_LUA)
+        await self.client.script_load(RECORD_LUA)
+
+    async def wait_shared(self) -> None:
+        """Return once lookups go to Redis (for readiness checks and tests)."""
+        await self._up_event.wait()
+
+    async def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(*REDIS_DOWN_ERRORS):
+            await asyncio.wait_for(self._flush(), max(self.timeout_s * 10, 0.5))
+        for task in (self._flusher, self._reconnector):
+            if task is not None:
+                await stop_task(task)
+        if self.owns_client:
+            with contextlib.suppress(*REDIS_DOWN_ERRORS):
+                await self.client.aclose()
+
+    def key(self, backend: str) -> str:
+        kp = self.key_prefix
+        return f"{kp}:{{{kp}:pfx}}:{backend}"
+
+    # -- hot path ----------------------------------------------------------------------------
+
+    async def lookup(self, blocks: Sequence[int], backends: Sequence[str]) -> dict[str, int]:
+        if not blocks or not backends:
+            return dict.fromkeys(backends, 0)
+        if not self._up:
+            self.counters["fallback_lookups"] += 1
+            return self.local.lookup_now(blocks, backends)
+        self.counters["lookups"] += 1
+        oldest = time.time() - SCORE_EPOCH - self.ttl_s
+        ticket = self._timeouts.start()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                found = await self._script(
+                    keys=[self.key(b) for b in backends], args=[_pack(blocks), repr(oldest)]
+                )
+        except REDIS_DOWN_ERRORS as e:
+            _reraise_if_cancelled()
+            self.counters["lookup_errors"] += 1
+            if isinstance(e, TIMEOUT_ERRORS):
+                self.counters["lookup_timeouts"] += 1
+                if self._timeouts.timed_out(ticket):
+                    self._went_down(e)
+            else:
+                self._went_down(e)
+            self.counters["fallback_lookups"] += 1
+            return self.local.lookup_now(blocks, backends)
+        self._timeouts.answered()
+        return {b: int(n) for b, n in zip(backends, found, strict=True)}
+
+    def record(self, backend: str, blocks: Sequence[int]) -> None:
+        if not blocks:
+            return
+        self.counters["records"] += 1
+        now = time.time()
+        # A popular prefix is recorded on every request; rewriting its hundreds of blocks each
+        # time is what made Redis (and our event loop) slow. Blocks this replica wrote less than
+        # refresh_s ago are skipped: their Redis score lags by at most refresh_s, which is far
+        # below any useful LRU resolution.
+        skip = self.local.fresh_prefix(backend, blocks, now - self.refresh_s)
+        # The local copy is always current, so a fallback starts warm.
+        self.local.record_now(backend, blocks, now)
+        if skip >= len(blocks):
+            return
+        if len(self._pending) == self._pending.maxlen:
+            self.counters["dropped_records"] += 1  # deque drops the oldest on append
+        self._pending.append((backend, blocks[skip:], now - SCORE_EPOCH, skip))
+        self._wake.set()
+
+    def set_capacity(self, backend: str, blocks: int) -> None:
+        self._capacity[backend] = max(1, int(blocks))
+        self.local.set_capacity(backend, blocks)
+
+    def probe(self, backend: str, blocks: Sequence[int], matched: int) -> Probe:
+        # The local copy holds what this replica recorded (wall-clock times, as Redis does).
+        return self.local.probe(backend, blocks, matched)
+
+    def occupancy(self, backend: str) -> int:
+        return self.local.occupancy(backend)
+
+    # -- background --------------------------------------------------------------------------
+
+    async def flush(self) -> None:
+        """Write everything recorded so far (for shutdown and for tests)."""
+        await self._flush()
+
+    async def _flush_loop(self) -> None:
+        while not self._closed:
+            await self._wake.wait()
+            self._wake.clear()
+            if len(self._pending) < self.flush_items:
+                await asyncio.sleep(self.flush_interval_s)  # let a batch gather
+            if self._up:
+                try:
+                    await self._flush()
+                except REDIS_DOWN_ERRORS:
+                    _reraise_if_cancelled()
+
+    async def _flush(self) -> None:
+        if not self._pending or not self._up:
+            return
+        batch = list(self._pending)
+        self._pending.clear()
+        # Redis unpacks and scores the blocks, so this loop (which shares the event loop with
+        # every request) costs O(1) per record, not O(blocks). No pipeline: Cluster clients
+        # refuse scripts in pipelines, and one call already carries up to RECORDS_PER_CALL.
+        now = time.time() - SCORE_EPOCH
+        head = [repr(BLOCK_STEP_S), int(self.ttl_s * 1000), repr(now - self.ttl_s)]
+        done = 0
+        try:
+            # Writes wait up to _slow_s, so a timeout here is not a busy loop's hiccup.
+            async with asyncio.timeout(self._slow_s):
+                for i in range(0, len(batch), RECORDS_PER_CALL):
+                    chunk = batch[i : i + RECORDS_PER_CALL]
+                    keys = [self.key(backend) for backend, _, _, _ in chunk]
+                    args: list[Any] = list(head)
+                    for backend, blocks, ts, first in chunk:
+                        cap = self._capacity.get(backend, self.default_capacity)
+                        args += [_pack(blocks), repr(ts), first, cap]
+                    await self._record_script(keys=keys, args=args)
+                    done = i + len(chunk)
+            self.counters["writes"] += 1
+        except REDIS_DOWN_ERRORS as e:
+            self.counters["write_errors"] += 1
+            # Keep what was not written for after the reconnect (bounded: the deque drops the
+            # oldest).
+            self._pending.extendleft(reversed(batch[done:]))
+            self._went_down(e)
+            raise
+
+    def _went_down(self, err: BaseException) -> None:
+        if self._closed:
+            return
+        if self._up:
+            self._up = False
+            self._up_event.clear()
+            self.counters["outages"] += 1
+            log.warning(
+                "prefix index: Redis unavailable (%s: %s); routing from the local index "
+                "until it answers again",
+                type(err).__name__,
+                err,
+            )
+        if self._reconnector is None or self._reconnector.done():
+            self._reconnector = asyncio.create_task(self._reconnect(), name="prefix-index-redis")
+
+    async def _reconnect(self) -> None:
+        delay = self.reconnect_min_s
+        while not self._closed:
+            await asyncio.sleep(delay)
+            try:
+                async with asyncio.timeout(self._slow_s):
+                    # A ping over a fresh connection proves nothing about the stale ones still
+                    # pooled; drop them first, or the first lookups after the reconnect fail.
+                    await drop_idle_connections(self.client)
+                    await self.client.ping()
+                    # A restarted Redis has lost the scripts: load them once here rather than
+                    # in every concurrent lookup (NOSCRIPT, load, retry) on the hot path.
+                    await self._load_scripts()
+            except REDIS_DOWN_ERRORS:
+                _reraise_if_cancelled()
+                delay = min(delay * 2, self.reconnect_max_s)
+                continue
+            with contextlib.suppress(*REDIS_DOWN_ERRORS):
+                await self._reseed()
+            self._timeouts.reset()
+            self._up = True
+            self._up_event.set()
+            self.counters["reconnects"] += 1
+            log.warning("prefix index: Redis is back; routing from the shared index again")
+            self._wake.set()  # write what was recorded during the outage
+            return
+
+    async def _reseed(self) -> None:
+        """After an outage, refill backends whose keys Redis lost (a restart without persistence)
+        from the local copy, so the shared index does not start cold. Each replica adds what it
+        knows; a key that survived the outage is left alone."""
+        backends = list(self.local.backends())
+        if not backends:
+            return
+        async with asyncio.timeout(self._slow_s):
+            exists = await _run(self.client, [("exists", self.key(b)) for b in backends])
+        lost = [b for b, n in zip(backends, exists, strict=True) if not n]
+        ttl_ms = int(self.ttl_s * 1000)
+        pipe = self.client.pipeline(transaction=False)
+        for backend in lost:
+            members = {_pack([h]): ts - SCORE_EPOCH for h, ts in self.local.entries(backend)}
+            if members:
+                pipe.zadd(self.key(backend), members)
+                pipe.pexpire(self.key(backend), ttl_ms)
+        if lost:
+            async with asyncio.timeout(max(self.timeout_s * 40, 2.0)):
+                await pipe.execute()
+            self.counters["reseeded_backends"] += len(lost)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "pending": len(self._pending),
+            **self.counters,
+            # Learned from the engines' KV pools (see set_capacity); others use the default.
+            "capacity": dict(self._capacity),
+            "default_capacity": self.default_capacity,
+        }
+
+
+# -- connecting -------------------------------------------------------------------------------
+
+
+def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, int, dict[str, Any]]:
+    """redis+sentinel://[user:pass@]host:port[,host:port...]/service_name[/db]."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    auth: dict[str, Any] = {}
+    if "@" in netloc:
+        cred, netloc = netloc.rsplit("@", 1)
+        user, _, password = cred.partition(":")
+        if user:
+            auth["username"] = unquote(user)
+        if password:
+            auth["password"] = unquote(password)
+    hosts = []
+    for hp in netloc.split(","):
+        host, _, port = hp.rpartition(":")
+        hosts.append((host or hp, int(port) if host else 26379))
+    path = [p for p in parts.path.split("/") if p]
+    if not path:
+        raise ValueError(
+            "a redis+sentinel:// URL needs the master's service name, e.g. "
+            "redis+sentinel://sentinel1:26379,sentinel2:26379/mymaster/0"
+        )
+    db = int(path[1]) if len(path) > 1 else 0
+    query = parse_qs(parts.query)
+    if "sentinel_password" in query:
+        auth["sentinel_password"] = query["sentinel_password"][0]
+    return hosts, path[0], db, auth
+
+
+def open_redis(url: str, cluster: bool = False, timeout_s: float = 0.05) -> Any:
+    """An asyncio Redis client for a redis://, rediss://, redis+sentinel:// URL or a Cluster.
+
+    No client-side retries: the index has its own timeout and fallback, and a retry with backoff
+    would only hold a background task (or a request) longer on a dead server.
+    """
+    from redis.asyncio import Redis
+    from redis.asyncio.cluster import RedisCluster
+    from redis.asyncio.retry import Retry
+    from redis.asyncio.sentinel import Sentinel
+    from redis.backoff import NoBackoff
+
+    # The socket timeout covers background work; the hot path is bounded by timeout_s itself.
+    sock = max(timeout_s * 20, 1.0)
+    common: dict[str, Any] = {
+        "socket_timeout": sock,
+        "socket_connect_timeout": sock,
+    }
+    if url.startswith("redis+sentinel://"):
+        hosts, service, db, auth = _sentinel_parts(url)
+        sentinel_password = auth.pop("sentinel_password", None)
+        sentinel = Sentinel(
+            hosts,
+            sentinel_kwargs={**common, "password": sentinel_password},
+            retry=Retry(NoBackoff(), 0),
+            **common,
+        )
+        return sentinel.master_for(service, db=db, **auth)
+    if cluster:
+        return RedisCluster.from_url(url, **common)
+    return Redis.from_url(url, retry=Retry(NoBackoff(), 0), **common)
