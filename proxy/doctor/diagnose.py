@@ -22,12 +22,15 @@ class Thresholds:
 
     dominated: float = 0.5  # a cause "dominates" TTFT when it is more than half of it
     dominated_critical: float = 0.8
+    min_cost_s: float = 0.1  # a TTFT cause costs a request at least this: perceptible
+    repeated: float = 0.1  # an engine caching nothing: this share of its prefill was a repeat
     full_while_waiting: float = 0.5  # most waiting happened with no room in the KV pool
     disagreement: float = 0.5  # the index is wrong about more tokens than it is right
     disagreement_critical: float = 0.8
     itl_inflation: float = 2.0  # p99 at least one whole extra decode step above p50
     itl_inflation_critical: float = 4.0
     inflated_share: float = 0.01  # the gaps that set a p99 are 1% of all gaps
+    chunk_gain: float = 2.0  # the advised prefill chunk must at least halve the shared step
     kv_share: float = 0.5  # KV reads cost as much as the weights: context doubled the step
     kv_share_critical: float = 0.75
     efficiency: float = 0.5  # below: the stack loses more per step than the memory reads take
@@ -39,6 +42,10 @@ class Thresholds:
 
 
 Rule = Callable[[Measures, Thresholds], Finding | None]
+# The smallest prefill chunk advised: four 16-token KV blocks. Each step reads every weight
+# once, so a chunk this small already spends most of its step on the weights, and a smaller
+# one would lengthen the prefilling request's TTFT more than it shortens anyone's ITL.
+MIN_CHUNK_TOKENS = 64
 
 
 def _finding(
@@ -66,6 +73,8 @@ def _queue_share(m: Measures, t: Thresholds) -> float | None:
     s = m.split
     if m.requests < t.min_requests or s.queue_s is None or not s.upstream_ttft_s:
         return None
+    if s.queue_s < t.min_cost_s:
+        return None  # a wait of a few steps: a request joins the batch at a step boundary
     return min(s.queue_s / s.upstream_ttft_s, 1.0)
 
 
@@ -135,51 +144,89 @@ def queueing(m: Measures, t: Thresholds) -> Finding | None:
     )
 
 
-def _avoidable_share(m: Measures) -> float | None:
+def _prefill_costs(m: Measures) -> tuple[float, float, float] | None:
+    """(avoidable share of the upstream TTFT, all prefill's share of it, avoidable seconds per
+    request): what a working prefix cache would have saved, against all the prefill there was."""
     up = m.split.upstream_ttft_s
     if not m.prefill_rate or not up or not m.requests:
         return None
-    c = m.cache
-    return min(c.avoidable_tokens / m.prefill_rate / (up * m.requests), 1.0)
+    avoidable_s = m.cache.avoidable_tokens / m.prefill_rate / m.requests
+    prefill = m.split.prefill_s
+    if prefill is None:  # no split: the prefill of the uncached prompt at the measured rate
+        prefill = (m.uncached_mean or 0.0) / m.prefill_rate
+    return min(avoidable_s / up, 1.0), min(prefill / up, 1.0), avoidable_s
 
 
 def prefill_bound_ttft(m: Measures, t: Thresholds) -> Finding | None:
-    share = _avoidable_share(m)
-    if m.requests < t.min_requests or share is None or share < t.dominated:
+    costs = _prefill_costs(m)
+    if m.requests < t.min_requests or costs is None:
         return None
+    share, prefill_share, avoidable_s = costs
     c = m.cache
+    prefilled = sum(u for r in m.window.requests if r.ok and (u := r.uncached_tokens))
+    repeated = c.avoidable_tokens / prefilled if prefilled else 0.0
+    if c.engine_caches_nothing:
+        # An engine that reports no hit teaches the capacity learner that it holds nothing, so
+        # the index forgets that backend's prompts: what it still recognizes is a lower bound
+        # of what repeats. The prefill share is measured; the bound need only show repeats.
+        # Prefix caching costs nothing where prompts do not repeat, so showing that they do
+        # is enough to advise it, once prefill is most of a perceptible TTFT.
+        if prefill_share < t.dominated or repeated < t.repeated:
+            return None
+        judged, cost_s = prefill_share, prefill_share * (m.split.upstream_ttft_s or 0.0)
+    else:
+        if share < t.dominated:
+            return None
+        judged, cost_s = share, avoidable_s
+    if cost_s < t.min_cost_s:
+        return None
     per_request = c.avoidable_tokens / m.requests
     if c.engine_caches_nothing:
-        cause = "the engine reported no cached tokens at all"
+        cause = (
+            f"the engine reported no cached tokens at all, and at least {repeated:.0%} of what "
+            "it prefilled had been sent before"
+        )
+        what = (
+            f"prefill is {prefill_share:.0%} of the upstream TTFT, and at least "
+            f"{per_request:.0f} tokens per request were prefilled though the index had seen them "
+            "(a lower bound: the index forgets what an engine reports it did not keep)"
+        )
         change = (
             "enable prefix caching on the engine (vLLM: do not pass "
             "--no-enable-prefix-caching; SGLang: drop --disable-radix-cache; llama.cpp: "
             "cache_prompt and --cache-reuse), then check that cached_tokens comes back in usage"
         )
-    elif c.avoidable_elsewhere > c.avoidable_here:
-        cause = "most of it was cached on another backend: routing sent it elsewhere"
-        change = (
-            "check routing affinity: use the prefix_aware policy (now "
-            f"{m.window.policy or 'unknown'}), share the prefix index between proxy replicas "
-            "(--redis), and keep a prompt's prefix identical between requests"
-        )
     else:
-        cause = "the index expected this backend to hold it, and the engine did not"
-        change = (
-            "fix prefix caching on the engine: it evicts or never keeps what it served "
-            "(a KV pool too small for the prompts it holds, a prompt that differs early such "
-            "as a timestamp in the system prompt, or a chat template that renders differently)"
+        what = (
+            f"{per_request:.0f} tokens per request were prefilled though the index had seen "
+            f"them, {share:.0%} of the upstream TTFT at {m.prefill_rate:.0f} tokens/s"
         )
+        if c.avoidable_elsewhere > c.avoidable_here:
+            cause = "most of it was cached on another backend: routing sent it elsewhere"
+            change = (
+                "check routing affinity: use the prefix_aware policy (now "
+                f"{m.window.policy or 'unknown'}), share the prefix index between proxy "
+                "replicas (--redis), and keep a prompt's prefix identical between requests"
+            )
+        else:
+            cause = "the index expected this backend to hold it, and the engine did not"
+            change = (
+                "fix prefix caching on the engine: it evicts or never keeps what it served "
+                "(a KV pool too small for the prompts it holds, a prompt that differs early "
+                "such as a timestamp in the system prompt, or a chat template that renders "
+                "differently)"
+            )
     return _finding(
         m,
         "prefill_bound_ttft",
-        share >= t.dominated_critical,
-        f"time to first token is mostly prefill of prompts seen before: {per_request:.0f} "
-        f"tokens per request were prefilled though the index had seen them, "
-        f"{share:.0%} of the upstream TTFT at {m.prefill_rate:.0f} tokens/s; {cause}",
+        judged >= t.dominated_critical,
+        f"time to first token is mostly prefill of prompts seen before: {what}; {cause}",
         {
             "avoidable_share_of_ttft": share,
+            "prefill_share_of_ttft": prefill_share,
+            "avoidable_s_per_request": avoidable_s,
             "avoidable_tokens_per_request": per_request,
+            "repeated_share_of_prefill": repeated,
             "avoidable_tokens_here": c.avoidable_here,
             "avoidable_tokens_elsewhere": c.avoidable_elsewhere,
             "uncached_tokens_mean": m.uncached_mean,
@@ -250,7 +297,22 @@ def prefill_interference(m: Measures, t: Thresholds) -> Finding | None:
     ratio = p99 / p50
     if ratio < t.itl_inflation or tl.inflated_share < t.inflated_share:
         return None
-    chunk = max(64, -(-int(tl.step_tokens) // 64) * 64)
+    # The tail must be the long prefills': without the gaps beside them, ITL is steady.
+    # (What inflates it otherwise, prefills a cache would skip or preemptions, is another
+    # finding's.)
+    clean50, clean99 = tl.clean_p50_s, tl.clean_p99_s
+    if not clean50 or clean99 is None or clean99 / clean50 >= t.itl_inflation:
+        return None
+    chunk = max(MIN_CHUNK_TOKENS, -(-int(tl.step_tokens) // MIN_CHUNK_TOKENS) * MIN_CHUNK_TOKENS)
+    # With that chunk a shared step costs a decode step plus the chunk's prefill; the advice
+    # stands only if it at least halves what the streams beside long prefills saw.
+    along99 = tl.alongside_p99_s
+    rate = m.prefill_rate
+    if along99 is None or not rate:
+        return None
+    advised_step_s = p50 + chunk / rate
+    if along99 < t.chunk_gain * advised_step_s:
+        return None
     split, disagg = _split_advice(m.window.disagg)
     return _finding(
         m,
@@ -273,6 +335,8 @@ def prefill_interference(m: Measures, t: Thresholds) -> Finding | None:
             "long_prefill_tokens_mean": tl.long_prefill_tokens_mean,
             "step_tokens": tl.step_tokens,
             "prefill_tokens_per_s": m.prefill_rate,
+            "advised_chunk_tokens": chunk,
+            "advised_shared_step_s": advised_step_s,
             "disagg": disagg,
         },
         "lower the engine's prefill chunk (vLLM --max-num-batched-tokens) toward about "
@@ -434,6 +498,8 @@ def diagnose_window(m: Measures, t: Thresholds) -> list[Finding]:
         ids = {x.id for x in found}
         if f.id == "cache_affinity_lost" and ids & {"kv_pressure", "prefill_bound_ttft"}:
             continue  # a full pool evicts; prefill_bound_ttft already names the cache's fault
+        if f.id == "prefill_interference" and "kv_pressure" in ids and m.gauges.preemptions:
+            continue  # a preempted sequence is prefilled again: the full pool's long prefills
         found.append(f)
     return found
 
