@@ -1,4 +1,4 @@
-"""The `warmroute` command: serve | sim | demo | bench.
+"""The `warmroute` command: serve | sim | demo | bench | doctor.
 
 Each subcommand module exposes ``register(subparsers)``; it adds its parser and sets
 ``func(args) -> int`` as the default, so this file only dispatches.
@@ -13,12 +13,19 @@ from typing import Any
 
 from proxy import __version__
 
-SUBCOMMAND_MODULES = ("proxy.serve", "proxy.sim.cli", "proxy.demo", "proxy.bench.cli")
+SUBCOMMAND_MODULES = (
+    "proxy.serve",
+    "proxy.sim.cli",
+    "proxy.demo",
+    "proxy.bench.cli",
+    "proxy.doctor.cli",
+)
 COMMANDS = {
     "serve": "proxy.serve",
     "sim": "proxy.sim.cli",
     "demo": "proxy.demo",
     "bench": "proxy.bench.cli",
+    "doctor": "proxy.doctor.cli",
 }
 # Subcommands that need the `bench` extra (pip install 'warmroute[bench]'): without it they are
 # listed all the same and say what to install, while serve and sim work.
@@ -34,6 +41,7 @@ whose prefix cache is warm.
   warmroute serve --backend http://127.0.0.1:8000  # proxy in front of your server
   warmroute sim --port 8001                        # a simulated vLLM-like engine
   warmroute bench --base-url http://127.0.0.1:8080 --workload shared-prefix
+  warmroute doctor --url http://127.0.0.1:8081     # why is TTFT slow? (--admin-port 8081)
 
 Run `warmroute COMMAND --help` for each command's options.
 """

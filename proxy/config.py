@@ -19,6 +19,8 @@ from proxy import engines, otel_env
 ENV_PREFIX = "WARMROUTE_"
 # Settings of the other subcommands (sim, bench, demo) share the prefix but not this tree.
 OTHER_COMMANDS_ENV = tuple(ENV_PREFIX + p for p in ("SIM_", "BENCH_", "DEMO_", "TEST_", "CACHE"))
+# `warmroute doctor`'s admin token: a client's secret (the proxy holds only its SHA-256).
+CLIENT_ENV = frozenset({ENV_PREFIX + "ADMIN_TOKEN"})
 # auto: read off the backend's /metrics names (proxy/engines.py), openai if it has none.
 Engine = Literal["auto", "vllm", "sglang", "llamacpp", "openai"]
 Role = Literal["mixed", "prefill", "decode"]  # what a backend serves (docs/disaggregation.md)
@@ -372,7 +374,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     for raw_key, value in env.items():
         if not raw_key.startswith(ENV_PREFIX) or raw_key == ENV_PREFIX + "CONFIG":
             continue
-        if raw_key.startswith(OTHER_COMMANDS_ENV):
+        if raw_key.startswith(OTHER_COMMANDS_ENV) or raw_key in CLIENT_ENV:
             continue
         name = raw_key[len(ENV_PREFIX) :].lower()
         if name in ("backend", "backends"):
