@@ -10,7 +10,7 @@ from typing import Any
 from proxy.config import RoutingConfig
 from proxy.routing.capacity import CapacityLearner, Outcome
 from proxy.routing.index import MemoryPrefixIndex
-from proxy.routing.placement import Placement
+from proxy.routing.placement import Placement, SharedHomes
 from proxy.routing.router import Router
 from proxy.routing.setup import build_router
 from proxy.routing.types import BackendView, EngineLoad, RouteContext
@@ -212,3 +212,118 @@ def test_homes_stay_put_when_shares_wobble() -> None:
     wobbly = {k: 1 / 8 * (1.25 if k % 2 else 0.8) for k in range(8)}
     again = place_all(p, wobbly, caps)
     assert again == first and p.moves == 0
+
+
+# -- what replicas exchange (the pure part; tests/test_shared_placement.py runs it over Redis) ---
+
+FOUR = dict.fromkeys(["a", "b", "c", "d"], 300.0)
+
+
+def place_one(p: Placement, key: int, caps: dict[str, float] = FOUR) -> tuple[str, ...]:
+    names = sorted(caps)
+
+    def order(k: int, ns: Sequence[str]) -> list[str]:
+        return sorted(ns, key=lambda n: hash((k, n)) & 0xFFFF)
+
+    return p.homes(
+        key, list(range(100)), names, dict.fromkeys(names, 1.0), caps.__getitem__,
+        lambda _: 1 / 8, {}, order,
+    )  # fmt: skip
+
+
+def test_a_replica_that_does_not_lead_leaves_the_recomputation_to_the_one_that_does() -> None:
+    p = Placement(rebalance_every=4, leads=False)
+    for _ in range(10):
+        p.observe(1, [1, 2, 3])
+    assert not p.due()
+    p.leads = True  # the leader went away: this replica recomputes again
+    assert p.due()
+
+
+def test_first_placements_and_recomputations_are_handed_over_once() -> None:
+    p = Placement()
+    for key in range(3):
+        place_one(p, key)
+    assert p.take_changes() == (False, {0: True, 1: True, 2: True})
+    assert p.take_changes() == (False, {})
+    names = sorted(FOUR)
+    p.rebalance(names, dict.fromkeys(names, 1.0), FOUR.__getitem__, lambda _: 1 / 8, sorted_order)
+    full, _ = p.take_changes()
+    assert full  # the whole assignment goes out, replacing the previous one
+
+
+def sorted_order(key: int, names: Sequence[str]) -> list[str]:
+    return sorted(names)
+
+
+def test_changes_that_could_not_be_delivered_go_out_next_time() -> None:
+    p = Placement()
+    place_one(p, 7)
+    taken = p.take_changes()
+    p.requeue(*taken)  # the exchange failed
+    assert p.take_changes() == taken
+
+
+def test_another_replicas_homes_replace_these_but_not_ones_decided_here_since() -> None:
+    p = Placement()
+    for key in range(8):
+        place_one(p, key)
+    p.take_changes()  # the last exchange
+    place_one(p, 8)  # placed here after it: newer than anything another replica says
+    mine = p.placed[8].homes
+    theirs = {k: SharedHomes(("d",), 100.0) for k in range(9)}
+    theirs[8] = SharedHomes(tuple(n for n in "abcd" if n not in mine)[:1], 100.0)
+    differ = sum(1 for k in range(8) if p.placed[k].homes != ("d",))
+    assert differ >= 6  # two per backend, as placed here
+    assert p.adopt(theirs, FOUR.__getitem__) == differ
+    assert all(p.placed[k].homes == ("d",) for k in range(8))
+    assert p.placed[8].homes == mine
+    assert p.adopted == differ and p.moves == 0  # adopted, not decided here
+    # The room the placed prefixes leave is redone: d is full of them now.
+    assert "d" in p.full_for(8, sorted(FOUR))
+
+
+def test_nothing_is_adopted_while_a_recomputation_waits_to_go_out() -> None:
+    p = Placement()
+    for key in range(4):
+        place_one(p, key)
+    names = sorted(FOUR)
+    p.rebalance(names, dict.fromkeys(names, 1.0), FOUR.__getitem__, lambda _: 1 / 8, sorted_order)
+    before = {k: v.homes for k, v in p.placed.items()}
+    assert p.adopt({0: SharedHomes(("zz",), 1.0)}, FOUR.__getitem__) == 0
+    assert {k: v.homes for k, v in p.placed.items()} == before
+
+
+def test_a_prefix_first_seen_through_another_replica_keeps_its_size_until_seen_here() -> None:
+    p = Placement()
+    p.adopt({5: SharedHomes(("a",), 80.0)}, FOUR.__getitem__)
+    blocks = list(range(100))
+    placed = p.observe(5, blocks)
+    assert placed is not None and placed.size == 80.0  # nothing of this replica's to compare
+    p.observe(5, blocks)
+    assert placed.size > 80.0  # its requests here share 100 blocks
+
+
+def test_the_changes_stay_bounded_where_nobody_takes_them() -> None:
+    p = Placement(max_keys=4)
+    for key in range(40):
+        place_one(p, key)
+    assert set(p.dirty) <= set(p.placed) and len(p.placed) <= 4
+
+
+def test_an_adopted_capacity_counts_as_measured_and_a_newer_one_learned_here_stays() -> None:
+    learner = CapacityLearner(default_blocks=32768)
+    assert not learner.measured("e0")
+    assert learner.adopt("e0", 2000)
+    assert learner.capacity("e0") == 2000 and learner.measured("e0")
+    assert learner.take_moved() == {}  # adopted, not learned here: nothing to hand over
+    learner.observe("e0", Outcome(100, 120, 0.0, occupancy=1500, recorded_age_s=10.0))
+    learned = learner.capacity("e0")
+    assert learned < 1500
+    assert not learner.adopt("e0", 3000)  # this replica's evidence is newer
+    assert learner.capacity("e0") == learned
+    assert learner.take_moved() == {"e0": learner.estimate("e0").capacity}
+    assert learner.adopt("e0", 3000)  # handed over: the next word from another replica counts
+    learner.set_upper("e1", 5000)
+    learner.adopt("e1", 10**9)
+    assert learner.capacity("e1") == 5000  # never above the engine's published pool

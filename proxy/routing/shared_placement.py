@@ -276,24 +276,31 @@ class SharedPlacement:
 
     async def _loop(self) -> None:
         while not self._closed:
-            try:
-                await self.sync()
-                if not self._up:
-                    self._up = True
-                    log.warning("shared placement: Redis is back; placing with the other replicas")
-            except REDIS_DOWN_ERRORS as e:
-                _reraise_if_cancelled()
-                self.counters["sync_errors"] += 1
-                if self._up:
-                    self._up = False
-                    log.warning(
-                        "shared placement: Redis unavailable (%s: %s); placing on this replica's "
-                        "own view until it answers",
-                        type(e).__name__,
-                        e,
-                    )
-                self.fall_back()
+            await self.step()
             await asyncio.sleep(self.interval_s)
+
+    async def step(self) -> bool:
+        """One round of the background task: an exchange or, with Redis down, the fallback;
+        returns whether the exchange worked."""
+        try:
+            await self.sync()
+        except REDIS_DOWN_ERRORS as e:
+            _reraise_if_cancelled()
+            self.counters["sync_errors"] += 1
+            if self._up:
+                self._up = False
+                log.warning(
+                    "shared placement: Redis unavailable (%s: %s); placing on this replica's "
+                    "own view until it answers",
+                    type(e).__name__,
+                    e,
+                )
+            self.fall_back()
+            return False
+        if not self._up:
+            self._up = True
+            log.warning("shared placement: Redis is back; placing with the other replicas")
+        return True
 
     def fall_back(self) -> None:
         """After `lease_s` without an exchange, nobody else's assignment is current: this
