@@ -364,7 +364,7 @@ class ProxyEndpoint:
             if body is None:
                 body = ex.raw if strip or not ex.strip_usage else ex.client_raw
             if self.pd is not None:
-                self.pd.started(ex, backend.name, t_sent)
+                self.pd.started(ex, backend.name, t_sent, attempt)
             upstream = await self.open_leg(ex, backend, body, headers, fresh)
             ex.upstream = upstream
             try:

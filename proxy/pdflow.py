@@ -6,21 +6,32 @@ Per request, after routing:
 - The controller (proxy/disagg/controller.py, pure) classifies the request from its uncached
   prompt on the router's winner and its expected output, and plans it: one leg on a pool, or
   two legs (prefill on the prefill pool, decode on the decode pool) when both pools hold
-  engines that speak the same KV-transfer flow. Prefix affinity is kept inside each pool: a
-  pool's backends are tried in the router's own order.
+  engines that speak the same KV-transfer flow. A pool is used only inside the router's own
+  ranking (what it filtered out — another model, an in-flight bound, an ejected backend —
+  stays out); P/D-role backends the role filter set aside for whole requests are what the two
+  legs are for, and join when they can serve. No pool member left: the router's ranking, as
+  without a split. Inside a pool, the router's winner goes first when it is a member, else
+  the member holding most of the prompt (prefix affinity), so a repeated document returns to
+  the engine that has it; the decode leg goes to the least loaded decode backend.
 - vLLM (NixlConnector style): the prefill leg is a one-token non-streaming request carrying
   `kv_transfer_params`; its answer's params go into the decode leg, which is the client's
   request and streams to the client. Sequential.
 - SGLang: the same body with `bootstrap_host/port/room` goes to the prefill and the decode
   backend at once (an anyio task group: if either side fails or the client leaves, the other
-  is cancelled); the client's stream comes from decode, the prefill answer is drained.
-- Any prefill-leg failure falls back to decode-only on the decode pool (the engine prefills
-  itself), with the reason logged and on the span.
+  is cancelled and its connection closed); the client's stream comes from decode, the prefill
+  answer is drained.
+- Any prefill-leg failure (an error, a stall past the first-byte timeout, no KV params) falls
+  back to decode-only on the decode pool (the engine prefills itself), with the reason logged
+  and on the span (`warmroute.pd.fallback`).
 
-Spans: each leg is a CLIENT span of the request (`warmroute.pd.leg` prefill | decode) and
-the KV-transfer wait is an INTERNAL span `kv_transfer`: from the moment the decode engine may
-start pulling the KV (the prefill answer for vLLM, the decode leg sent for SGLang) to the
-decode leg's first output byte.
+The decider's window sees what each engine really did: the prefill leg opens its long-prefill
+interval on the prefill engine, the decode leg counts no prefill on the decode engine (its KV
+came over the link), a decode-only fallback counts the whole prompt there.
+
+Spans: each leg is a CLIENT span of the request (`warmroute.pd.leg`: prefill, decode, or
+decode_only for a fallback) and the KV-transfer wait is an INTERNAL span `kv_transfer`: from
+the moment the decode engine may start pulling the KV (the prefill answer for vLLM, the decode
+leg sent for SGLang) to the decode leg's first output byte.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -55,15 +66,23 @@ if TYPE_CHECKING:
     from proxy.backends import Backend
     from proxy.meter import StreamFacts
     from proxy.ports import Fleet, UpstreamResponseLike
+    from proxy.routing.types import BackendView
     from proxy.state import RequestRouting
     from proxy.telemetry import RequestRecord
+    from proxy.telemetry.record import AttemptRecord
 
 Message = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]
+Result = tuple[str, "StreamFacts | None"] | None
 
 log = logging.getLogger("warmroute.disagg")
 
 PREFILL_ANSWER_LIMIT = 1 << 20  # a one-token answer; more is not a prefill leg's
+# SGLang: once the decode leg has streamed, its engine had the KV, so the prefill answer is
+# due; a prefill engine that still has not answered by then is not waited for longer.
+PREFILL_DRAIN_S = 5.0
+# The reason plugins/role_filter.py gives for a P/D-role backend it keeps from whole requests.
+ROLE_DROPPED = "role "
 
 
 class Legs(Protocol):
@@ -103,44 +122,63 @@ class PdFlows:
         steering: RequestRouting,
         chars_per_token: float = 4.0,
         rng: random.Random | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.ctl = controller
         self.fleet = fleet
         self.steering = steering
         self.chars_per_token = chars_per_token
         self.rng = rng or random.SystemRandom()
+        self.clock = clock  # the request path's clock (Exchange.t0, StreamFacts times)
         self.counts: dict[str, int] = {}  # plans and fallbacks, for /admin/disagg
-        self._uncached: dict[str, int] = {}  # request id -> uncached tokens, while open
-        self._due = 0.0  # when the decider looks next (perf_counter)
+        self._leg: dict[str, str] = {}  # request id -> warmroute.pd.leg of its next attempts
+        self._prefilled: dict[str, int] = {}  # request id -> tokens its prefill leg computed
+        self._due = 0.0  # when the decider looks next (self.clock)
 
     # -- the window the decider judges from ----------------------------------------------
     def states(self) -> list[BackendState]:
         return [
-            BackendState(v.name, v.role, v.healthy, v.inflight, flow_for(v.engine))
+            BackendState(v.name, v.role, _up(v), v.inflight, flow_for(v.engine))
             for v in self.steering.views()
         ]
 
-    def started(self, ex: Exchange, backend: str, now: float) -> None:
-        self.ctl.started(ex.request_id, backend, now, self._uncached.get(ex.request_id, 0))
+    def started(
+        self, ex: Exchange, backend: str, now: float, attempt: AttemptRecord | None = None
+    ) -> None:
+        """An attempt is about to be sent (the forwarder's hook): tag its span with its leg and
+        tell the window what this engine has to prefill (nothing, when its KV comes over)."""
+        rid = ex.request_id
+        leg = self._leg.get(rid)
+        if leg is not None and attempt is not None:
+            attempt.set_attribute("warmroute.pd.leg", leg)
+        uncached = 0 if leg == "decode" else self._uncached_on(ex, backend)
+        self.ctl.started(rid, backend, now, uncached)
 
     def finished(self, ex: Exchange, backend: str, facts: StreamFacts | None) -> None:
-        uncached = self._uncached.pop(ex.request_id, 0)
-        now = time.perf_counter()
+        rid = ex.request_id
+        self._leg.pop(rid, None)
+        prefilled = self._prefilled.pop(rid, None)
+        now = self.clock()
         ok = facts is not None and facts.error is None and not facts.cancelled
         if facts is not None and facts.first_output_at is not None:
-            self.ctl.first_token(ex.request_id, facts.first_output_at)
+            self.ctl.first_token(rid, facts.first_output_at)
         q = itl_quantiles(facts.itl_s) if facts is not None and facts.itl_s else None
         prompt = (facts.input_tokens if facts else None) or self._prompt_tokens(ex)
-        cached = (facts.cached_tokens if facts else None) or 0
+        if prefilled is not None:
+            # The decode engine reports the transferred KV as cached: the prompt's prefill
+            # demand is what the prefill leg computed.
+            uncached = prefilled
+        elif facts is not None and facts.input_tokens:
+            uncached = max(0, facts.input_tokens - (facts.cached_tokens or 0))
+        else:
+            uncached = self._uncached_on(ex, backend)
         self.ctl.finished(
             RequestFacts(
-                request_id=ex.request_id,
+                request_id=rid,
                 backend=backend,
                 arrival=ex.t0,
                 prompt_tokens=prompt,
-                uncached_tokens=max(0, prompt - cached)
-                if facts and facts.input_tokens
-                else uncached,
+                uncached_tokens=uncached,
                 output_tokens=(facts.output_tokens or 0) if facts else 0,
                 finished_at=now,
                 first_token_at=facts.first_output_at if facts else None,
@@ -166,9 +204,11 @@ class PdFlows:
             self.chars_per_token,
         )
 
-    # -- one request ---------------------------------------------------------------------
-    def evaluate(self, now: float) -> None:
-        """Let the decider look at its window, at most every disagg.evaluate_s."""
+    # -- the decider ---------------------------------------------------------------------
+    def evaluate(self, now: float | None = None) -> None:
+        """Let the decider look at its window, at most every disagg.evaluate_s; called per
+        request and on every read of its state, so an idle proxy reports the window now."""
+        now = self.clock() if now is None else now
         if now < self._due:
             return
         self._due = now + self.ctl.cfg.evaluate_s
@@ -176,11 +216,29 @@ class PdFlows:
         if decision is not None and decision.changed:
             log.info("disaggregation %s: %s", "on" if decision.active else "off", decision.reason)
 
+    def gauges(self) -> tuple[bool, dict[str, float]]:
+        """(active, the decider's numeric inputs) for warmroute.disagg.* metrics."""
+        self.evaluate()
+        d = self.ctl.decider
+        inputs = d.last.inputs() if d.last else {}
+        return d.active, {
+            k: float(v)
+            for k, v in inputs.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+
+    def state(self) -> dict[str, Any]:
+        """GET /admin/disagg."""
+        self.evaluate()
+        out = self.ctl.state()
+        out["requests"] = dict(self.counts)
+        return out
+
+    # -- one request ---------------------------------------------------------------------
     def plan(self, ex: Exchange, ranking: Sequence[str]) -> RequestPlan:
-        self.evaluate(time.perf_counter())
+        self.evaluate()
         winner = ranking[0] if ranking else ""
         uncached = self._uncached_on(ex, winner)
-        self._uncached[ex.request_id] = uncached
         return self.ctl.plan(ex.body, self._prompt_tokens(ex), uncached, self.states())
 
     async def forward(
@@ -193,18 +251,60 @@ class PdFlows:
     ) -> None:
         plan = self.plan(ex, ranking)
         self._count(f"{plan.legs}:{plan.request_class}")
-        in_pool = _in_order(ranking, plan.candidates) if plan.candidates else list(ranking)
-        result: tuple[str, StreamFacts | None] | None = None
-        if plan.legs == "two" and plan.flow is not None:
-            result = await self._two_legs(legs, ex, ranking, plan, record, send)
-        else:
-            if plan.candidates:
-                record.set_attribute("warmroute.pd.pool", plan.request_class)
-            result = await legs.attempts(ex, in_pool, in_pool[0], record, send)
-        if result is not None:
-            self.finished(ex, result[0], result[1])
-        else:
-            self._uncached.pop(ex.request_id, None)
+        result: Result = None
+        try:
+            if plan.legs == "two" and plan.flow is not None:
+                result = await self._two_legs(legs, ex, ranking, plan, record, send)
+            else:
+                pool = self._pool(ex, ranking, plan.candidates) if plan.candidates else []
+                pool = await self._ordered(ex, pool, ranking)
+                if plan.candidates and not pool:
+                    self._count("pool_unavailable")  # every member filtered out: as routed
+                if pool:
+                    record.set_attribute("warmroute.pd.pool", plan.request_class)
+                # Retries stay in the pool, then the rest of the router's ranking.
+                order = pool + [n for n in ranking if n not in pool]
+                result = await legs.attempts(ex, order, order[0], record, send)
+            if result is not None:
+                self.finished(ex, result[0], result[1])
+        finally:
+            self._leg.pop(ex.request_id, None)
+            self._prefilled.pop(ex.request_id, None)
+
+    def _pool(self, ex: Exchange, ranking: Sequence[str], pool: Sequence[str]) -> list[str]:
+        """The pool's backends the router ranked, in its order; then its P/D-role backends
+        that only the role filter set aside, when they can serve this request."""
+        members = set(pool)
+        out = [n for n in ranking if n in members]
+        dropped = ex.decision.filtered_out if ex.decision is not None else {}
+        aside = [n for n in pool if n not in out and dropped.get(n, "").startswith(ROLE_DROPPED)]
+        if aside:
+            model = str(ex.body.get("model", ""))
+            views = {v.name: v for v in self.steering.views()}
+            out += [n for n in aside if (v := views.get(n)) is not None and _can_serve(v, model)]
+        return out
+
+    async def _ordered(self, ex: Exchange, names: list[str], ranking: Sequence[str]) -> list[str]:
+        """A pool's backends in the order to try them: the router's winner first when it is
+        one of them (it weighed prefix and load); otherwise the one holding the most of the
+        prompt (prefix affinity inside the pool), ties in the router's order, then by load.
+        Backends the router did not rank (set aside by the role filter before its index
+        lookup) are looked up now."""
+        if not names or (ranking and names[0] == ranking[0]):
+            return names
+        ctx = ex.ctx
+        ranked = {n: i for i, n in enumerate(ranking)}
+        unranked = [n for n in names if n not in ranked]
+        index = self.steering.router.index
+        if unranked and ctx is not None and ctx.prefix_blocks and index is not None:
+            found = await index.lookup(ctx.prefix_blocks, unranked)
+            ctx.matched_blocks = {**ctx.matched_blocks, **found}
+        matched = ctx.matched_blocks if ctx is not None else {}
+        inflight = {v.name: v.inflight for v in self.steering.views()}
+        return sorted(
+            names,
+            key=lambda n: (-matched.get(n, 0), ranked.get(n, len(ranked)), inflight.get(n, 0)),
+        )
 
     async def _two_legs(
         self,
@@ -214,8 +314,11 @@ class PdFlows:
         plan: RequestPlan,
         record: RequestRecord,
         send: Send,
-    ) -> tuple[str, StreamFacts | None] | None:
-        decode_pool = _in_order(ranking, plan.candidates)
+    ) -> Result:
+        decode_pool = self._pool(ex, ranking, plan.candidates)
+        if not decode_pool:
+            self._count("pool_unavailable")
+            return await legs.attempts(ex, list(ranking), ranking[0], record, send)
         decode = self._least_loaded(decode_pool)
         # The per-request threshold is judged on the decode backend: what it would prefill.
         uncached = self._uncached_on(ex, decode)
@@ -223,7 +326,12 @@ class PdFlows:
             self._count("short_on_decode")
             record.set_attribute("warmroute.pd.pool", "decode")
             return await legs.attempts(ex, _first(decode_pool, decode), decode, record, send)
-        prefill_pool = _in_order(ranking, plan.prefill_candidates)  # prefix affinity first
+        prefill_pool = self._pool(ex, ranking, plan.prefill_candidates)
+        if not prefill_pool:
+            self._count("no_prefill_backend")
+            why = "no backend of the prefill pool can serve it"
+            return await self._fallback(legs, ex, why, decode, decode_pool, record, send)
+        prefill_pool = await self._ordered(ex, prefill_pool, ranking)
         prefill = prefill_pool[0]
         record.set_attribute("warmroute.pd.flow", plan.flow or "")
         if plan.flow == "vllm":
@@ -239,7 +347,7 @@ class PdFlows:
         decode_pool: list[str],
         record: RequestRecord,
         send: Send,
-    ) -> tuple[str, StreamFacts | None] | None:
+    ) -> Result:
         body = orjson.dumps(vllm_prefill_body(ex.body))
         params: dict[str, Any] | None = None
         try:
@@ -252,7 +360,10 @@ class PdFlows:
                     "protocol",
                 )
         except Retry as r:
-            return await self._fallback(legs, ex, prefill, r, decode, decode_pool, record, send)
+            self._count("prefill_failed")
+            why = f"prefill leg on {prefill} failed ({r.reason})"
+            return await self._fallback(legs, ex, why, decode, decode_pool, record, send)
+        self._prefilled[ex.request_id] = _prefilled(answer, self._uncached_on(ex, prefill))
         t_ready = time.time_ns()
         raw = orjson.dumps(vllm_decode_body(ex.body, params))
         return await self._decode_leg(legs, ex, decode, decode_pool, raw, t_ready, record, send)
@@ -266,13 +377,14 @@ class PdFlows:
         decode_pool: list[str],
         record: RequestRecord,
         send: Send,
-    ) -> tuple[str, StreamFacts | None] | None:
+    ) -> Result:
         pb = self.fleet[prefill]
         body = sglang_body(ex.body, bootstrap_host(pb.url), pb.cfg.bootstrap_port, self.rng)
         raw = orjson.dumps(body)
         log.debug("request %s: SGLang rooms %s via %s", ex.request_id, rooms_of(body), prefill)
+        self._prefilled[ex.request_id] = self._uncached_on(ex, prefill)
         failure: list[Retry] = []
-        result: tuple[str, StreamFacts | None] | None = None
+        result: Result = None
         decode_scope = anyio.CancelScope()
         prefill_done = anyio.Event()
 
@@ -293,16 +405,18 @@ class PdFlows:
                 result = await self._decode_leg(
                     legs, ex, decode, decode_pool, raw, t_ready, record, send, fallback=False
                 )
-            # The decode engine has its KV (or failed); the prefill answer is only drained.
-            with anyio.move_on_after(5):
-                await prefill_done.wait()
-            tg.cancel_scope.cancel()
-        if decode_scope.cancelled_caught or (
-            result is None and failure and not ex.started_response
-        ):
-            r = failure[0] if failure else Retry("cancelled", "pd_cancelled", "protocol")
-            return await self._fallback(legs, ex, prefill, r, decode, decode_pool, record, send)
-        return result
+            if result is not None and not ex.client_gone:
+                # The decode engine had its KV; the prefill answer is only drained.
+                with anyio.move_on_after(PREFILL_DRAIN_S):
+                    await prefill_done.wait()
+            tg.cancel_scope.cancel()  # the client left, or decode failed: close the prefill
+        if result is not None or ex.client_gone or ex.started_response:
+            return result
+        if failure:
+            self._count("prefill_failed")
+            why = f"prefill leg on {prefill} failed ({failure[0].reason})"
+            return await self._fallback(legs, ex, why, decode, decode_pool, record, send)
+        return await self._decode_only(legs, ex, decode, decode_pool, record, send)
 
     async def _prefill_leg(
         self, legs: Legs, ex: Exchange, name: str, body: bytes, record: RequestRecord
@@ -318,9 +432,8 @@ class PdFlows:
         ex.attempts.append(name)
         self.fleet.mark_attempt(backend)
         self.steering.inflight(name, +1)
-        self.ctl.started(
-            ex.request_id + "/prefill", name, time.perf_counter(), self._uncached_on(ex, name)
-        )
+        key = ex.request_id + "/prefill"
+        self.ctl.prefill_started(key, name, self.clock(), self._uncached_on(ex, name))
         try:
             upstream = await legs.open_leg(ex, backend, body, headers)
             try:
@@ -330,7 +443,7 @@ class PdFlows:
             except (TimeoutError, OSError, ValueError) as e:
                 raise Retry(f"its answer broke off: {describe(e)}", "body_error", "protocol") from e
             finally:
-                upstream.release()
+                upstream.release()  # an answer not read to its end closes the connection
             try:
                 answer = orjson.loads(payload) if payload[:1] in (b"{", b"[") else None
             except orjson.JSONDecodeError:
@@ -348,7 +461,7 @@ class PdFlows:
             self.fleet.mark_failure(backend, other.reason, kind=other.kind)
             raise other from e
         finally:
-            self.ctl.first_token(ex.request_id + "/prefill", time.perf_counter())
+            self.ctl.prefill_ended(key, self.clock())
             self.steering.inflight(name, -1)
 
     async def _decode_leg(
@@ -362,44 +475,64 @@ class PdFlows:
         record: RequestRecord,
         send: Send,
         fallback: bool = True,
-    ) -> tuple[str, StreamFacts | None] | None:
+    ) -> Result:
         """The decode leg streams to the client; a failure before its first byte retries on
         the decode pool as decode-only (the KV it was to receive belongs to that engine)."""
-        result = await legs.attempts(ex, [decode], decode, record, send, raw, final=False)
+        self._leg[ex.request_id] = "decode"
+        try:
+            result = await legs.attempts(ex, [decode], decode, record, send, raw, final=False)
+        finally:
+            self._leg.pop(ex.request_id, None)
         if result is not None:
             facts = result[1]
             if facts is not None and facts.first_output_at is not None:
-                first_ns = time.time_ns() - int((time.perf_counter() - facts.first_output_at) * 1e9)
+                ago_ns = int((self.clock() - facts.first_output_at) * 1e9)
                 record.interval(
                     "kv_transfer",
                     t_ready_ns,
-                    max(t_ready_ns, first_ns),
+                    max(t_ready_ns, time.time_ns() - ago_ns),
                     {"warmroute.pd.decode_backend": decode},
                 )
             return result
         if not fallback or ex.client_gone or ex.started_response:
             return None
+        return await self._decode_only(legs, ex, decode, decode_pool, record, send)
+
+    async def _decode_only(
+        self,
+        legs: Legs,
+        ex: Exchange,
+        failed: str,
+        decode_pool: list[str],
+        record: RequestRecord,
+        send: Send,
+    ) -> Result:
+        """The decode leg failed before its first byte: the request whole, on the rest of the
+        decode pool first (its KV, if any, is lost)."""
         self._count("decode_leg_failed")
-        rest = [n for n in decode_pool if n != decode] or decode_pool
+        self._prefilled.pop(ex.request_id, None)
+        rest = [n for n in decode_pool if n != failed] or decode_pool
+        self._leg[ex.request_id] = "decode_only"
         return await legs.attempts(ex, rest, rest[0], record, send)
 
     async def _fallback(
         self,
         legs: Legs,
         ex: Exchange,
-        prefill: str,
-        r: Retry,
+        why: str,
         decode: str,
         decode_pool: list[str],
         record: RequestRecord,
         send: Send,
-    ) -> tuple[str, StreamFacts | None] | None:
-        self._count("prefill_failed")
-        why = f"prefill leg on {prefill} failed ({r.reason}); decode-only on {decode}"
-        log.warning("request %s: %s", ex.request_id, why)
+    ) -> Result:
+        """No KV to decode from: the request whole on the decode backend, which prefills it."""
+        self._prefilled.pop(ex.request_id, None)
+        why = f"{why}; decode-only on {decode}"
         record.set_attribute("warmroute.pd.fallback", why)
         if ex.client_gone:
             return None
+        log.warning("request %s: %s", ex.request_id, why)
+        self._leg[ex.request_id] = "decode_only"
         return await legs.attempts(ex, _first(decode_pool, decode), decode, record, send)
 
     def _least_loaded(self, names: list[str]) -> str:
@@ -409,27 +542,28 @@ class PdFlows:
     def _count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
 
-    def gauges(self) -> tuple[bool, dict[str, float]]:
-        """(active, the decider's numeric inputs) for warmroute.disagg.* metrics."""
-        d = self.ctl.decider
-        inputs = d.last.inputs() if d.last else {}
-        return d.active, {
-            k: float(v)
-            for k, v in inputs.items()
-            if isinstance(v, int | float) and not isinstance(v, bool)
-        }
 
-    def state(self) -> dict[str, Any]:
-        out = self.ctl.state()
-        out["requests"] = dict(self.counts)
-        return out
+def _up(view: BackendView) -> bool:
+    """Whether a backend counts for the pools: passing health checks, not ejected (both in
+    `healthy`) and serving some model. An in-flight bound is left out on purpose: it comes and
+    goes per request, and pools that followed it would move engines (and their caches)."""
+    return view.healthy and (view.models is None or bool(view.models))
 
 
-def _in_order(ranking: Sequence[str], pool: Sequence[str]) -> list[str]:
-    """The pool's backends in the router's order (prefix affinity first), then the rest."""
-    members = set(pool)
-    ordered = [n for n in ranking if n in members]
-    return ordered + [n for n in pool if n not in ordered]
+def _can_serve(view: BackendView, model: str) -> bool:
+    """What the router's model and health filters would say of a backend for this request."""
+    full = view.max_inflight is not None and view.inflight >= view.max_inflight
+    return view.healthy and view.serves(model) and not full
+
+
+def _prefilled(answer: Any, predicted: int) -> int:
+    """Prompt tokens the prefill leg computed: its usage (prompt - cached), else predicted."""
+    usage = answer.get("usage") if isinstance(answer, Mapping) else None
+    if isinstance(usage, Mapping) and isinstance(usage.get("prompt_tokens"), int):
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+        return max(0, usage["prompt_tokens"] - (cached if isinstance(cached, int) else 0))
+    return predicted
 
 
 def _first(names: list[str], first: str) -> list[str]:
