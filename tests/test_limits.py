@@ -31,13 +31,14 @@ MODEL = "test-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 # Small enough to hit quickly, large enough that a loaded 2-core machine never trips them
 # by accident while the normal client is served.
-LIMITS = {
-    "max_header_bytes": 4096,
-    "max_headers": 16,
+MAX_HEADER_BYTES, MAX_HEADERS, MAX_CONNECTIONS = 4096, 16, 24
+LIMITS: dict[str, float] = {
+    "max_header_bytes": MAX_HEADER_BYTES,
+    "max_headers": MAX_HEADERS,
     "header_timeout_s": 1.5,
     "body_timeout_s": 1.5,
     "keepalive_timeout_s": 1.5,
-    "max_connections": 24,
+    "max_connections": MAX_CONNECTIONS,
 }
 GUARD_S = 15.0  # a socket read that takes this long is a hang: the test fails
 
@@ -199,7 +200,7 @@ def test_an_oversized_request_head_gets_431_even_before_it_is_complete(
     served: Served, baseline: Callable[[], None]
 ) -> None:
     before = served.refused()
-    big = b"x" * (LIMITS["max_header_bytes"] + 1000)
+    big = b"x" * (MAX_HEADER_BYTES + 1000)
     whole = connect(served)
     whole.sendall(b"GET /health HTTP/1.1\r\nhost: proxy\r\nx-big: " + big + b"\r\n\r\n")
     growing = connect(served)  # never finishes its head: refused once it passes the bound
@@ -225,7 +226,7 @@ def test_more_header_fields_than_the_limit_get_431(
         sock.sendall(b"\r\n")
         return read_to_close(sock)
 
-    limit = LIMITS["max_headers"]
+    limit = MAX_HEADERS
     status, _, body = answer(request(limit))  # host + connection + limit: two too many
     assert status == 431 and body["error"]["code"] == "too_many_headers"
     assert f"at most {limit}" in body["error"]["message"]
@@ -304,7 +305,7 @@ def test_idle_connections_are_closed_fresh_or_kept_alive(
 def test_past_max_connections_a_new_connection_gets_503_at_once(
     served: Served, baseline: Callable[[], None]
 ) -> None:
-    cap = LIMITS["max_connections"]
+    cap = MAX_CONNECTIONS
     with httpx.Client(base_url=served.url, timeout=GUARD_S) as normal:
         assert normal.post("/v1/chat/completions", json=CHAT).status_code == 200  # it is open
         _until(lambda: served.client_sockets() == 1)
