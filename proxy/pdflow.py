@@ -236,9 +236,14 @@ class PdFlows:
 
     # -- one request ---------------------------------------------------------------------
     def plan(self, ex: Exchange, ranking: Sequence[str]) -> RequestPlan:
+        """Classified by what the decode pool would have to prefill (its best member): a
+        document cached only in the prefill pool is still a long prefill for a decode engine,
+        so it goes back to the prefill engine that holds it. Without a split: the winner's."""
         self.evaluate()
-        winner = ranking[0] if ranking else ""
-        uncached = self._uncached_on(ex, winner)
+        split = self.ctl.split
+        names = [n for n in ranking if n in split.decode] if split is not None else []
+        names = names or ([] if split is None else list(split.decode)) or list(ranking[:1])
+        uncached = min((self._uncached_on(ex, n) for n in names), default=0)
         return self.ctl.plan(ex.body, self._prompt_tokens(ex), uncached, self.states())
 
     async def forward(

@@ -51,6 +51,9 @@ async def run_virtual_disagg(
     ) -> list[BackendView]:
         backends = states(fleet)
         ctl.evaluate(ctx.now, backends)
+        # As the proxy (proxy/pdflow.py): judged on what the decode pool would prefill.
+        split = ctl.split
+        pool = [v for v in views if split is None or v.name in split.decode] or views
         uncached = min(
             uncached_tokens(
                 ctx.prompt_chars,
@@ -58,7 +61,7 @@ async def run_virtual_disagg(
                 ctx.block_chars,
                 fleet.cfgs[0].chars_per_token,
             )
-            for v in views
+            for v in pool
         )
         prompt = -(-ctx.prompt_chars // fleet.cfgs[0].chars_per_token)
         plan = ctl.plan(ctx.body, prompt, uncached, backends)
