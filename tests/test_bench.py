@@ -299,7 +299,7 @@ SUMMARY_KEYS = {
     "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
     "input_tokens", "output_tokens", "cached_tokens", "prefix_cache_hit_ratio", "goodput",
     "ttft_s", "tpot_s", "itl_s", "e2e_s", "output_chunks", "chunk_throughput", "client_cpu_s",
-    "client_cpu_util", "server_cpu_s", "server_cpu_ms_per_request",
+    "client_cpu_util", "server_cpu_s", "server_cpu_ms_per_request", "by_kind",
 }  # fmt: skip
 DIST_KEYS = {"n", "mean", "p50", "p90", "p99", "max"}
 

@@ -135,6 +135,7 @@ def summarize(run: RunResult, slo: Mapping[str, float] | None = None) -> dict[st
         "tpot_s": distribution(tpots),
         "itl_s": distribution(itl),
         "e2e_s": distribution([r.e2e for r in done if r.e2e is not None]),
+        "by_kind": by_kind(run.requests),
         "output_chunks": sum(r.output_chunks for r in done),
         "chunk_throughput": _rate(sum(r.output_chunks for r in done), dur),
         "client_cpu_s": run.client_cpu_s,
@@ -144,6 +145,26 @@ def summarize(run: RunResult, slo: Mapping[str, float] | None = None) -> dict[st
             None if run.server_cpu_s is None or not done else run.server_cpu_s / len(done) * 1000
         ),
     }
+
+
+def by_kind(requests: Iterable[RequestResult]) -> dict[str, dict[str, Any]]:
+    """TTFT, ITL and E2E per request kind (chat, doc): a mixed workload's pooled ITL hides
+    what the chat streams saw beside the documents' prefills."""
+    kinds: dict[str, list[RequestResult]] = {}
+    for r in requests:
+        kinds.setdefault(r.kind, []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    for kind in sorted(kinds):
+        done = [r for r in kinds[kind] if r.ok]
+        out[kind] = {
+            "requests": len(kinds[kind]),
+            "completed": len(done),
+            "output_tokens": sum(r.output_tokens for r in done),
+            "ttft_s": distribution([r.ttft for r in done if r.ttft is not None]),
+            "itl_s": distribution([g for r in done for g in r.itl]),
+            "e2e_s": distribution([r.e2e for r in done if r.e2e is not None]),
+        }
+    return out
 
 
 def added_latency(proxied: Mapping[str, Any], direct: Mapping[str, Any]) -> dict[str, Any]:

@@ -106,7 +106,7 @@ def _errors(s: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in errs.items()) if errs else "none"
 
 
-def _rows(s: Mapping[str, Any]) -> list[tuple[str, str]]:
+def _rows(s: Mapping[str, Any], kinds: Sequence[str] = ()) -> list[tuple[str, str]]:
     load = (
         f"rate {s['rate']:g}/s" + (f", ≤{s['concurrency']} in flight" if s["concurrency"] else "")
         if s["rate"]
@@ -136,6 +136,12 @@ def _rows(s: Mapping[str, Any]) -> list[tuple[str, str]]:
         d = s[key]
         for stat in ("mean", "p50", "p90", "p99", "max"):
             rows.append((f"{name} {stat} (ms)", _ms(d[stat])))
+    for kind in kinds:  # a mix of request kinds: each kind's own latencies
+        k = s.get("by_kind", {}).get(kind)
+        rows.append((f"{kind}: ok / sent", f"{k['completed']} / {k['requests']}" if k else "-"))
+        for key, name in (("ttft_s", "TTFT"), ("itl_s", "ITL")):
+            for stat in ("p50", "p99"):
+                rows.append((f"{kind}: {name} {stat} (ms)", _ms(k[key][stat]) if k else "-"))
     rows += [
         ("prompt / output tokens", f"{s['input_tokens']} / {s['output_tokens']}"),
         ("prefix cache hit ratio", _pct(s["prefix_cache_hit_ratio"])),
@@ -156,7 +162,8 @@ def format_table(
     summaries = [r if isinstance(r, Mapping) else summarize(r, slo) for r in runs]
     if not summaries:
         return "(no runs)\n"
-    columns = [_rows(s) for s in summaries]
+    kinds = sorted({k for s in summaries for k in s.get("by_kind", {})})
+    columns = [_rows(s, kinds if len(kinds) > 1 else ()) for s in summaries]
     header = ["metric", *(str(s["label"]) for s in summaries)]
     lines = [
         "| " + " | ".join(header) + " |",
