@@ -22,7 +22,7 @@ import plugins
 from proxy.bench.results import RequestResult
 from proxy.bench.workloads import WORKLOADS
 from proxy.sim import presets
-from proxy.stack import Stack, StackError
+from proxy.stack import Stack, StackError, free_ports
 
 EPILOG = """\
 examples:
@@ -337,8 +337,14 @@ def run(args: argparse.Namespace) -> int:
     runs: list[Any] = []
     summaries: list[dict[str, Any]] = []
     excerpt = ""
+    doctor = ""  # the doctor's report on the last policy's run
     if args.virtual:
+        from proxy.doctor import diagnose
+        from proxy.doctor.hardware import declared
+        from proxy.doctor.virtual import VirtualRecorder
+
         for policy in policies:
+            recorder = VirtualRecorder(declared(args.device, sim.params, sim.dtype), policy)
             run, fleet = asyncio.run(
                 run_virtual(
                     workload,
@@ -349,17 +355,21 @@ def run(args: argparse.Namespace) -> int:
                     concurrency=args.concurrency,
                     publish_kv_pool=not args.hide_kv_pool,
                     kv_events=args.kv_events,
+                    on_finish=recorder.finished,
                 )
             )
+            doctor = doctor_text(diagnose(recorder.windows()).as_dict(), policy)
             runs.append(run)
             summaries.append(summarize(run))
             print(f"  {policy}: {format_engine_balance(engine_stats(fleet))}", file=sys.stderr)
-        return _report(args, out, workload, runs, summaries, excerpt)
+        return _report(args, out, workload, runs, summaries, excerpt, doctor)
     try:
         with Stack(log_dir=str(out / "logs")) as stack:
             for n, policy in enumerate(policies):
                 sims = stack.sims(args.engines, sim_args)
-                proxy = stack.proxy(sims, ["--policy", policy])
+                # /admin on a port of its own: the doctor's report is read from there
+                [admin_port] = free_ports(1)
+                proxy = stack.proxy(sims, ["--policy", policy, "--admin-port", str(admin_port)])
                 started = time.monotonic()
                 result = asyncio.run(
                     run_bench(
@@ -383,6 +393,7 @@ def run(args: argparse.Namespace) -> int:
                 last = n == len(policies) - 1
                 if last:
                     excerpt = proxy_metrics_excerpt(proxy)
+                    doctor = fetch_doctor(f"http://127.0.0.1:{admin_port}", policy)
                 if last and args.keep_running:
                     _keep_running(proxy, sims)
                 stack.stop_all()
@@ -394,7 +405,24 @@ def run(args: argparse.Namespace) -> int:
             "\nwarmroute demo: interrupted; every process it started was stopped.", file=sys.stderr
         )
         return 130
-    return _report(args, out, workload, runs, summaries, excerpt)
+    return _report(args, out, workload, runs, summaries, excerpt, doctor)
+
+
+def doctor_text(report: dict[str, Any], policy: str) -> str:
+    """The doctor's report (docs/doctor.md) on one policy's run, as the terminal shows it."""
+    from proxy.doctor.render import render_text, use_color
+
+    return render_text(report, color=use_color(sys.stdout), source=f"the {policy} run")
+
+
+def fetch_doctor(admin_url: str, policy: str) -> str:
+    """GET /admin/doctor from the proxy's admin port, as text (a note if it cannot)."""
+    from proxy.doctor.cli import fetch
+
+    try:
+        return doctor_text(fetch(admin_url, timeout=30), policy)
+    except RuntimeError as e:
+        return f"warmroute doctor: {e}\n"
 
 
 def format_engine_balance(stats: Sequence[dict[str, Any]]) -> str:
@@ -412,6 +440,7 @@ def _report(
     runs: list[Any],
     summaries: list[dict[str, Any]],
     excerpt: str,
+    doctor: str = "",
 ) -> int:
     from proxy.bench import plot_cdfs, results_document, write_json
 
@@ -444,8 +473,13 @@ def _report(
         "  traces   WARMROUTE_TRACES_EXPORTER=otlp OTEL_EXPORTER_OTLP_ENDPOINT="
         "http://127.0.0.1:4318 warmroute serve ...  (Jaeger/Tempo)\n"
         "           or `docker compose up` and open http://127.0.0.1:16686\n"
-        "  rehearse `warmroute demo --keep-running`, then `warmroute bench --base-url ...`"
+        "  rehearse `warmroute demo --keep-running`, then `warmroute bench --base-url ...`\n"
+        "  diagnose `warmroute serve --admin-port 8081 ...`, then "
+        "`warmroute doctor --url http://127.0.0.1:8081`"
     )
+    if doctor:
+        print("\nThe doctor on what just ran (docs/doctor.md):\n")
+        print(doctor, end="")
     return 0
 
 

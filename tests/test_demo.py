@@ -56,6 +56,10 @@ def test_demo_compares_policies_and_cleans_up(tmp_path):
     doc = orjson.loads((out / "results.json").read_bytes())
     assert [run["label"] for run in doc["runs"]] == ["round_robin", "least_inflight"]
     assert (out / "ttft_cdf.png").stat().st_size > 5000
+    # it ends with the doctor's report, read from the last proxy's admin port
+    doctor = r.stdout.split("The doctor on what just ran")[-1]
+    assert "warmroute doctor: the least_inflight run, last 300 s; 2 backend(s)" in doctor
+    assert "TTFT" in doctor and "Where to look next" not in doctor
     # Every proxy it started is gone: nothing listens on their ports any more.
     ports = [int(f.stem.split("-")[1]) for f in (out / "logs").glob("proxy-*.log")]
     assert ports
@@ -80,6 +84,10 @@ def test_virtual_demo_runs_the_multi_turn_benchmark_without_processes(tmp_path):
     assert set(rows) == {"round_robin", "prefix_aware"}
     assert "virtual time" in r.stdout and "oracle" in r.stdout
     assert "mean in-flight per engine" in r.stderr
+    # it ends with the doctor's report on the last policy's run, in the same virtual time
+    doctor = r.stdout.split("The doctor on what just ran")[-1]
+    assert "warmroute doctor: the prefix_aware run; 2 backend(s)" in doctor
+    assert "l40s/8b/bf16" in doctor and "Where to look next" not in doctor
     assert not (out / "logs").exists()  # no child process was started
     doc = orjson.loads((out / "results.json").read_bytes())
     turns = {req["turn"] for run in doc["runs"] for req in run["requests"]}
