@@ -250,7 +250,10 @@ class _Conn(asyncio.Protocol):
 
     # -- httptools callbacks -----------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name, value))
+        # llhttp reports trailers here too, after the body; when the whole response came in
+        # one read they would land in the headers before the response object copies them.
+        if not self._headers_done:
+            self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
