@@ -96,12 +96,7 @@ def fetch(
             "`warmroute serve` running there?"
         ) from None
     if r.status_code == 404:
-        said = _error_message(r.content)
-        raise RuntimeError(
-            f"{base} does not serve /admin/doctor"
-            + (f" ({said})" if said else "")
-            + f": {ENABLE_ADMIN}"
-        )
+        raise RuntimeError(f"{base} does not serve /admin/doctor: {ENABLE_ADMIN}")
     if r.status_code == 401:
         what = "was refused" if token else "needs the admin token"
         raise RuntimeError(
@@ -117,17 +112,6 @@ def fetch(
     if not isinstance(data, dict):
         raise RuntimeError(f"{base}/admin/doctor answered an unexpected document")
     return data
-
-
-def _error_message(body: bytes) -> str:
-    """The message of an OpenAI-style error body, if it is one."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return ""
-    error = data.get("error") if isinstance(data, dict) else None
-    message = error.get("message") if isinstance(error, dict) else None
-    return str(message) if message else ""
 
 
 def run(args: argparse.Namespace) -> int:

@@ -57,7 +57,7 @@ def measurements(m: Measures) -> dict[str, Any]:
         "prefill_tokens_per_s": _r(m.prefill_rate, 1),
         "prompt_tokens_mean": _r(m.input_mean, 1),
         "uncached_tokens_mean": _r(m.uncached_mean, 1),
-        "uncached_tokens_p90": m.uncached_p90,
+        "uncached_tokens_p90": _r(m.uncached_p90, 1),
         "output_tokens_mean": _r(m.output_mean, 1),
         "reported_hit_ratio": _r(c.reported_tokens / c.input_tokens)
         if c.reporting and c.input_tokens
