@@ -374,3 +374,86 @@ def test_admin_on_a_public_serving_port_needs_a_token() -> None:
         flags={"backends": ["http://h:1"], "host": "0.0.0.0", "admin_port": 9901}, env={}
     )
     assert cfg.server.admin_port == 9901 and cfg.server.admin_host == "127.0.0.1"
+
+
+class CountingGets:
+    """An ASGI wrapper that counts the GETs (health checks, discovery, scrapes) its app gets."""
+
+    def __init__(self, app: Any, wanted: int) -> None:
+        self.app = app
+        self.gets = 0
+        self.enough = threading.Event()
+        self.wanted = wanted
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET":
+            self.gets += 1
+            if self.gets >= self.wanted:
+                self.enough.set()
+        await self.app(scope, receive, send)
+
+
+@pytest.mark.e2e
+@pytest.mark.redis
+def test_a_real_serve_process_never_prints_the_credentials_in_its_urls(tmp_path: Any) -> None:
+    from proxy.bench.mock import MockBackend
+    from tests.routing_support import HAVE_REDIS_SERVER, RedisProcess
+    from tests.support import ServerThread
+
+    if not HAVE_REDIS_SERVER:
+        pytest.skip("redis-server binary not installed")
+    redis_server = RedisProcess(tmp_path).start()
+    admin_client = redis_server.client()
+    admin_client.config_set("requirepass", SECRET)  # the proxy gets in only with the password
+    admin_client.close()
+    backend = CountingGets(MockBackend(chunks=3, models=(MODEL,)), wanted=10)
+    up = ServerThread(backend).start()
+    port, admin_port = free_port(), free_port()
+    args = [
+        sys.executable, "-m", "proxy", "serve", "--port", str(port),
+        "--admin-port", str(admin_port), "--log-level", "debug",
+        "--backend", up.url.replace("http://", f"http://user:{SECRET}@"),
+        "--backend", f"http://u:{SECRET}@127.0.0.1:{free_port()}",  # down: its checks fail
+        "--redis", f"redis://:{SECRET}@127.0.0.1:{redis_server.port}/0",
+    ]  # fmt: skip
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "WARMROUTE_HEALTH__INTERVAL_S": "0.1",
+        "WARMROUTE_HEALTH__METRICS_SCRAPE_S": "0.1",
+    }
+    proc = subprocess.Popen(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    seen: list[str] = []
+    try:
+        base, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
+        deadline = time.monotonic() + 30
+        while True:  # another process: nothing to wait on but its answer
+            try:
+                if httpx.get(base + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "serve not ready"
+            time.sleep(0.05)
+        assert backend.enough.wait(30), "the health checks did not run"
+        chat = httpx.post(base + API[0], json=BODIES[API[0]], timeout=10)
+        assert chat.status_code == 200
+        routing = httpx.get(admin + "/admin/routing", timeout=10)
+        assert routing.json()["index"]["mode"] == "redis"  # the password did get it in
+        for path in ("/admin/backends", "/admin/routing", "/ready", "/metrics"):
+            seen.append(httpx.get(admin + path, timeout=10).text)
+    finally:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        up.stop()
+        redis_server.stop()
+    seen += [out, err]
+    assert "listening on" in err and "unhealthy" in err  # its real log, debug lines included
+    assert err.count("\n") > 5
+    for text in seen:
+        assert SECRET not in text, text[:2000]
