@@ -66,3 +66,27 @@ def test_the_link_checker_sees_the_links_it_checks() -> None:
         "b.md",
         "https://x/y",
     ]
+
+
+DOCS_CITE = re.compile(r"\bdocs/([A-Za-z0-9_.-]+\.md)\b")
+
+
+def _cited_docs() -> dict[str, list[str]]:
+    """docs/*.md page -> where a .py file under proxy/ or plugins/ cites it."""
+    cited: dict[str, list[str]] = {}
+    for package in ("proxy", "plugins"):
+        for f in sorted((ROOT / package).rglob("*.py")):
+            for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), start=1):
+                for page in DOCS_CITE.findall(line):
+                    cited.setdefault(page, []).append(f"{f.relative_to(ROOT)}:{n}")
+    return cited
+
+
+def test_every_docs_page_the_code_cites_exists() -> None:
+    cited = _cited_docs()
+    # Guards the scan: the doctor's modules and help cite its page in several places.
+    assert len(cited.get("doctor.md", [])) >= 5 and "physics.md" in cited
+    missing = {page: where for page, where in cited.items() if not (ROOT / "docs" / page).exists()}
+    assert not missing, "the code cites docs pages that do not exist:\n" + "\n".join(
+        f"docs/{page} (cited at {', '.join(where)})" for page, where in sorted(missing.items())
+    )
