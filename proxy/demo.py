@@ -30,6 +30,7 @@ examples:
   warmroute demo --policies round_robin,prefix_aware --requests 400
   warmroute demo --workload multi-turn --engines 3 --device h100
   warmroute demo --keep-running                    # leave the last stack up to explore
+  warmroute demo --scenario disagg                 # prefill/decode split: when and why
   warmroute demo --virtual --workload multi-turn --prefixes 32 --system-chars 16000 \\
       --system-chars-min 4000 --requests 2000 --concurrency 32 --kv-blocks 2000
                                                    # README's simulated-fleet benchmark
@@ -61,10 +62,18 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--policies", help="comma-separated policies (default: all installed)")
-    p.add_argument("--engines", type=_positive, default=4, help="simulated engines (default 4)")
+    p.add_argument(
+        "--scenario",
+        default="policies",
+        choices=("policies", "disagg"),
+        help="policies (default): every routing policy side by side; disagg: prefill/decode "
+        "disaggregation, disagg off vs auto on a fleet that can split (defaults 6 h100 "
+        "engines, 1500 requests at concurrency 48), on 2 engines and at light load, in "
+        "virtual time (docs/disaggregation.md)",
+    )
+    p.add_argument("--engines", type=_positive, help="simulated engines (default 4)")
     p.add_argument(
         "--device",
-        default="l40s",
         choices=list(presets.DEVICES),
         help="simulated GPU preset: memory bandwidth and compute (default l40s)",
     )
@@ -82,12 +91,8 @@ def register(sub: Any) -> None:
         help="request mix (default mixed: shared prompts + long documents; see "
         "`warmroute bench --help` for each)",
     )
-    p.add_argument(
-        "--requests", type=_positive, default=240, help="requests per policy (default 240)"
-    )
-    p.add_argument(
-        "--concurrency", type=_positive, default=16, help="requests in flight (default 16)"
-    )
+    p.add_argument("--requests", type=_positive, help="requests per policy (default 240)")
+    p.add_argument("--concurrency", type=_positive, help="requests in flight (default 16)")
     p.add_argument(
         "--prefixes", type=_positive, default=16, help="distinct system prompts (default 16)"
     )
@@ -274,6 +279,13 @@ def proxy_metrics_excerpt(url: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scenario == "disagg":
+        from proxy.demo_disagg import run_disagg
+
+        return run_disagg(args)
+    # Unset sizes take the policy comparison's defaults (the disagg scenario has its own).
+    args.engines, args.device = args.engines or 4, args.device or "l40s"
+    args.requests, args.concurrency = args.requests or 240, args.concurrency or 16
     from proxy.bench import make_workload, run_bench, summarize
     from proxy.harness.virtual import engine_stats, run_virtual
     from proxy.sim.config import SimConfig

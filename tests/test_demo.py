@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -115,3 +116,37 @@ def test_demo_rejects_bad_arguments_before_starting_anything(tmp_path, args, mes
     )
     assert r.returncode == 2, r.stderr[-1000:]
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_disagg_demo_shows_the_split_helping_and_staying_off_where_it_should(tmp_path):
+    out = tmp_path / "disagg"
+    r = subprocess.run(
+        [sys.executable, "-m", "proxy", "demo", "--scenario", "disagg", "--requests", "500",
+         "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = re.compile(r"[62] engines(, light)? +(off|auto) ")
+    table = [ln for ln in r.stdout.splitlines() if row.match(ln)]
+    assert len(table) == 6
+    assert all(any(n in ln for n in (" 500/500 ", " 250/250 ", " 100/100 ")) for ln in table)
+    big_auto = next(ln for ln in table if ln.startswith("6 engines ") and " auto " in ln)
+    assert "on at " in big_auto and "(2P/4D)" in big_auto
+    small_auto = next(ln for ln in table if ln.startswith("2 engines ") and " auto " in ln)
+    assert small_auto.rstrip().endswith("stays off")
+    # The verdicts: when and why it switched, how much chat ITL recovered, and the small fleet.
+    m = re.search(r"(\d+\.\d)x lower\); throughput (\d+)% of the mixed pool's", r.stdout)
+    assert m and float(m.group(1)) >= 2.0 and int(m.group(2)) >= 90
+    assert re.search(r"6 engines, auto: at \d+\.\d s, on: 6 healthy backends", r.stdout)
+    assert "2 engines, auto: stayed off; last reason: off: 2 healthy backends are too few" in (
+        r.stdout
+    )
+    assert "virtual time" in r.stdout
+    doc = orjson.loads((out / "results.json").read_bytes())
+    assert len(doc["runs"]) == 6
+    switched = [d for d in doc["disagg"] if d["switches"]]
+    assert [d["run"] for d in switched] == ["6 engines, disagg auto"]
+    assert switched[0]["switches"][0]["pools"]["prefill"]

@@ -198,7 +198,13 @@ class Decider:
             self.switched_at = stats.now
             self.inflation_at_switch = stats.interference if active else None
             self.switches.append(
-                {"at": stats.now, "active": active, "reason": reason, "inputs": stats.inputs()}
+                {
+                    "at": stats.now,
+                    "active": active,
+                    "reason": reason,
+                    "pools": split.as_dict() if split is not None else None,
+                    "inputs": stats.inputs(),
+                }
             )
             del self.switches[:-MAX_SWITCHES_KEPT]
         self.active = active

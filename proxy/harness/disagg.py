@@ -4,7 +4,9 @@
 the proxy would hold it: every request is classified from its uncached prompt (the router's
 prefix index, as in the proxy) and its expected output, narrowed to a pool while the split is
 active, and every start, first token and finish feeds the decider's window, which is evaluated
-every `disagg.evaluate_s` of virtual time. The engines stay whole-request engines (no KV
+every `disagg.evaluate_s` of virtual time. In `auto`, requests are routed exactly as with
+disagg off while the split is off (no pools, no dry-run route), so a run that never switches
+is the off run, request for request. The engines stay whole-request engines (no KV
 transfer in virtual time): this measures the pool split.
 """
 
@@ -83,6 +85,10 @@ async def run_virtual_disagg(
     def on_finish(fleet: VirtualFleet, engine: int, r: RequestResult, *_: Any) -> None:
         ctl.finished(facts_of(r))
         ctl.evaluate(fleet.now, states(fleet))
+        if cfg.mode == "auto":
+            # No pools while the split is off: routed exactly as with disagg off (selecting
+            # takes a dry-run route first, which moves the router's placement state).
+            fleet.select = select if ctl.split is not None else None
 
     run, fleet = await run_virtual(
         workload,
@@ -92,7 +98,7 @@ async def run_virtual_disagg(
         requests=requests,
         concurrency=concurrency,
         roles=roles,
-        select=select if cfg.mode != "off" else None,
+        select=select if cfg.mode == "on" else None,
         on_start=on_start,
         on_first_token=on_first,
         on_finish=on_finish,
