@@ -105,14 +105,14 @@ class Edge:
         client = None
         if self.keys:
             client = self._client(scope)
-            if client is None:
-                await _refuse_key(send, scope)
+            if client is None:  # refusals carry the request id, as the endpoint's answers do
+                await _refuse_key(_with_request_id(send, _request_id(scope)), scope)
                 return
         admission = self.admission
         refused = await admission.enter()
         if refused is not None:
             await _error(
-                send,
+                _with_request_id(send, _request_id(scope)),
                 503,
                 f"This proxy is at its limit of {admission.limit} requests in flight and "
                 f"{admission.queue} waiting (server.max_inflight, server.admission_queue); "

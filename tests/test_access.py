@@ -193,6 +193,7 @@ def test_every_api_route_refuses_without_its_key_and_serves_with_it(backend: str
                 assert r.status_code == 401, (path, headers, r.text)
                 assert r.json()["error"]["code"] == "invalid_api_key"
                 assert r.headers["www-authenticate"].startswith("Bearer")
+                assert len(r.headers["x-request-id"]) == 32  # refusals are traceable too
             r = http.post(path, json=BODIES[path], headers={"authorization": f"Bearer {KEY_A}"})
             assert r.status_code == 200, (path, r.text)
         assert http.get("/v1/models").status_code == 401

@@ -224,6 +224,7 @@ def test_past_the_inflight_bound_the_official_client_gets_503_overloaded_with_re
         assert error.response.headers["retry-after"] == "2"  # server.admission_timeout_s
         assert "server.max_inflight" in error.message
         assert set(error.response.json()["error"]) == {"message", "type", "param", "code"}
+        assert len(error.response.headers["x-request-id"]) == 32  # a refusal is traceable too
     metrics = admission_metrics(proxy.url)
     assert (metrics["inflight"], metrics["waiting"]) == (1, 0)
 
@@ -257,6 +258,10 @@ def test_with_no_queue_an_overloaded_proxy_refuses_at_once_and_counts_it(
         r = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
         assert r.headers["retry-after"] == "30"
+    mine = httpx.post(
+        proxy.url + "/v1/chat/completions", json=body, headers={"x-request-id": "r-1"}, timeout=10
+    )
+    assert mine.status_code == 503 and mine.headers["x-request-id"] == "r-1"
     metrics = admission_metrics(proxy.url)
-    assert (metrics["rejected.queue_full"], metrics["inflight"]) == (3, 1)
+    assert (metrics["rejected.queue_full"], metrics["inflight"]) == (4, 1)
     release.set()
