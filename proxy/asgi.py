@@ -1,10 +1,11 @@
 """The raw-ASGI pieces every streaming endpoint in warmroute needs, written once.
 
-The proxy's forwarder, the simulated engine (proxy/sim/server.py), the mock backend
+The proxy's forwarder and edge, the simulated engine (proxy/sim/server.py), the mock backend
 (proxy/bench/mock/) and the tests' servers are raw ASGI callables (docs/architecture.md says
 why): they read a request body within a limit, answer JSON or stream server-sent events, and
-watch for the client leaving. A leaf module: it imports nothing of the proxy, so the simulator
-and the bench may use it and stay on their own.
+watch for the client leaving. The ASGI types are starlette's. A leaf module: of the proxy it
+imports only the SSE framing (proxy/sse.py), so the simulator and the bench may use it and
+stay on their own.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import orjson
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from proxy.sse import SSE_DONE, sse
 
 __all__ = [
     "JSON",
     "SSE",
     "SSE_DONE",
+    "ASGIApp",
     "BodyTooLarge",
     "ClientDisconnected",
     "Headers",
@@ -43,7 +47,6 @@ Headers = Iterable[tuple[bytes, bytes]]
 
 JSON = b"application/json"
 SSE = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 class BodyTooLarge(Exception):
@@ -62,7 +65,11 @@ class ClientDisconnected(Exception):
 # -- request ----------------------------------------------------------------------------------
 def headers_of(scope: Scope) -> dict[str, str]:
     """The request headers by lower-case name (a repeated header: the last one)."""
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    # A loop, not a comprehension: one Python frame fewer per request on the proxy's path.
+    out: dict[str, str] = {}
+    for k, v in scope["headers"]:
+        out[k.decode("latin-1").lower()] = v.decode("latin-1")
+    return out
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -137,12 +144,6 @@ async def respond(
 
 async def send_json(send: Send, status: int, obj: Any, headers: Headers = ()) -> None:
     await respond(send, status, orjson.dumps(obj), JSON, headers)
-
-
-def sse(obj: Any) -> bytes:
-    """One server-sent event: `data: <JSON>` and the blank line (bytes are sent as they are)."""
-    data = obj if isinstance(obj, bytes) else orjson.dumps(obj)
-    return b"data: " + data + b"\n\n"
 
 
 async def start_stream(send: Send, status: int = 200, headers: Headers = SSE) -> None:

@@ -11,7 +11,7 @@ a trailing slash is a 404, never a redirect built from the client's Host header.
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from proxy.access import CLIENT, TENANT, AdminAccess, KeyRing, bearer
 from proxy.admission import Admission
+from proxy.asgi import JSON, ASGIApp, Message, Receive, Scope, Send, respond
 from proxy.errors import error_body
 from proxy.limits import APP_STATE_KEY, Connections, ConnLimits, default_max_connections
 
@@ -30,13 +31,6 @@ if TYPE_CHECKING:
     from proxy.config import ServerConfig
     from proxy.telemetry import Telemetry
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-JSON = b"application/json"
 ADMIN_LISTENER_PATHS = ("/admin/", "/metrics", "/health", "/ready")
 
 
@@ -205,10 +199,7 @@ async def _error(
     type_: str = "invalid_request_error",
     headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
-    body = error_body(message, type_, None, code)
-    head = [(b"content-type", JSON), (b"content-length", str(len(body)).encode()), *(headers or ())]
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": body})
+    await respond(send, status, error_body(message, type_, None, code), JSON, headers or ())
 
 
 async def _refuse_key(send: Send, scope: Scope) -> None:

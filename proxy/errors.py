@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-SSE_DONE = b"data: [DONE]\n\n"
+from proxy.sse import SSE_DONE, sse
 
 
 def error_body(
@@ -20,10 +20,8 @@ def error_body(
 
 def sse_error_event(message: str, type_: str = "server_error", code: str | None = None) -> bytes:
     """A mid-stream error in the shape OpenAI's clients raise on, then a clean end of stream."""
-    event = orjson.dumps(
-        {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    )
-    return b"data: " + event + b"\n\n" + SSE_DONE
+    error = {"message": message, "type": type_, "param": None, "code": code}
+    return sse({"error": error}) + SSE_DONE
 
 
 class RequestError(Exception):

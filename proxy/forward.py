@@ -22,19 +22,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from proxy.asgi import (
+    BodyTooLarge,
+    ClientDisconnected,
+    Receive,
+    Scope,
+    Send,
+    headers_of,
+    read_body,
+    watch_disconnect,
+)
 from proxy.config import Config
 from proxy.errors import RequestError, error_body
 from proxy.exchange import API_PATHS, Exchange
-from proxy.intake import ClientGone, parse, read_body, with_include_usage
+from proxy.intake import parse, too_large, with_include_usage
 from proxy.relay import Relay, internal_error, respond, upstream_headers
 from proxy.retry import RETRYABLE_STATUS, Retry, RetryPolicy, classify
 from proxy.routing.types import RouteContext
@@ -49,11 +59,6 @@ if TYPE_CHECKING:
     from proxy.telemetry import RequestRecord
 
 __all__ = ["API_PATHS", "Forwarding", "ProxyEndpoint", "with_include_usage"]
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger("warmroute.forward")
 # What an attempt can fail with before its response head: all retryable (nothing was sent on).
@@ -89,7 +94,7 @@ class ProxyEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = headers_of(scope)
         request_id = headers.get("x-request-id") or os.urandom(16).hex()  # uuid4().hex: 3x the CPU
         fw = self.fw
         fw.open_requests += 1
@@ -103,12 +108,14 @@ class ProxyEndpoint:
                     ((b"allow", b"POST"),),
                 )
                 return
+            limit = fw.config.server.max_body_bytes
             try:
-                raw = await read_body(headers, receive, fw.config.server.max_body_bytes)
+                raw = await read_body(receive, limit, headers.get("content-length"))
                 ex = parse(self.api, raw, headers, request_id, fw.fleet.may_serve)
-            except ClientGone:
+            except ClientDisconnected:
                 return
-            except RequestError as e:
+            except (RequestError, BodyTooLarge) as exc:
+                e = exc if isinstance(exc, RequestError) else too_large(exc.size, exc.limit)
                 log.info("request %s rejected (%d %s): %s", request_id, e.status, e.code, e.message)
                 await respond(send, e.status, e.body(), request_id)
                 return
@@ -177,7 +184,8 @@ class ProxyEndpoint:
         # an engine must hear of the abort even while it is still queueing or prefilling.
         task = asyncio.current_task()
         assert task is not None
-        watcher = task.get_loop().create_task(_watch_disconnect(receive, ex, task))
+        left = functools.partial(_client_left, ex, task)
+        watcher = task.get_loop().create_task(watch_disconnect(receive, left))
         try:
             if self.pd is None:
                 await self.attempts(ex, decision.ranking, ranking[0], record, send)
@@ -391,17 +399,13 @@ def _keeps_own_usage(backend: Backend) -> bool:
     return backend.cfg.engine == "llamacpp"
 
 
-async def _watch_disconnect(receive: Receive, ex: Exchange, task: asyncio.Task[Any]) -> None:
-    """Wait for http.disconnect; then close the upstream socket so the engine aborts at once."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            ex.client_gone = True
-            if ex.upstream is not None:
-                ex.upstream.close()  # the pending read fails; the forwarder sees client_gone
-            else:
-                task.cancel()  # still connecting or awaiting headers: abandon that await
-            return
+def _client_left(ex: Exchange, task: asyncio.Task[Any]) -> None:
+    """The client's http.disconnect: close the upstream socket so the engine aborts at once."""
+    ex.client_gone = True
+    if ex.upstream is not None:
+        ex.upstream.close()  # the pending read fails; the forwarder sees client_gone
+    else:
+        task.cancel()  # still connecting or awaiting headers: abandon that await
 
 
 async def _read_error_detail(upstream: UpstreamResponseLike) -> str:

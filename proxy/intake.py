@@ -1,10 +1,11 @@
-"""Request intake: the client's body read within its limit, parsed once, validated, and turned
-into an Exchange (what the backend will be sent, and what the client asked for)."""
+"""Request intake: the client's body, read within its limit (proxy.asgi.read_body), parsed
+once, validated, and turned into an Exchange (what the backend will be sent, and what the
+client asked for)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -12,34 +13,6 @@ import orjson
 from proxy.errors import RequestError
 from proxy.exchange import STREAMABLE, Exchange
 from proxy.validate import validate
-
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-
-
-class ClientGone(Exception):
-    """The client disconnected while sending its request."""
-
-
-async def read_body(headers: dict[str, str], receive: Receive, limit: int) -> bytes:
-    """The request body, refusing early (413) what exceeds `limit` bytes."""
-    declared = headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large(int(declared), limit)
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise too_large(size, limit)
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            break
-    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def parse(
@@ -105,6 +78,7 @@ def with_include_usage(raw: bytes, body: dict[str, Any]) -> bytes:
 
 
 def too_large(size: int, limit: int) -> RequestError:
+    """The 413 for a body over server.max_body_bytes (proxy.asgi.BodyTooLarge's numbers)."""
     return RequestError(
         413,
         f"Request body of {size} bytes exceeds this proxy's limit of {limit} "

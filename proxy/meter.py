@@ -2,11 +2,8 @@
 
 The meter never touches a socket or a clock; the forwarding path passes `now` (perf_counter) in.
 It runs once per upstream read on the hot path, so events are classified with byte searches
-wherever the JSON grammar makes that safe, and only the few events that carry facts (the first
+(proxy/jsonscan.py says why they are safe) and only the few events that carry facts (the first
 event, usage, finish reasons, errors) are parsed with orjson.
-
-Why byte searches are safe: inside a JSON string every `"` is escaped as `\\"`, so the bytes
-`"content":` (quote, name, quote, colon) can only be a real object key, never text inside a value.
 """
 
 from __future__ import annotations
@@ -16,16 +13,19 @@ from typing import Any, Literal
 
 import orjson
 
+from proxy.jsonscan import (
+    FINISH,
+    FINISH_NULL,
+    FINISH_STRING,
+    QUOTE,
+    chat_output,
+    nonempty_at,
+    response_type,
+    value_starts,
+)
+from proxy.sse import DONE, data_of
+
 API = Literal["chat", "completions", "responses"]
-
-_WS = b" \t\r\n"
-_QUOTE = 0x22
-_DONE = b"[DONE]"
-_FINISH = b'"finish_reason":'
-_FINISH_NULL = b'"finish_reason":null'
-_FINISH_STRING = b'"finish_reason":"'
-
-# Chat delta keys whose non-empty string value is model output.
 
 
 @dataclass(slots=True)
@@ -55,83 +55,9 @@ class StreamFacts:
     engine_prefill_s: float | None = None  # the engine's own prefill time (llama.cpp timings)
 
 
-def _nonempty_string_at(p: bytes, key: bytes) -> bool:
-    """True if some `key` (e.g. b'"content":') in p has a non-empty string value."""
-    i = p.find(key)
-    n = len(p)
-    while i >= 0:
-        j = i + len(key)
-        while j < n and p[j] in _WS:
-            j += 1
-        if j + 1 < n and p[j] == _QUOTE and p[j + 1] != _QUOTE:
-            return True
-        i = p.find(key, j)
-    return False
-
-
-def _nonempty_list_at(p: bytes, key: bytes) -> bool:
-    i = p.find(key)
-    n = len(p)
-    while i >= 0:
-        j = i + len(key)
-        while j < n and p[j] in _WS:
-            j += 1
-        if j < n and p[j] == 0x5B:  # [
-            j += 1
-            while j < n and p[j] in _WS:
-                j += 1
-            if j < n and p[j] != 0x5D:  # ]
-                return True
-        i = p.find(key, j)
-    return False
-
-
-def _value_starts(p: bytes, key: bytes, first: int) -> bool:
-    """True if some `key` in p is followed (after whitespace) by the byte `first`.
-
-    Searches from the end: the keys it is used for (finish_reason, usage) sit near the end of
-    the chunk in vLLM, SGLang and OpenAI output.
-    """
-    i = p.rfind(key)
-    n = len(p)
-    while i >= 0:
-        j = i + len(key)
-        while j < n and p[j] in _WS:
-            j += 1
-        if j < n and p[j] == first:
-            return True
-        i = p.rfind(key, 0, i)
-    return False
-
-
-def _string_follows(buf: bytes, s: int, e: int) -> bool:
-    """_value_starts(buf[s:e], b'"finish_reason":', _QUOTE) without slicing buf."""
-    key = _FINISH
-    i = buf.rfind(key, s, e)
-    while i >= 0:
-        j = i + 16
-        while j < e and buf[j] in _WS:
-            j += 1
-        if j < e and buf[j] == _QUOTE:
-            return True
-        i = buf.rfind(key, s, i)
-    return False
-
-
-def _chat_output(p: bytes) -> bool:
-    """Does a chat chunk carry output in any choice (spaced JSON, reasoning, tool calls)?"""
-    return (
-        _nonempty_string_at(p, b'"content":')
-        or _nonempty_string_at(p, b'"reasoning_content":')
-        or _nonempty_string_at(p, b'"reasoning":')
-        or _nonempty_string_at(p, b'"refusal":')
-        or _nonempty_list_at(p, b'"tool_calls":')
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # Classification. Kinds: what the meter needs to know about one event.
-OTHER, OUTPUT, USAGE_ONLY, DONE = 0, 1, 2, 3
+OTHER, OUTPUT, USAGE_ONLY, END = 0, 1, 2, 3
 
 
 def _error_type(err: Any) -> str:
@@ -365,10 +291,10 @@ class StreamMeter:
         # `clear` has a finish reason (every finish_reason key before it is null).
         clear = -1
         if self.api == "chat":
-            clear = buf.find(_FINISH_STRING)
+            clear = buf.find(FINISH_STRING)
             if clear < 0:
                 clear = len(buf)
-            if buf.count(_FINISH, 0, clear) != buf.count(_FINISH_NULL, 0, clear):
+            if buf.count(FINISH, 0, clear) != buf.count(FINISH_NULL, 0, clear):
                 clear = -1
         events = chunks = 0
         strip = self.strip_usage
@@ -377,11 +303,13 @@ class StreamMeter:
             if end < 0:
                 break
             if fast and buf.startswith(b"data: ", start, end):
+                # jsonscan.nonempty_at(event, b'"content":') for compact JSON, written out:
+                # a call per event is what this loop cannot afford.
                 i = buf.find(b'"content":"', start + 6, end)
                 if (
                     i >= 0
-                    and buf[i + 11] != _QUOTE
-                    and (end <= clear or not _string_follows(buf, start + 6, end))
+                    and buf[i + 11] != QUOTE
+                    and (end <= clear or not value_starts(buf, FINISH, QUOTE, start + 6, end))
                 ):
                     events += 1
                     chunks += 1
@@ -486,19 +414,18 @@ class StreamMeter:
         elif buf.startswith(b"data:", start, end):
             p = buf[start + 5 : end]
         else:
-            data = self._data_of(buf[start:end])  # event:/id:/comment lines: rare, slow path
+            data = data_of(buf[start:end], self._nl)  # event:/id:/comments: rare, slow path
             if data is None:
                 return OTHER  # comment / keep-alive only
             p = data
         self._events += 1
         if self.api == "chat":
-            i = p.find(b'"content":"')  # compact JSON with a non-empty string: the common case
-            if (i >= 0 and p[i + 11 : i + 12] != b'"') or _chat_output(p):
+            if chat_output(p):
                 kind = self._output_event(p)
             else:
                 kind = self._other_event(p)
         elif self.api == "completions":
-            if _nonempty_string_at(p, b'"text":'):
+            if nonempty_at(p, b'"text":'):
                 kind = self._output_event(p)
             else:
                 kind = self._other_event(p)
@@ -511,19 +438,9 @@ class StreamMeter:
                 self._upstream_first = now
         return kind
 
-    def _data_of(self, ev: bytes) -> bytes | None:
-        """The data field of an event (event:, id:, comment lines skipped; data lines joined)."""
-        parts: list[bytes] = []
-        for line in ev.split(self._nl):
-            if line.startswith(b"data:"):
-                parts.append(line[6:] if line[5:6] == b" " else line[5:])
-        if not parts:
-            return None
-        return parts[0] if len(parts) == 1 else b"\n".join(parts)
-
     def _load(self, p: bytes) -> Any:
         if self._nl in p:  # a multi-line data field: join its lines first
-            p = self._data_of(b"data:" + p) or b""
+            p = data_of(b"data:" + p, self._nl) or b""
         try:
             return orjson.loads(p)
         except orjson.JSONDecodeError:
@@ -536,19 +453,19 @@ class StreamMeter:
         the first event's id/model) makes it worth parsing. Per-chunk usage (vLLM's
         continuous_usage_stats) is superseded by the final usage-only chunk, so it is skipped.
         """
-        if not self._parsed_first or _value_starts(p, b'"finish_reason":', _QUOTE):
+        if not self._parsed_first or value_starts(p, FINISH, QUOTE):
             self._parse_choices_event(p)
         return OUTPUT
 
     def _other_event(self, p: bytes) -> int:
         """Role-only, finish, usage, error, [DONE] and unknown events: rare, checked fully."""
-        if p == _DONE:
+        if p == DONE:
             self._completed = True
-            return DONE
+            return END
         if (
             not self._parsed_first
-            or _value_starts(p, b'"usage":', 0x7B)  # a usage object, not null
-            or _value_starts(p, b'"finish_reason":', _QUOTE)
+            or value_starts(p, b'"usage":', 0x7B)  # a usage object, not null
+            or value_starts(p, FINISH, QUOTE)
             or b'"error"' in p  # an "error" key, or {"object": "error"}
         ):
             return self._parse_choices_event(p)
@@ -580,12 +497,12 @@ class StreamMeter:
 
     def _responses(self, p: bytes) -> int:
         """Responses API events: output deltas counted by byte search, lifecycle events parsed."""
-        if p == _DONE:
+        if p == DONE:
             self._completed = True
-            return DONE
-        typ = _response_type(p)
+            return END
+        typ = response_type(p)
         if typ is not None and typ.endswith(b".delta"):
-            return OUTPUT if _nonempty_string_at(p, b'"delta":') else OTHER
+            return OUTPUT if nonempty_at(p, b'"delta":') else OTHER
         if typ in _RESPONSES_PARSED or (typ is None and b'"error"' in p):
             obj = self._load(p)
             if isinstance(obj, dict):
@@ -597,23 +514,6 @@ class StreamMeter:
 
 _RESPONSES_FINAL = ("response.completed", "response.incomplete", "response.failed")
 _RESPONSES_PARSED = (b"response.created", *(t.encode() for t in _RESPONSES_FINAL), b"error")
-
-
-def _response_type(p: bytes) -> bytes | None:
-    """The top-level type of a Responses API event.
-
-    Nested objects carry "type" keys too (output items, content parts), but never a value
-    starting with "response.", so the first such value is the event's own type.
-    """
-    for key in (b'"type":"response.', b'"type": "response.'):
-        i = p.find(key)
-        if i >= 0:
-            j = i + len(key)
-            k = p.find(b'"', j)
-            return b"response." + p[j:k]
-    if b'"type":"error"' in p or b'"type": "error"' in p:
-        return b"error"
-    return None
 
 
 def _without(data: bytes, cuts: list[tuple[int, int]]) -> bytes:

@@ -13,15 +13,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 
+from proxy import asgi
+from proxy.asgi import Send
 from proxy.errors import error_body, sse_error_event
 from proxy.exchange import Exchange
 from proxy.meter import StreamFacts, StreamMeter, meter_json
 from proxy.retry import Retry, describe
+from proxy.sse import event_boundary
 from proxy.upstream import NOT_FORWARDED_DOWNSTREAM_B, NOT_FORWARDED_UPSTREAM, READ_ERRORS
 
 if TYPE_CHECKING:
@@ -30,12 +32,10 @@ if TYPE_CHECKING:
     from proxy.state import RequestRouting
     from proxy.telemetry import RequestRecord
 
-Message = MutableMapping[str, Any]
-Send = Callable[[Message], Awaitable[None]]
+__all__ = ["Relay", "event_boundary", "internal_error", "respond", "upstream_headers"]
 
 log = logging.getLogger("warmroute.forward")
 
-JSON_HEADERS = [(b"content-type", b"application/json")]
 # Never forwarded upstream besides the hop-by-hop set: credentials meant for the proxy (in
 # any of the usual spellings), and Expect (the proxy has the whole body already).
 NOT_UPSTREAM = NOT_FORWARDED_UPSTREAM | {
@@ -94,18 +94,12 @@ def response_headers(
     return out
 
 
-def event_boundary(data: bytes) -> int:
-    """The length of `data` up to and including its last complete SSE event (0: none)."""
-    best = 0
-    for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-        i = data.rfind(sep)
-        if i >= 0 and i + len(sep) > best:
-            best = i + len(sep)
-    return best
-
-
 class Relay:
-    """Relays one attempt's response; its collaborators are passed in, nothing global."""
+    """Relays one attempt's response; its collaborators are passed in, nothing global.
+
+    The ASGI messages are written out here rather than sent through proxy.asgi's stream
+    helpers: one coroutine frame fewer per write, on the path every chunk takes.
+    """
 
     __slots__ = ("api", "debug_headers", "idle_s", "steering")
 
@@ -293,19 +287,9 @@ async def respond(
     request_id: str,
     extra: tuple[tuple[bytes, bytes], ...] = (),
 ) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                *JSON_HEADERS,
-                (b"content-length", str(len(body)).encode()),
-                (b"x-request-id", request_id.encode("latin-1")),
-                *extra,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    """A JSON answer of the proxy's own (an error) with the request's id."""
+    rid = (b"x-request-id", request_id.encode("latin-1"))
+    await asgi.respond(send, status, body, asgi.JSON, (rid, *extra))
 
 
 def internal_error(e: BaseException) -> bytes:

@@ -13,7 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from proxy.jsonscan import ARRAY, FINISH, QUOTE, nonempty_at, value_starts
 from proxy.meter import API, StreamFacts, StreamMeter, meter_json
+from proxy.sse import data_of
 
 
 def sse(*objs: Any, sep: str = "\n\n", spaced: bool = False, done: bool = True) -> bytes:
@@ -896,3 +898,39 @@ def test_llamacpp_timings_give_prompt_and_cached_tokens_when_no_usage_does() -> 
     )  # fmt: skip
     facts = meter_json("chat", whole, t0=0.0, now=1.0)
     assert facts.input_tokens == 103 and facts.cached_tokens == 64  # usage first, then timings
+
+
+# ---------------------------------------------------------------------------------------------
+# The byte scans the meter classifies with (proxy/jsonscan.py) and the SSE data field.
+
+
+def test_a_key_counts_only_with_a_non_empty_value_of_its_kind() -> None:
+    content, tools = b'"content":', b'"tool_calls":'
+    assert nonempty_at(b'{"content": "x"}', content)
+    assert nonempty_at(b'{"content":" "}', content)  # a space is output too
+    for empty in (b'{"content":""}', b'{"content":null}', b'{"content":[1]}', b'{"content":'):
+        assert not nonempty_at(empty, content), empty
+    # Every occurrence is looked at: an empty first choice does not hide the second.
+    assert nonempty_at(b'[{"content":""},{"content":"a"}]', content)
+    assert nonempty_at(b'{"tool_calls": [ {"index":0} ]}', tools, ARRAY)
+    for empty in (b'{"tool_calls":[ ]}', b'{"tool_calls":"x"}', b'{"tool_calls":null}'):
+        assert not nonempty_at(empty, tools, ARRAY), empty
+
+
+def test_a_value_is_looked_for_only_between_the_bounds_given() -> None:
+    buf = b'{"finish_reason": "stop"}\n\n{"finish_reason":null}'
+    second = buf.index(b"\n\n") + 2
+    assert value_starts(buf, FINISH, QUOTE)
+    assert not value_starts(buf, FINISH, QUOTE, second)
+    assert not value_starts(buf, FINISH, QUOTE, 0, buf.index(b'"stop"'))
+    assert value_starts(buf, FINISH, QUOTE, 0, second)
+    assert value_starts(b'{"usage": {"prompt_tokens":1}}', b'"usage":', 0x7B)
+    assert not value_starts(b'{"usage":null}', b'"usage":', 0x7B)
+
+
+def test_an_events_data_is_its_data_lines_joined_without_other_fields() -> None:
+    assert data_of(b"data: {}") == b"{}" and data_of(b"data:{}") == b"{}"
+    assert data_of(b': ping\nevent: x\nid: 3\ndata: {"a":\ndata: 1}') == b'{"a":\n1}'
+    assert data_of(b"data:  x") == b" x"  # only one space belongs to the framing
+    assert data_of(b": ping") is None and data_of(b"event: x\nretry: 5") is None
+    assert data_of(b"id: 1\r\ndata: [DONE]", b"\r\n") == b"[DONE]"

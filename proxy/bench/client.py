@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from proxy.bench.results import RequestResult, RunResult
 from proxy.bench.workloads import Message, RequestSpec, Workload
+from proxy.sse import data_of
 
 MAX_REQUESTS = 100_000
 # How a run with several targets picks one per request (see _Run.target_for).
@@ -226,7 +227,7 @@ class _Run:
                     buf += raw.replace(b"\r\n", b"\n") if b"\r" in raw else raw
                     while (cut := buf.find(b"\n\n")) >= 0:
                         event, buf = buf[:cut], buf[cut + 2 :]
-                        payload = _sse_data(event)
+                        payload = data_of(event)  # comments, pings, other fields: None
                         if payload is None:
                             continue
                         if payload == b"[DONE]":
@@ -271,14 +272,6 @@ class _Run:
         if r.output_chunks:
             r.e2e = last - start
         return "".join(reply)
-
-
-def _sse_data(event: bytes) -> bytes | None:
-    """The data of one SSE event (comments, pings and other fields ignored)."""
-    lines = [ln[5:].lstrip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
-    if not lines:
-        return None
-    return lines[0] if len(lines) == 1 else b"\n".join(lines)
 
 
 def _absorb(obj: dict[str, Any], r: RequestResult, chat: bool) -> str | None:
