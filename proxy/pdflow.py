@@ -232,6 +232,9 @@ class PdFlows:
         self.evaluate()
         out = self.ctl.state()
         out["requests"] = dict(self.counts)
+        # The clock `switched_at` and each switch's `at` are read on (the process's monotonic
+        # clock): a reader turns them into ages, or wall-clock times, with it.
+        out["now"] = self.clock()
         return out
 
     # -- one request ---------------------------------------------------------------------

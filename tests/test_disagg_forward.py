@@ -287,6 +287,7 @@ async def test_an_idle_proxy_reports_the_decider_on_the_window_now(
         state = pd.state()  # no request came: reading it evaluates the window
     assert state["active"] is True and state["reason"].startswith("on: 4 healthy backends")
     assert state["inputs"]["requests"] > 200
+    assert state["now"] == 30.0 and state["switches"][-1]["at"] == 30.0  # on the same clock
     [line] = [r for r in caplog.records if r.name == "warmroute.disagg"]
     assert line.levelno == logging.INFO
     assert line.getMessage() == f"disaggregation on: {state['reason']}"
