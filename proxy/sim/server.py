@@ -3,6 +3,9 @@
 Raw ASGI rather than Starlette's responses because the streaming path must notice a client
 disconnect at once (to free the sequence's KV in the engine) and must be able to drop a
 connection mid-stream on purpose (fault injection).
+
+Here: routing, the request's checks and its sequences. Its answer is completion.py, the
+prefill/decode legs pd.py, the connection faults faults.py, the error bodies errors.py.
 """
 
 from __future__ import annotations
@@ -13,14 +16,11 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
-import httpx
 import orjson
 import xxhash
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from proxy.asgi import (
     BodyTooLarge,
@@ -28,79 +28,28 @@ from proxy.asgi import (
     Receive,
     Scope,
     Send,
-    end_stream,
     header,
     read_body,
     respond,
     send_json,
     serve_lifespan,
-    sse,
-    start_stream,
-    stream_chunk,
     watch_disconnect,
 )
 from proxy.kvevents.publisher import KvEventPublisher
 from proxy.kvevents.wire import AllBlocksCleared
 from proxy.sim import tokens
+from proxy.sim.completion import Completion, Job
 from proxy.sim.config import SimConfig
-from proxy.sim.engine import Seq, kv_transfer_seconds, make_seq
+from proxy.sim.engine import Seq, make_seq
+from proxy.sim.errors import ERROR_TYPES, HTTPError, StreamCut, error_body
+from proxy.sim.faults import QuietStreamCut, close_idle, protocol_for
+from proxy.sim.pd import Disagg
 from proxy.sim.runner import AsyncEngine, TokenEvent
+
+__all__ = ["ERROR_TYPES", "HTTPError", "SimApp", "StreamCut", "create_sim_app", "error_body"]
 
 MAX_BODY = 32 * 1024 * 1024
 MAX_N = 128
-ROOM_TTL_S = 120.0
-log = logging.getLogger("warmroute.sim")
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-
-
-class StreamCut(Exception):
-    """Raised on purpose after the response started: the server drops the connection."""
-
-
-ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    405: "MethodNotAllowed",
-    413: "RequestEntityTooLarge",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
-
-def error_body(status: int, message: str, param: str | None = None) -> bytes:
-    err: dict[str, Any] = {"message": message, "type": ERROR_TYPES.get(status, "Error")}
-    err.update(param=param, code=status)
-    return orjson.dumps({"error": err})
-
-
-class _QuietStreamCut(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, StreamCut)
-
-
-@dataclass
-class _Room:
-    """SGLang-style bootstrap room: a decode leg waits here for its prefill leg."""
-
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    prompt_tokens: int = 0
-    created: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Job:
-    """One prompt of a request and the parameters of its sequences."""
-
-    prompt_ids: list[int]
-    seqs: list[Seq] = field(default_factory=list)
 
 
 class SimApp:
@@ -115,11 +64,10 @@ class SimApp:
         )
         self.refuse_until = 0.0
         self.protocols: set[Any] = set()
-        self.rooms: dict[str, _Room] = {}
+        self.pd = Disagg(cfg)
         self.created = int(time.time())
         self._ids = itertools.count()
-        self._client: httpx.AsyncClient | None = None
-        self._log_filter = _QuietStreamCut()
+        self._log_filter = QuietStreamCut()
         self._protocol_class: type[asyncio.Protocol] | None = None
 
     # --- ASGI -------------------------------------------------------------------------
@@ -163,15 +111,13 @@ class SimApp:
         if publisher is not None:
             await publisher.close()
         logging.getLogger("uvicorn.error").removeFilter(self._log_filter)
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self.pd.close()
 
-    # --- connection refusal (needs the protocol below) --------------------------------
+    # --- connection refusal (the protocol: proxy/sim/faults.py) -----------------------
     def http_protocol(self) -> type[asyncio.Protocol]:
         """A uvicorn HTTP protocol class that can abort new connections (refuse fault)."""
         if self._protocol_class is None:
-            self._protocol_class = _protocol_for(self)
+            self._protocol_class = protocol_for(self)
         return self._protocol_class
 
     def uvicorn_kwargs(self) -> dict[str, Any]:
@@ -183,12 +129,6 @@ class SimApp:
             return True
         rate = self.cfg.faults.refuse_rate
         return rate > 0 and self.rng.random() < rate
-
-    def _close_idle_connections(self) -> None:
-        for proto in list(self.protocols):
-            cycle = getattr(proto, "cycle", None)
-            if cycle is None or cycle.response_complete:
-                proto.transport.close()
 
     # --- routing ----------------------------------------------------------------------
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -225,7 +165,7 @@ class SimApp:
             pool = self.engine.scheduler.pool
             await send_json(send, 200, {"block_size": pool.block_size, "hashes": list(pool.cached)})
         elif path.startswith("/sim/bootstrap/"):
-            await self._bootstrap_wait(path.rsplit("/", 1)[1], scope, send)
+            await send_json(send, 200, await self.pd.wait(path.rsplit("/", 1)[1]))
         else:
             raise HTTPError(404, f"no route for {method} {path}")
 
@@ -281,7 +221,7 @@ class SimApp:
         await send_json(send, 200, asdict(self.cfg.faults))
         if refuse_for:
             # Keep-alive connections would bypass the accept-time check.
-            self._close_idle_connections()
+            close_idle(self.protocols)
 
     # --- completions ------------------------------------------------------------------
     async def _completion(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
@@ -347,30 +287,16 @@ class SimApp:
             )
 
         # Prefill/decode disaggregation: which leg is this, if any?
-        kvp = body.get("kv_transfer_params")
-        if kvp is not None and not isinstance(kvp, dict):
-            raise HTTPError(400, "kv_transfer_params must be an object", "kv_transfer_params")
-        rooms = _rooms(body.get("bootstrap_room"))
-        # --pd: which engine's flow this sim speaks (default both); the other one's fields
-        # are ignored, as a real engine ignores what it does not know.
-        vllm_pd, sglang_pd = self.cfg.pd in ("both", "vllm"), self.cfg.pd in ("both", "sglang")
-        prefill_leg = (vllm_pd and bool(kvp and kvp.get("do_remote_decode"))) or (
-            sglang_pd and bool(rooms) and self.cfg.role == "prefill"
-        )
-        external = 0
-        if prefill_leg:
+        leg = await self.pd.leg(body, longest)
+        if leg.prefill:
             max_tokens, ignore_eos, n = 1, True, 1
-        elif vllm_pd and kvp and kvp.get("do_remote_prefill"):
-            blocks = kvp.get("remote_block_ids") or []
-            external = min(longest, len(blocks) * self.cfg.block_size)
-        elif sglang_pd and rooms and self.cfg.role == "decode":
-            external = await self._bootstrap_fetch(body, rooms, longest)
+        external = leg.external
         if external:
-            await self._kv_transfer(prompts[0], external, cache_salt)
+            await self.pd.transfer(self.engine.scheduler.pool, prompts[0], external, cache_salt)
 
         header_id = header(scope, b"x-request-id")
         rid = header_id or uuid.uuid4().hex
-        jobs = [_Job(p) for p in prompts]
+        jobs = [Job(p) for p in prompts]
         events: asyncio.Queue[tuple[int, TokenEvent | None]] = asyncio.Queue()
         seqs: list[tuple[int, Seq]] = []
         for j, job in enumerate(jobs):
@@ -392,7 +318,7 @@ class SimApp:
                 seq.request_id = rid
                 job.seqs.append(seq)
                 seqs.append((j * n + i, seq))
-        ctx = _Request(
+        ctx = Completion(
             app=self,
             chat=chat,
             rid=("chatcmpl-" if chat else "cmpl-") + rid,
@@ -418,12 +344,14 @@ class SimApp:
         watcher = asyncio.create_task(watch_disconnect(receive, ctx.client_gone))
         try:
             if stream:
-                await ctx.stream(send, on_done=self._prefilled(rooms) if prefill_leg else None)
+                await ctx.stream(
+                    send, on_done=self.pd.prefilled(leg.rooms) if leg.prefill else None
+                )
             else:
                 result = await ctx.collect()
-                if result and prefill_leg:
-                    self._prefilled(rooms)(longest)
-                    result["kv_transfer_params"] = self._kv_params(scope, seqs[0][1])
+                if result and leg.prefill:
+                    self.pd.prefilled(leg.rooms)(longest)
+                    result["kv_transfer_params"] = self.pd.kv_params(scope, seqs[0][1])
                 if result:
                     await send_json(send, 200, result)
         finally:
@@ -455,245 +383,6 @@ class SimApp:
             400, "prompt must be a string, a list of strings or a list of token ids", "prompt"
         )
 
-    # --- prefill/decode ---------------------------------------------------------------
-    def _prefilled(self, rooms: list[str]) -> Callable[[int], None]:
-        """Callback for a finished prefill leg: wake the decode legs waiting on its rooms."""
-
-        def done(prompt_tokens: int) -> None:
-            for room in rooms:
-                r = self._room(room)
-                r.prompt_tokens = prompt_tokens
-                r.event.set()
-
-        return done
-
-    def _kv_params(self, scope: Scope, seq: Seq) -> dict[str, Any]:
-        host, port = scope.get("server") or ("127.0.0.1", 0)
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": list(seq.last_blocks),
-            "remote_engine_id": self.cfg.engine_id,
-            "remote_request_id": seq.request_id,
-            "remote_host": host,
-            "remote_port": port,
-            "tp_size": self.cfg.tensor_parallel_size,
-        }
-
-    async def _kv_transfer(self, prompt: list[int], external: int, salt: int) -> None:
-        """Pay the link time for the part of the prompt this engine does not already hold."""
-        from proxy.sim.kvcache import block_hashes
-
-        bs = self.cfg.block_size
-        hit = self.engine.scheduler.pool.longest_hit(block_hashes(prompt[:external], bs, salt))
-        missing = max(0, external - len(hit) * bs)
-        if missing:
-            await asyncio.sleep(kv_transfer_seconds(self.cfg, missing) / self.scale)
-
-    def _room(self, room: str) -> _Room:
-        now = time.monotonic()
-        for key in [k for k, r in self.rooms.items() if now - r.created > ROOM_TTL_S]:
-            del self.rooms[key]
-        if room not in self.rooms:
-            self.rooms[room] = _Room()
-        return self.rooms[room]
-
-    async def _bootstrap_wait(self, room: str, scope: Scope, send: Send) -> None:
-        """Long poll of a decode engine: answers once the prefill leg of `room` finished."""
-        r = self._room(room)
-        try:
-            await asyncio.wait_for(r.event.wait(), self.cfg.bootstrap_timeout_s)
-        except TimeoutError:
-            raise HTTPError(404, f"bootstrap room {room} never prefilled here") from None
-        self.rooms.pop(room, None)
-        await send_json(
-            send,
-            200,
-            {"room": room, "prompt_tokens": r.prompt_tokens, "engine": self.cfg.engine_id},
-        )
-
-    async def _bootstrap_fetch(
-        self, body: dict[str, Any], rooms: list[str], prompt_tokens: int
-    ) -> int:
-        """Wait for the prefill engine of every room (GET its /sim/bootstrap/{room}); the
-        prompt tokens whose KV arrived (the fewest, for a batch)."""
-        hosts = _per_room(body.get("bootstrap_host"), len(rooms))
-        ports = _per_room(body.get("bootstrap_port"), len(rooms))
-        if not all(hosts) or not all(ports):
-            raise HTTPError(
-                400, "bootstrap_room needs bootstrap_host and bootstrap_port", "bootstrap_host"
-            )
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.cfg.bootstrap_timeout_s + 5)
-        client = self._client
-
-        async def fetch(host: Any, port: Any, room: str) -> int:
-            h = str(host).strip("[]")
-            host_part = f"[{h}]" if ":" in h else h
-            r = await client.get(f"http://{host_part}:{int(port)}/sim/bootstrap/{room}")
-            r.raise_for_status()
-            return int(r.json().get("prompt_tokens", 0))
-
-        try:
-            got = await asyncio.gather(*map(fetch, hosts, ports, rooms))
-        except (httpx.HTTPError, ValueError, TypeError) as e:
-            raise HTTPError(500, f"KV transfer from the prefill engine failed: {e}") from None
-        return min(min(got), prompt_tokens)
-
-
-class _Request:
-    """One completion request's sequences and how their tokens become OpenAI JSON."""
-
-    def __init__(
-        self,
-        app: SimApp,
-        chat: bool,
-        rid: str,
-        jobs: list[_Job],
-        n: int,
-        events: asyncio.Queue[tuple[int, TokenEvent | None]],
-        include_usage: bool,
-        continuous_usage: bool,
-    ) -> None:
-        self.app = app
-        self.chat = chat
-        self.rid = rid
-        self.jobs = jobs
-        self.n = n
-        self.events = events
-        self.include_usage = include_usage
-        self.continuous_usage = continuous_usage
-        self.created = int(time.time())
-        self.model = app.cfg.model
-        self.texts = [""] * (len(jobs) * n)
-        self.finish: list[tuple[str, str | None] | None] = [None] * (len(jobs) * n)
-        self.completion_tokens = 0
-
-    def abort_all(self) -> None:
-        for job in self.jobs:
-            for seq in job.seqs:
-                self.app.engine.abort(seq.seq_id)
-
-    def client_gone(self) -> None:
-        self.abort_all()
-        self.events.put_nowait((-1, None))
-
-    def usage(self) -> dict[str, Any]:
-        prompt = sum(len(j.prompt_ids) for j in self.jobs)
-        cached = 0
-        for job in self.jobs:
-            cached += max(0, job.seqs[0].num_cached)
-        return {
-            "prompt_tokens": prompt,
-            "total_tokens": prompt + self.completion_tokens,
-            "completion_tokens": self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    async def next_event(self) -> tuple[int, TokenEvent] | None:
-        """The next token of any choice; None when the client went away."""
-        index, ev = await self.events.get()
-        return None if ev is None else (index, ev)
-
-    def _record(self, index: int, ev: TokenEvent) -> None:
-        self.completion_tokens += 1
-        self.texts[index] += ev.text
-        if ev.finish_reason is not None:
-            self.finish[index] = (ev.finish_reason, ev.stop_reason)
-
-    async def collect(self) -> dict[str, Any]:
-        while any(f is None for f in self.finish):
-            got = await self.next_event()
-            if got is None:
-                return {}
-            self._record(*got)
-        choices = []
-        for i, text in enumerate(self.texts):
-            reason, stop_reason = self.finish[i] or ("abort", None)
-            if self.chat:
-                choice: dict[str, Any] = {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text, "tool_calls": []},
-                }
-            else:
-                choice = {"index": i, "text": text}
-            choice.update(logprobs=None, finish_reason=reason, stop_reason=stop_reason)
-            choices.append(choice)
-        return {
-            "id": self.rid,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self.usage(),
-            "kv_transfer_params": None,
-        }
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        obj: dict[str, Any] = {
-            "id": self.rid,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if usage is not None:
-            obj["usage"] = usage
-        return sse(obj)
-
-    async def stream(self, send: Send, on_done: Callable[[int], None] | None = None) -> None:
-        app, faults = self.app, self.app.cfg.faults
-        stall = faults.stall_s > 0 and app.rng.random() < faults.stall_rate
-        cut = faults.cut_rate > 0 and app.rng.random() < faults.cut_rate
-        headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-        ]
-        await start_stream(send, 200, headers)
-
-        async def write(data: bytes) -> None:
-            await stream_chunk(send, data)
-
-        if self.chat:
-            for i in range(len(self.texts)):
-                delta = {"role": "assistant", "content": ""}
-                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-                await write(self._chunk([choice], self._usage_if_continuous()))
-        sent = 0
-        while any(f is None for f in self.finish):
-            got = await self.next_event()
-            if got is None:
-                return
-            index, ev = got
-            self._record(index, ev)
-            if not ev.text and ev.finish_reason is None:
-                continue
-            if self.chat:
-                choice = {"index": index, "delta": {"content": ev.text}, "logprobs": None}
-            else:
-                choice = {"index": index, "text": ev.text, "logprobs": None}
-            choice["finish_reason"] = ev.finish_reason
-            if ev.finish_reason is not None or not self.chat:
-                choice["stop_reason"] = ev.stop_reason
-            await write(self._chunk([choice], self._usage_if_continuous()))
-            sent += 1
-            if cut and sent >= faults.cut_after:
-                app.counts["cuts"] += 1
-                self.abort_all()
-                raise StreamCut("injected fault: stream cut")
-            if stall and sent == faults.stall_after:
-                app.counts["stalls"] += 1
-                await asyncio.sleep(faults.stall_s / app.scale)
-        if on_done is not None:
-            on_done(len(self.jobs[0].prompt_ids))
-        if self.include_usage:
-            await write(self._chunk([], self.usage()))
-        await write(b"data: [DONE]\n\n")
-        await end_stream(send)
-
-    def _usage_if_continuous(self) -> dict[str, Any] | None:
-        return self.usage() if self.include_usage and self.continuous_usage else None
-
 
 async def _json_body(receive: Receive) -> Any:
     try:
@@ -708,27 +397,6 @@ async def _json_body(receive: Receive) -> Any:
         raise HTTPError(400, f"invalid JSON body: {e}") from None
 
 
-def _rooms(value: Any) -> list[str]:
-    """SGLang's bootstrap_room: one integer, or one per prompt of a batch."""
-    if value is None:
-        return []
-    items = value if isinstance(value, list) else [value]
-    if not items or not all(isinstance(r, int) and not isinstance(r, bool) for r in items):
-        raise HTTPError(
-            400, "bootstrap_room must be an integer or a list of them", "bootstrap_room"
-        )
-    return [str(r) for r in items]
-
-
-def _per_room(value: Any, rooms: int) -> list[Any]:
-    """A bootstrap field given once for all rooms, or as a list with one entry per room."""
-    if isinstance(value, list):
-        if len(value) != rooms:
-            raise HTTPError(400, "bootstrap fields must have one entry per bootstrap_room")
-        return value
-    return [value] * rooms
-
-
 def _need(method: str, expected: str) -> None:
     if method != expected:
         raise HTTPError(405, f"use {expected}")
@@ -741,32 +409,6 @@ def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise HTTPError(400, f"{key} must be an integer in [{lo}, {hi}]", key)
     return v
-
-
-def _protocol_for(app: SimApp) -> type[asyncio.Protocol]:
-    base: Any = AutoHTTPProtocol
-
-    class SimHTTPProtocol(base):
-        """uvicorn's HTTP protocol, but a refusing engine aborts the connection at accept."""
-
-        _refused = False
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            if app.should_refuse():
-                self._refused = True
-                app.counts["refused"] += 1
-                transport.abort()  # type: ignore[attr-defined]
-                return
-            super().connection_made(transport)
-            app.protocols.add(self)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self._refused:
-                return
-            app.protocols.discard(self)
-            super().connection_lost(exc)
-
-    return SimHTTPProtocol
 
 
 def create_sim_app(cfg: SimConfig) -> SimApp:
