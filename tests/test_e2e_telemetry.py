@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import openai
-import orjson
 import pytest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
@@ -31,10 +30,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from proxy.app import create_app
-from proxy.bench.mock import prompt_tokens
+from proxy.bench.mock import MockBackend, Reply, prompt_tokens
 from proxy.config import Config
 from proxy.telemetry import Telemetry
-from tests.support import ServerThread, serve_lifespan
+from tests.support import ServerThread
 
 pytestmark = pytest.mark.e2e
 
@@ -426,35 +425,6 @@ def test_ttft_itl_usage_and_overhead_match_what_the_client_saw(
 # 3. Failures are recorded as failures
 
 
-class ErrorMidStream:
-    """A backend that streams two tokens, then an OpenAI error event, then [DONE]."""
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            return await serve_lifespan(receive, send)
-        if scope["method"] == "POST":
-            while (await receive()).get("more_body"):
-                pass
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")],
-            }
-        )
-        if scope["method"] != "POST":
-            await send({"type": "http.response.body", "body": b"{}"})
-            return
-        base = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": MODEL}
-        for word in ("one ", "two "):
-            choice = {"index": 0, "delta": {"content": word}, "finish_reason": None}
-            body = b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n"
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-        err = {"error": {"message": "KV cache exhausted", "type": "server_error", "code": 500}}
-        body = b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n"
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
 def test_backend_cut_mid_stream_is_an_error(
     fake_backends: Any, captured: Callable[[dict[str, Any]], Captured]
 ) -> None:
@@ -493,7 +463,10 @@ def test_backend_cut_mid_stream_is_an_error(
 def test_backend_error_event_mid_stream_is_an_error(
     captured: Callable[[dict[str, Any]], Captured],
 ) -> None:
-    with ServerThread(ErrorMidStream()) as backend:
+    # Two tokens, then an OpenAI error event and [DONE], as an engine reports a failure once
+    # it is streaming.
+    errs = MockBackend(model=MODEL, script=lambda _: Reply(chunks=5, error_after=2))
+    with ServerThread(errs) as backend:
         proxy = captured({"backends": [{"url": backend.url, "models": [MODEL]}]})
         oai = client(proxy.url)
         got: list[str] = []
@@ -501,8 +474,8 @@ def test_backend_error_event_mid_stream_is_an_error(
             for chunk in oai.chat.completions.create(
                 **chat("hi"), stream=True, extra_headers={"x-request-id": "err-event"}
             ):
-                got.extend(c.delta.content or "" for c in chunk.choices)
-        assert got == ["one ", "two "]
+                got.extend(c.delta.content for c in chunk.choices if c.delta.content)
+        assert got == ["tok0 ", "tok1 "]
         server, [attempt] = proxy.request_spans("err-event")
     a = attrs_of(server)
     assert_not_success(server)

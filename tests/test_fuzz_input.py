@@ -16,12 +16,13 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from proxy.bench.mock import MockBackend
 from proxy.errors import RequestError
 from proxy.intake import parse
 from proxy.meter import StreamMeter, meter_json
 from proxy.routing.prefix import PrefixHasher
 from proxy.validate import MAX_DEPTH
-from tests.support import ServerThread, serve_lifespan
+from tests.support import ServerThread
 
 MODEL = "test-model"
 APIS = ("chat", "completions", "embeddings", "responses")
@@ -184,30 +185,8 @@ def test_the_meter_takes_any_json_response_without_raising(api: str, value: Any)
 # -- the whole proxy over HTTP -----------------------------------------------------------------
 
 
-async def any_backend(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """A backend that answers every request with a small valid response or stream."""
-    if scope["type"] == "lifespan":
-        return await serve_lifespan(receive, send)
-    if scope["method"] == "GET":
-        body = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-        headers = [(b"content-type", b"application/json")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        return await send({"type": "http.response.body", "body": body})
-    raw = b""
-    while True:
-        message = await receive()
-        raw += message.get("body", b"")
-        if not message.get("more_body"):
-            break
-    chunk = {"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop"}]}
-    if b'"stream":true' in raw.replace(b" ", b""):
-        headers = [(b"content-type", b"text/event-stream")]
-        body = b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
-    else:
-        headers = [(b"content-type", b"application/json")]
-        body = orjson.dumps({"choices": [{"index": 0, "message": {"content": "ok"}}]})
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+# Any request the proxy lets through gets a small valid answer: one chunk, streamed or whole.
+any_backend = MockBackend(chunks=1, model=MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ MockBackend answers chat and text completions (streamed or whole), embeddings, /
            plus /mock/cache to read or resize that cache. Without one, prompts cost nothing
            and nothing is cached.
   script   a function from the request to a Reply: an HTTP error before any byte, a slow
-           start, the first token's delay, the gap between chunks, a dropped connection or a
-           stall mid-stream, the chunk count, the cached tokens. `prompt_directives` reads
-           them from the prompt's text ("fail500 cut:3 chunks:10 ..."), so one server covers
-           many cases.
+           start, the first token's delay, the gap between chunks, a dropped connection, an
+           error event or a stall mid-stream, the chunk count, the cached tokens.
+           `prompt_directives` reads them from the prompt's text ("fail500 cut:3 chunks:10
+           ..."), so one server covers many cases.
   record   a Recorder: every request (path, headers, body) and every client disconnect seen
            before the response ended, for tests to assert on.
 """
@@ -49,6 +49,15 @@ DEFAULT_PREFILL_TOKENS_PER_S = 20_000.0
 # /v1/responses is answered in the text-completion shape: enough for a proxy that forwards
 # bytes, not a model of the Responses API's events.
 COMPLETIONS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+MID_STREAM_ERROR = sse(
+    {
+        "error": {
+            "message": "injected failure: KV cache exhausted",
+            "type": "server_error",
+            "code": 500,
+        }
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +132,7 @@ class Reply:
     first_token_s: float = 0.0  # silence after the role chunk, before the first content
     interval_s: float | None = None  # between content chunks (None: the engine's, or 0)
     cut_after: int | None = None  # drop the connection after this many content chunks
+    error_after: int | None = None  # an OpenAI error event and [DONE] after this many
     stall_after: int | None = None  # send nothing more after this many, until the client left
     cached_fraction: float | None = None  # report this share of the prompt as cached
 
@@ -373,6 +383,10 @@ class _Exchange:
         for i in range(n_out):
             if i == reply.cut_after:
                 raise ConnectionAbortedError("injected fault: connection dropped mid-stream")
+            if i == reply.error_after:  # as an engine reports a failure once streaming
+                await send({"type": "http.response.body", "body": MID_STREAM_ERROR + SSE_DONE})
+                self._done()
+                return
             if i == reply.stall_after:
                 await self.gone.wait()
                 return
