@@ -1,12 +1,16 @@
-"""The layers stay one-way: what sim/ and bench/ load, checked at run time.
+"""The layers stay one-way: what sim/ and bench/ load, checked at run time and statically.
 
 The import contracts (.importlinter, run by `lint-imports` in .ci/run and below) check the
 rules statically; the first test also catches what they cannot see, a package __init__ that
-drags a layer in, and the cycle test looks across proxy/ and plugins/ at once.
+drags a layer in. Both sim/bench checks are allowlists (the leaves), so a module added to the
+proxy is forbidden to them without anyone remembering to forbid it. The cycle test looks
+across proxy/ and plugins/ at once; the size test keeps modules small or their size explained.
 """
 
 from __future__ import annotations
 
+import ast
+import configparser
 import subprocess
 import sys
 from pathlib import Path
@@ -15,19 +19,21 @@ import grimp
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# What the simulator and the load generator must run without (docs/architecture.md).
-PROXY_PARTS = (
-    "proxy.app",
-    "proxy.config",
-    "proxy.forward",
-    "proxy.handlers",
-    "proxy.meter",
-    "proxy.routing",
-    "proxy.telemetry",
-    "proxy.upstream",
-    "plugins",
+# All of the proxy that the simulator and the load generator may use (docs/architecture.md):
+# leaf utilities that import nothing else of it, and the package root for its version.
+LEAVES = frozenset(
+    {
+        "proxy",
+        "proxy.asgi",
+        "proxy.sse",
+        "proxy.stats",
+        "proxy.kvevents",
+        "proxy.kvevents.wire",
+        "proxy.kvevents.publisher",
+    }
 )
-STANDALONE = (
+STANDALONE = ("proxy.sim", "proxy.bench")
+ENTRY_POINTS = (
     "proxy.sim",
     "proxy.sim.cli",
     "proxy.sim.server",
@@ -35,17 +41,66 @@ STANDALONE = (
     "proxy.bench.cli",
     "proxy.bench.mock",
 )
+MAX_LINES = 600
+
+
+def _standalone(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in STANDALONE)
 
 
 def test_the_simulator_and_the_bench_load_nothing_of_the_proxy() -> None:
     code = (
         "import importlib, sys\n"
-        f"for name in {STANDALONE!r}: importlib.import_module(name)\n"
-        f"print('\\n'.join(sorted(m for m in sys.modules if m.startswith({PROXY_PARTS!r}))))\n"
+        f"for name in {ENTRY_POINTS!r}: importlib.import_module(name)\n"
+        "print('\\n'.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('proxy', 'plugins'))))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [], f"sim/bench loaded proxy modules:\n{out.stdout}"
+    loaded = [m for m in out.stdout.split() if not _standalone(m) and m not in LEAVES]
+    assert loaded == [], f"sim/bench loaded proxy modules that are not leaves: {loaded}"
+
+
+def test_the_simulator_and_the_bench_import_only_leaves_of_the_proxy() -> None:
+    """Statically, module by module, lazy imports included: what sim/ and bench/ import,
+    directly or through others, is theirs or a leaf."""
+    graph = grimp.build_graph("proxy", "plugins", cache_dir=None)
+    used: dict[str, str] = {}
+    for package in STANDALONE:
+        for module in sorted(graph.find_descendants(package) | {package}):
+            for dep in graph.find_upstream_modules(module):
+                if not _standalone(dep) and dep not in LEAVES:
+                    used.setdefault(dep, module)
+    assert used == {}, f"not leaves (imported by): {used}"
+
+
+def test_the_standalone_contract_forbids_every_module_but_the_leaves() -> None:
+    """.importlinter lists the forbidden modules by name: a module added to proxy/ must be
+    added there (or be a leaf, here and in docs/architecture.md)."""
+    ini = configparser.ConfigParser()
+    ini.read(ROOT / ".importlinter")
+    listed = set(ini["importlinter:contract:standalone"]["forbidden_modules"].split())
+    graph = grimp.build_graph("proxy", "plugins", cache_dir=None)
+    expected = {"plugins"}
+    for package in ("proxy", "proxy.kvevents"):
+        expected |= {
+            m for m in graph.find_children(package) if not _standalone(m) and m not in LEAVES
+        }
+    assert sorted(expected - listed) == [], "add these to the standalone contract"
+    assert sorted(listed - expected) == [], "these are gone or leaves: take them out"
+
+
+def test_no_module_is_over_600_lines_without_a_stated_reason() -> None:
+    """A module over MAX_LINES says why in a `Size:` line of its docstring."""
+    over = []
+    for path in sorted([*(ROOT / "proxy").rglob("*.py"), *(ROOT / "plugins").rglob("*.py")]):
+        text = path.read_text()
+        if text.count("\n") <= MAX_LINES:
+            continue
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if not any(line.startswith("Size:") for line in doc.splitlines()):
+            over.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+    assert over == [], "split these, or say why not in a 'Size:' docstring line"
 
 
 def test_the_import_contracts_hold() -> None:
