@@ -40,12 +40,13 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import orjson
 
+from proxy.asgi import Send
 from proxy.disagg.controller import DisaggController
 from proxy.disagg.legs import (
     bootstrap_host,
@@ -71,8 +72,6 @@ if TYPE_CHECKING:
     from proxy.telemetry import RequestRecord
     from proxy.telemetry.record import AttemptRecord
 
-Message = MutableMapping[str, Any]
-Send = Callable[[Message], Awaitable[None]]
 Result = tuple[str, "StreamFacts | None"] | None
 
 log = logging.getLogger("warmroute.disagg")
