@@ -12,8 +12,12 @@
 #   deploy/perf/scale_out.sh                       # seed 1, 1 proxy vs 3 with/without Redis
 #   SEEDS="1 2 3" REPLICAS=3 deploy/perf/scale_out.sh
 #   REDIS_URL=redis://10.0.0.9:6379/0 deploy/perf/scale_out.sh
+#   git archive HEAD~3 | tar -x -C /tmp/old && BASE=/tmp/old deploy/perf/scale_out.sh
 #
-# Prints one line per run (hit ratio, TTFT p50/p99) and writes results JSON under $OUT.
+# Prints one line per run (hit ratio, TTFT p50/p99; with several replicas, on how many of the
+# hot prompts their placements agree at the end, and the spread of their learned capacities)
+# and writes results JSON under $OUT. BASE=DIR runs the proxies from another checkout of the
+# source (say, `git archive` of an older commit unpacked in DIR), for a before/after.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -27,6 +31,8 @@ REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
 OUT="${OUT:-/tmp/warmroute-scale-out}"
 MOCK_PORT=9401
 PROXY_PORT=9410
+ADMIN_PORT=9430
+if [[ -n "${BASE:-}" ]]; then export PYTHONPATH="$BASE${PYTHONPATH:+:$PYTHONPATH}"; fi
 mkdir -p "$OUT"
 
 pids=()
@@ -51,7 +57,8 @@ start_proxies() {  # count, redis url or "" (each replica its own in-memory inde
   if [[ -n "$redis" ]]; then extra=(--redis "$redis"); fi
   for ((r = 0; r < count; r++)); do
     WARMROUTE_REDIS__KEY_PREFIX="scale-out-$$-$run" warmroute serve --port $((PROXY_PORT + r)) \
-      --log-level warning "${backends[@]}" "${extra[@]}" >"$OUT/proxy-$r.log" 2>&1 &
+      --admin-port $((ADMIN_PORT + r)) --log-level warning "${backends[@]}" "${extra[@]}" \
+      >"$OUT/proxy-$r.log" 2>&1 &
     pids+=($!)
   done
   for ((r = 0; r < count; r++)); do wait_http "http://127.0.0.1:$((PROXY_PORT + r))/ready"; done
@@ -77,7 +84,29 @@ c = sum(q.get("cached_tokens") or 0 for q in ok)
 t = sorted(q["ttft"] for q in ok if q.get("ttft") is not None)
 pct = lambda f: t[min(len(t) - 1, int(f * len(t)))] * 1000
 print(f"seed {sys.argv[3]}  {sys.argv[2]:<22} ok {len(ok)}/{len(r['requests'])}"
-      f"  hit {c / max(p, 1):6.1%}  TTFT p50 {pct(0.5):6.0f} ms  p99 {pct(0.99):6.0f} ms")
+      f"  hit {c / max(p, 1):6.1%}  TTFT p50 {pct(0.5):6.0f} ms  p99 {pct(0.99):6.0f} ms",
+      end="")
+EOF
+  agreement "$count"
+}
+
+agreement() {  # proxy count: do the replicas' placements and learned capacities agree?
+  local count=$1 urls=()
+  if ((count < 2)); then echo; return; fi
+  for ((r = 0; r < count; r++)); do urls+=("http://127.0.0.1:$((ADMIN_PORT + r))/admin/routing"); done
+  python - "${urls[@]}" <<'EOF'
+import json, sys, urllib.request
+infos = [json.load(urllib.request.urlopen(u, timeout=5)) for u in sys.argv[1:]]
+views = [{h["prefix"]: tuple(sorted(h["homes"])) for h in i["cache"]["placement"]["hottest"][:8]}
+         for i in infos]
+hot = set(views[0])
+same = sum(1 for k in hot if all(v.get(k) == views[0][k] for v in views[1:]))
+caps = {}
+for i in infos:
+    for b, est in i["cache"]["backends"].items():
+        caps.setdefault(b, []).append(est["capacity_blocks"])
+spread = max(max(v) / max(min(v), 1) for v in caps.values()) if caps else 1.0
+print(f"  homes agree {same}/{len(hot)}  capacity spread x{spread:.1f}")
 EOF
 }
 
