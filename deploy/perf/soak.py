@@ -34,12 +34,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import openai
@@ -74,6 +75,7 @@ async def stream_chat(
     deadline_s: float,
     model: str = MODEL,
     read_delay_s: float = 0.0,
+    extra_body: dict[str, Any] | None = None,
 ) -> Outcome:
     """One streamed chat completion, read to its end (each event `read_delay_s` late)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -84,12 +86,14 @@ async def stream_chat(
         nonlocal tokens
         finish = None
         usage = None
-        stream = await client.chat.completions.create(
+        # messages are plain dicts here, not the client's TypedDicts
+        stream = await client.chat.completions.create(  # type: ignore[call-overload]
             model=model,
-            messages=messages,  # type: ignore[arg-type]
+            messages=messages,
             max_tokens=max_tokens,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body=extra_body,
         )
         async with stream:
             async for chunk in stream:
@@ -201,8 +205,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _output(log: Path | None) -> IO[bytes]:
+    """Where a child writes: its log file, or an anonymous one read back if it fails."""
+    return open(log, "ab") if log else tempfile.TemporaryFile()
+
+
+def _tail(out: IO[bytes] | None) -> str:
+    if out is None:
+        return ""
+    out.flush()
+    out.seek(max(0, out.seek(0, os.SEEK_END) - 2000))
+    return "; its output ends:\n" + out.read().decode(errors="replace")
+
+
 def wait_ready(
-    url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 30
+    url: str,
+    proc: subprocess.Popen[bytes] | None = None,
+    timeout_s: float = 30,
+    output: IO[bytes] | None = None,
 ) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -210,7 +230,8 @@ def wait_ready(
             if httpx.get(url, timeout=2).status_code == 200:
                 return
         if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
-            raise RuntimeError(f"{url} not ready (exit code {proc.poll() if proc else None})")
+            code = proc.poll() if proc else None
+            raise RuntimeError(f"{url} not ready (exit code {code}){_tail(output)}")
         time.sleep(0.05)  # another process: nothing to wait on but its answer
 
 
@@ -250,35 +271,48 @@ class Engine:
         self.args, self.port, self.log = args, port, log
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.out: IO[bytes] | None = None
 
     def start(self, wait: bool = True) -> Engine:
-        out = open(self.log, "ab") if self.log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.args, stdout=out, stderr=out, cwd=ROOT)
+        self.out = _output(self.log)
+        self.proc = subprocess.Popen(self.args, stdout=self.out, stderr=self.out, cwd=ROOT)
         if wait:
             self.wait()
         return self
 
     def wait(self) -> None:
-        wait_ready(self.url + "/health", self.proc)
+        wait_ready(self.url + "/health", self.proc, output=self.out)
 
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.kill()
         self.proc.wait()
 
-    def stats(self) -> dict[str, Any]:
-        r = httpx.get(self.url + "/sim/stats", timeout=5)
+    def _control(self, method: str, path: str, body: Any = None) -> Any:
+        # An engine injecting refusals refuses its control connections too: ask again.
+        for attempt in range(20):
+            try:
+                r = httpx.request(method, self.url + path, json=body, timeout=5)
+                break
+            except httpx.TransportError:
+                if attempt == 19:
+                    raise
         r.raise_for_status()
-        out: dict[str, Any] = r.json()
+        return r.json()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = self._control("GET", "/sim/stats")
         out.pop("requests", None)  # the per-request log: not needed here
         return out
 
     def set_faults(self, **faults: float) -> None:
-        httpx.post(self.url + "/sim/faults", json=faults, timeout=5).raise_for_status()
+        self._control("POST", "/sim/faults", faults)
 
     def close(self) -> None:
         if self.proc is not None:
             stop(self.proc)
+        if self.out is not None:
+            self.out.close()
 
 
 class Redis:
@@ -343,13 +377,14 @@ def proxy_process(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`warmroute serve` in a child process, ready (/ready) before it is yielded."""
     port = args[args.index("--port") + 1]
-    out = open(log, "ab") if log else subprocess.DEVNULL
+    out = _output(log)
     proc = subprocess.Popen(args, stdout=out, stderr=out, cwd=ROOT, env={**os.environ, **env})
     try:
-        wait_ready(f"http://127.0.0.1:{port}/ready", proc)
+        wait_ready(f"http://127.0.0.1:{port}/ready", proc, output=out)
         yield proc
     finally:
         stop(proc)
+        out.close()
 
 
 def rss_kb(pid: int) -> int:
@@ -414,7 +449,9 @@ SYSTEMS = [
 ]
 
 
-def _prompt(rng: random.Random, n: int) -> list[dict[str, str]]:
+def prompt(rng: random.Random, n: int) -> list[dict[str, str]]:
+    """A chat of one of a few shared system prompts (prefix routing, the Redis index) and a
+    question of its own."""
     return [
         {"role": "system", "content": rng.choice(SYSTEMS)},
         {"role": "user", "content": f"question {n}: {rng.random()}"},
@@ -456,7 +493,7 @@ class Soak:
                 if slow:  # a client reading a long answer late: the proxy must hold back
                     o = await stream_chat(
                         client,
-                        _prompt(rng, n),
+                        prompt(rng, n),
                         max_tokens=200,
                         read_delay_s=0.05,
                         deadline_s=self.args.deadline + 200 * 0.05,
@@ -465,7 +502,7 @@ class Soak:
                 else:  # an application's usual request
                     o = await stream_chat(
                         client,
-                        _prompt(rng, n),
+                        prompt(rng, n),
                         max_tokens=rng.randint(8, 128),
                         deadline_s=self.args.deadline,
                     )
