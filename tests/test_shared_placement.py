@@ -160,6 +160,7 @@ async def test_a_first_placement_yields_to_an_earlier_one_from_another_replica(
         assert b.homes == a.homes == {next(iter(a.homes)): first}
 
 
+@pytest.mark.e2e  # a private redis-server, stopped and started
 async def test_without_redis_a_replica_places_on_its_own_and_agrees_again_once_it_is_back(
     private: RedisProcess,
 ) -> None:
@@ -209,7 +210,6 @@ async def test_the_app_shares_placement_through_its_redis_unless_told_not_to(
         assert info["leads"] and info["leader"] == info["replica"] == routing.board.replica_id
     finally:
         await routing.close()
-        await routing.redis.aclose()
     # Closing hands the lease over at once.
     client = redis.Redis.from_url(SHARED_URL)
     try:
@@ -221,6 +221,7 @@ async def test_the_app_shares_placement_through_its_redis_unless_told_not_to(
     assert build_routing(load_config(flags=flags, env=off)).shared is None
 
 
+@pytest.mark.e2e
 async def test_a_redis_restarted_empty_gets_the_placement_back_for_replicas_that_join_later(
     private: RedisProcess,
 ) -> None:
