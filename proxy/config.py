@@ -273,6 +273,8 @@ class RedisConfig(_Model):
     cluster: bool = False
     timeout_s: float = Field(0.05, gt=0)
     key_prefix: str = "warmroute"
+    # Connections to a plain Redis per replica; a call past them waits (within its timeout).
+    max_connections: int = Field(64, ge=1)
 
     @field_validator("url")
     @classmethod

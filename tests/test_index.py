@@ -321,6 +321,38 @@ async def test_a_restarted_redis_under_concurrent_lookups_is_one_outage_and_one_
 
 @pytest.mark.e2e
 @pytest.mark.redis
+async def test_connections_to_redis_stay_within_the_pool_bound_however_many_lookups_run(
+    private: RedisProcess,
+) -> None:
+    # redis-py's default pool opens a connection per call in flight: 64 request streams would
+    # hold 64. The bounded pool makes the 65th call wait for one of 8, within its own timeout.
+    index = RedisPrefixIndex(
+        open_redis(private.url, max_connections=8), key_prefix="wr", timeout_s=0.5, owns_client=True
+    )
+    await index.start()
+    answers: list[dict[str, int]] = []
+    stop = asyncio.Event()
+    admin = private.client()
+    try:
+        index.record("b0", [1, 2, 3, 4])
+        await index.flush()
+        workers = [asyncio.create_task(_lookups(index, stop, answers)) for _ in range(64)]
+        await until(lambda: len(answers) >= 2000, within_s=30)
+        peak = len(admin.client_list()) - 1  # less the admin connection itself
+        stop.set()
+        await asyncio.gather(*workers)
+        assert 1 <= peak <= 8
+        info = index.info()
+        assert info["outages"] == 0 and info["fallback_lookups"] == 0, info
+        assert all(a == {"b0": 4, "b1": 0} for a in answers)
+    finally:
+        stop.set()
+        admin.close()
+        await index.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.redis
 async def test_event_loop_stalls_with_a_healthy_redis_declare_no_outage(
     private: RedisProcess,
 ) -> None:

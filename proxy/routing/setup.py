@@ -109,7 +109,7 @@ def build_routing(config: Any, replica_id: str | None = None) -> Routing:
     rc = config.redis
     index: PrefixIndex
     if rc.url:
-        client = open_redis(rc.url, rc.cluster, rc.timeout_s)
+        client = open_redis(rc.url, rc.cluster, rc.timeout_s, rc.max_connections)
         index = RedisPrefixIndex(
             client,
             key_prefix=rc.key_prefix,
