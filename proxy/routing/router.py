@@ -70,6 +70,8 @@ class Router:
         # Pickers that route hot prefixes to assigned homes get an explicit placement.
         if placement is None and getattr(policy.picker, "uses_placement", False):
             placement = Placement(**getattr(policy.picker, "placement_config", {}))
+        if placement is not None:
+            placement.attach(self.popularity)  # its loads follow the shares it is passed
         self.placement = placement
         # Backends whose engines publish KV events: their exact cache views (proxy.kvevents).
         self.exact: dict[str, ExactCache] = {}

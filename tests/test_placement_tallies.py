@@ -1,0 +1,161 @@
+"""The placement's tallies (proxy/routing/placement.py): placing a prefix reads per-backend
+tallies of the prefixes placed so far, kept as homes change, instead of summing over all of
+them, and decides exactly as the sums did."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Sequence
+from math import ldexp
+
+from proxy.config import RoutingConfig
+from proxy.routing.index import MemoryPrefixIndex
+from proxy.routing.placement import Placement, SharedHomes
+from proxy.routing.popularity import PrefixPopularity
+from proxy.routing.setup import build_router
+from proxy.routing.types import BackendView, EngineLoad, RouteContext
+
+NAMES = ["a", "b", "c", "d"]
+
+
+def order(key: int, names: Sequence[str]) -> list[str]:
+    return sorted(names, key=lambda n: zlib.crc32(f"{key}:{n}".encode()))
+
+
+def test_tallied_loads_decide_as_the_sums_over_every_placed_prefix_did() -> None:
+    """One placement reads its loads from tallies of the popularity it is attached to, the
+    other sums the same shares over every placed prefix on every placement: through hot and
+    one-off prompts, a full placement forgetting its coolest, rebalances, a backend going
+    away, caches filling, another replica's homes and the weights' base moving, both place
+    every prefix on the same homes and see the same backends full."""
+    rng = random.Random(5)
+    pop = PrefixPopularity(max_keys=40)  # it forgets placed prefixes too (their share: 0)
+    pop.rebase_every = 701
+    tallied = Placement(max_keys=24, rebalance_every=100)
+    tallied.attach(pop)
+    summed = Placement(max_keys=24, rebalance_every=100)
+    caps = dict.fromkeys(NAMES, 400.0)
+    weights = {"a": 2.0, "b": 1.0, "c": 1.0, "d": 0.5}
+    hot = [rng.getrandbits(40) for _ in range(6)]
+    blocks_of = {k: list(range(k, k + rng.randint(4, 60))) for k in hot}
+    placed_differently = []
+    recent: list[int] = []
+    for step in range(3000):
+        # One prompt a third of the traffic (it needs copies), five more, one-off prompts, and
+        # one-off prompts seen again a little later (then forgotten as they cool).
+        draw = rng.random()
+        if draw < 0.35:
+            key = hot[0]
+        elif draw < 0.6:
+            key = rng.choice(hot)
+        elif draw < 0.75 and recent:
+            key = rng.choice(recent[-8:])
+        else:
+            key = rng.getrandbits(40)
+            recent.append(key)
+        blocks = blocks_of.get(key) or list(range(key, key + rng.randint(4, 12)))
+        if key in blocks_of and rng.random() < 0.3:  # a conversation that shares less of it
+            blocks = blocks[: rng.randint(4, len(blocks))]
+        names = [n for n in NAMES if n != "c"] if 1000 <= step < 1400 else NAMES
+        if step == 2000:
+            caps["b"] = 120.0  # its learned cache shrank
+        inflight = {n: float(rng.randint(0, 6)) for n in names}
+        warm = {n: rng.choice((0, 0, 8)) for n in names}
+        theirs = {k: SharedHomes((rng.choice(NAMES),), 30.0) for k in hot[:3]}
+        pop.observe(key)
+        seen = []
+        for p in (tallied, summed):
+            p.note_load(sum(inflight.values()) + 1)
+            p.observe(key, blocks)
+            if p.due():
+                p.rebalance(names, weights, caps.__getitem__, pop.current, order)
+            homes = p.homes(
+                key, blocks, names, weights, caps.__getitem__, pop.current, warm, order,
+                4, inflight.__getitem__,
+            )  # fmt: skip
+            seen.append((homes, p.full_for(key, names, lambda n: n != "d"), sorted(p.placed)))
+            if step % 700 == 699:
+                p.take_changes()
+                p.adopt(theirs, caps.__getitem__)
+        if seen[0] != seen[1]:
+            placed_differently.append(step)
+    assert placed_differently == []
+    assert tallied.moves == summed.moves > 0 and tallied.rebalances == summed.rebalances > 0
+    assert pop.base > 0  # the weights were rebased on the way
+    assert max(len(p.homes) for p in tallied.placed.values()) > 1  # copies were made
+    # And the tallies are what counting the placed prefixes gives, once brought up to date
+    # (as the next placement would: the sizes and weights that changed since are pending).
+    tallied._current()
+    assert tallied._base == pop.base and not tallied._stale
+    for name in NAMES:
+        on = [(k, p) for k, p in tallied.placed.items() if name in p.homes]
+        assert tallied._hosted.get(name, 0) == len(on)
+        assert tallied._sizes.get(name, 0) == sum(int(ldexp(p.size, 128)) for _, p in on)
+        assert tallied._weights.get(name, 0) == sum(
+            int(ldexp(pop.weight(k), 128)) // len(p.homes) for k, p in on
+        )
+        assert (name in tallied.full_for(hot[1], NAMES, lambda _: False)) == bool(
+            on and name not in tallied.placed[hot[1]].homes
+        )  # home to a placed prefix, and no cache size measured: a copy would evict
+
+
+def test_new_prefixes_leave_their_two_choices_once_those_host_more_than_a_fair_count() -> None:
+    """Eight prompts whose rendezvous orders all start with a and b: the counts of placed
+    prefixes per backend (a tally) send the third and fourth to c and d, not back to a, b."""
+    p = Placement()
+    caps = dict.fromkeys(NAMES, 10_000.0)
+    homes = [
+        p.homes(
+            k, list(range(20)), NAMES, dict.fromkeys(NAMES, 1.0), caps.__getitem__,
+            lambda _: 0.02, {}, lambda _key, names: sorted(names),
+        )
+        for k in range(8)
+    ]  # fmt: skip
+    assert homes == [(n,) for n in "abcdabcd"]
+    assert p._hosted == dict.fromkeys(NAMES, 2)
+
+
+def view(name: str) -> BackendView:
+    return BackendView(
+        name=name,
+        url=f"http://127.0.0.1:{8000 + NAMES.index(name)}",
+        engine="vllm",
+        role="mixed",
+        weight=1.0,
+        healthy=True,
+        inflight=0,
+        load=EngineLoad(),
+        models=frozenset({"m"}),
+    )
+
+
+async def test_a_first_sighting_asks_for_one_share_not_one_per_placed_prefix() -> None:
+    """Short system prompts give every request a head of its own (its last block holds the
+    user's text), so every request is placed at first sight into a full placement. Between
+    rebalances each one reads a share or two, however many prefixes are placed."""
+    r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    assert r.placement is not None
+    asked = []
+    current = r.popularity.current
+    r.popularity.current = lambda key: asked.append(key) or current(key)  # type: ignore[method-assign]
+    views = [view(n) for n in NAMES]
+    system = "You are a terse assistant. " * 8  # ~200 characters: three 64-character blocks
+    per_request = []
+    for i in range(400):
+        body = {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Request {i}: what is {i} squared?"},
+            ],
+        }
+        ctx = RouteContext(f"r{i}", "m", "chat", body, {}, 0.0)
+        rebalances = r.placement.rebalances
+        asked.clear()
+        decision = await r.route(ctx, views)
+        assert decision.reason.startswith("placed prefix")
+        if r.placement.rebalances == rebalances:
+            per_request.append(len(asked))
+    assert len(r.placement.placed) == r.placement.max_keys  # full of one-off prompts
+    assert max(per_request[-100:]) <= 2
