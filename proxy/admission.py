@@ -46,11 +46,17 @@ class Admission:
         """What a refused client is told to wait (whole seconds, at least 1)."""
         return max(1, math.ceil(self.wait_s))
 
-    async def enter(self) -> str | None:
-        """Take a slot: None once admitted, else why not (QUEUE_FULL, QUEUE_TIMEOUT)."""
+    def admit_now(self) -> bool:
+        """Take a slot if one is free and nobody waits for one (else enter() queues)."""
         if self.inflight < self.limit and not self._waiters:
             self.inflight += 1
             self.stats.admitted += 1
+            return True
+        return False
+
+    async def enter(self) -> str | None:
+        """Take a slot: None once admitted, else why not (QUEUE_FULL, QUEUE_TIMEOUT)."""
+        if self.admit_now():
             return None
         if len(self._waiters) >= self.queue:
             self.stats.rejected[QUEUE_FULL] += 1

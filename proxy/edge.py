@@ -91,7 +91,16 @@ class Edge:
         if scope["method"] == "POST" and not on_admin:
             endpoint = self.endpoints.get(scope["path"])
             if endpoint is not None:
-                await self._api(endpoint, scope, receive, send)
+                admission = self.admission
+                if self.keys or not admission.admit_now():
+                    await self._api(endpoint, scope, receive, send)  # a key to check, or a wait
+                    return
+                # The usual case, without a coroutine of its own (one more frame that every
+                # resumption of the request's task would pass through).
+                try:
+                    await endpoint(scope, receive, send)
+                finally:
+                    admission.leave()
                 return
         await self._other(scope, receive, send, on_admin)
 

@@ -158,9 +158,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if self._head_bytes > limit and not self.transport.is_closing():
                 self._refuse(*_head_too_large(limit))
 
-    # -- parser callbacks ------------------------------------------------------------------
+    # -- parser callbacks (once per request: the base class's named, not a super() object) --
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        HttpToolsProtocol.on_message_begin(self)
         if self._phase != _HEAD:
             self._phase, self._since = _HEAD, self.loop.time()
         self._head_bytes = 0
@@ -183,11 +183,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                     self._refusal = _head_too_large(limits.max_header_bytes)
                     raise _Refused
             self._phase, self._since = _BODY, self.loop.time()
-        super().on_headers_complete()
+        HttpToolsProtocol.on_headers_complete(self)
 
     def on_message_complete(self) -> None:
         self._phase = _IDLE
-        super().on_message_complete()
+        HttpToolsProtocol.on_message_complete(self)
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, msg, "bad_request")

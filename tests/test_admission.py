@@ -53,6 +53,19 @@ def test_with_the_queue_full_a_request_is_refused_at_once() -> None:
     assert admission.inflight == 1 and admission.waiting == 0
 
 
+async def test_a_free_slot_is_taken_without_awaiting_and_a_full_one_left_to_the_queue() -> None:
+    admission = Admission(limit=1, queue=2, wait_s=10.0)
+    assert admission.admit_now() and admission.inflight == 1  # what the edge tries first
+    assert not admission.admit_now() and admission.stats.admitted == 1  # full: enter() queues
+    waiter = asyncio.create_task(admission.enter())
+    await asyncio.sleep(0)
+    admission.leave()  # the slot goes to the waiter, not to a newcomer
+    assert not admission.admit_now()
+    assert await waiter is None and admission.inflight == 1
+    admission.leave()
+    assert admission.admit_now() and admission.stats.admitted == 3
+
+
 async def test_a_full_queue_refuses_the_next_request_while_the_queued_ones_wait() -> None:
     admission = Admission(limit=1, queue=2, wait_s=10.0)
     assert await admission.enter() is None
