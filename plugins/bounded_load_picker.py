@@ -108,7 +108,8 @@ class BoundedLoadPicker:
         # stickiness: they go by score, spread by a per-request tie-break.
         blocks = ctx.prefix_blocks if len(ctx.prefix_blocks) >= self.warm_blocks else ()
         if blocks:
-            key = blocks[min(self.affinity_blocks, len(blocks)) - 1]
+            n = len(blocks)  # (no min(): it parses its arguments on every call)
+            key = blocks[(n if n < self.affinity_blocks else self.affinity_blocks) - 1]
         else:
             key = key_of(ctx.request_id)
         within, over = split_by_load(candidates, self.epsilon, self.slack)

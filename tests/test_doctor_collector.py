@@ -3,6 +3,7 @@ leaves in them is what the report reads back, whatever form the window keeps it 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,3 +110,25 @@ def test_each_new_scrape_is_sampled_once_by_the_next_request_that_finishes() -> 
     c.finished("m", "a", facts([0.01]), None, None, 100.5)
     gauges = next(w for w in c.windows() if w.backend == "a").gauges
     assert [(g.at, g.waiting, g.kv_usage) for g in gauges] == [(100.0, 1, 0.5), (101.0, 4, 0.9)]
+
+
+def test_a_report_read_from_another_thread_while_requests_finish_loses_none_and_keeps_order() -> (
+    None
+):
+    c = Collector([BackendInfo("a")], max_requests=100_000)
+    n = 20_000
+    gaps = [0.01, 0.02]
+
+    def finish_all() -> None:
+        for i in range(n):
+            c.finished("m", "a", facts(gaps), None, None, float(i))
+
+    seen = []
+    writer = threading.Thread(target=finish_all)
+    writer.start()
+    while writer.is_alive():  # the findings gauge's thread reads while the loop appends
+        seen.append(sum(len(w.requests) for w in c.windows(window_s=1e9)))
+    writer.join()
+    (window,) = c.windows(window_s=1e9)
+    assert [r.start for r in window.requests] == [float(i) for i in range(n)]
+    assert seen == sorted(seen) and len(seen) > 1

@@ -77,9 +77,12 @@ def predicted_tokens(
         return None, None
     per_block = decision.block_chars / decision.prompt_chars * input_tokens
     matched = decision.matched_blocks
-    here = min(matched.get(backend, 0) * per_block, float(input_tokens))
-    best = min(max(matched.values(), default=0) * per_block, float(input_tokens))
-    return here, best
+    cap = float(input_tokens)
+    # No min()/max(default=) calls: with keywords they parse their arguments every time
+    # (~4,500 instructions of a finished request's ~24,000 here).
+    here = matched.get(backend, 0) * per_block
+    best = (max(matched.values()) if matched else 0) * per_block
+    return (here if here <= cap else cap), (best if best <= cap else cap)
 
 
 # One finished request as kept in a window: RequestSample's fields in its order (start, ttft_s,
@@ -200,14 +203,13 @@ class Collector:
                     facts.engine_prefill_s,
                 )
             )
-        self._sample_load(backend)
+        if self.loads is not None:  # a new scrape is sampled by the next request to see it
+            load = self.loads(backend)
+            if load is not None and load.scraped_at:
+                if self._last_scrape.get(backend) != load.scraped_at:
+                    self._sample_load(backend, load)
 
-    def _sample_load(self, backend: str) -> None:
-        if self.loads is None:
-            return
-        load = self.loads(backend)
-        if load is None or not load.scraped_at or self._last_scrape.get(backend) == load.scraped_at:
-            return
+    def _sample_load(self, backend: str, load: Load) -> None:
         self._last_scrape[backend] = load.scraped_at
         gauges = self._gauges.get(backend)
         if gauges is None:

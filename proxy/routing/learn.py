@@ -38,12 +38,17 @@ class PrefillRate:
 
     def observe(self, uncached_tokens: float, ttft_s: float, queue_s: float = 0.0) -> None:
         """Add one sample; `queue_s` (time known to be spent queued) is taken off the TTFT."""
-        x = max(float(uncached_tokens), 0.0)
-        y = max(float(ttft_s) - max(queue_s, 0.0), 0.0)
+        # max()/min() of two values written out on the per-request paths here: each call
+        # parses its arguments in CPython 3.11 (~1,200 instructions).
+        x = float(uncached_tokens)
+        x = 0.0 if x < 0.0 else x
+        y = float(ttft_s) - (0.0 if queue_s < 0.0 else queue_s)
+        y = 0.0 if y < 0.0 else y
         if self.n >= self.min_samples:
             predicted = self.predict(x)
             if predicted is not None:
-                y = min(y, self.clip * predicted + 0.05)
+                cap = self.clip * predicted + 0.05
+                y = cap if cap < y else y
         decay = 0.5 ** (1.0 / self.half_life)
         self.sw = self.sw * decay + 1.0
         self.sx = self.sx * decay + x
@@ -71,11 +76,13 @@ class PrefillRate:
         # Identifiable only when prompt sizes vary (relative spread above ~10%).
         if var > (0.1 * mx) ** 2 and cov > 0:
             slope = cov / var
-            intercept = max(my - slope * mx, 0.0)
+            intercept = my - slope * mx
+            intercept = 0.0 if intercept < 0.0 else intercept
         else:
             slope, intercept = my / mx, 0.0
         lo, hi = 1.0 / self.max_rate, 1.0 / self.min_rate
-        return min(max(slope, lo), hi), intercept
+        slope = lo if slope < lo else slope
+        return (hi if hi < slope else slope), intercept
 
     @property
     def rate(self) -> float | None:
@@ -93,7 +100,7 @@ class PrefillRate:
         fit = self._fit()
         if fit is None:
             return None
-        return fit[1] + max(uncached_tokens, 0.0) * fit[0]
+        return fit[1] + (0.0 if uncached_tokens < 0.0 else uncached_tokens) * fit[0]
 
 
 @dataclass

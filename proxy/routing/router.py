@@ -110,7 +110,8 @@ class Router:
         if self.policy.uses_prefix:
             await self._match(ctx, candidates)
             if ctx.prefix_blocks:
-                head = ctx.prefix_blocks[min(self.head_blocks, len(ctx.prefix_blocks)) - 1]
+                n = len(ctx.prefix_blocks)  # (no min(): it parses its arguments, every call)
+                head = ctx.prefix_blocks[(n if n < self.head_blocks else self.head_blocks) - 1]
                 if record:
                     self.popularity.observe(head)
                 ctx.prefix_share = self.popularity.share(head)
@@ -195,11 +196,13 @@ class Router:
                 matched = ctx.matched_blocks.get(backend, 0)
                 seen, ctx.ghost_blocks = probe(backend, ctx.prefix_blocks, matched)
                 ctx.recorded_on = backend
-                ctx.recorded_age_s = None if seen is None else max(self._index_now() - seen, 0.0)
+                age = None if seen is None else self._index_now() - seen
+                ctx.recorded_age_s = None if age is None else 0.0 if age < 0.0 else age
             self.index.record(backend, ctx.prefix_blocks)
         if ctx.prompt_chars:
             cached = ctx.matched_blocks.get(backend, 0) * ctx.block_chars
-            uncached = max(ctx.prompt_chars - cached, 0) / self.hasher.chars_per_token
+            left = ctx.prompt_chars - cached
+            uncached = (0 if left < 0 else left) / self.hasher.chars_per_token
             self.backlog.add(backend, uncached, self.prefill_rate(backend))
 
     def _index_now(self) -> float:
@@ -310,5 +313,5 @@ def _inflight_of(candidates: Sequence[BackendView], name: str) -> float:
     """Weight-normalised requests in flight on `name` (asked only when a prefix is placed)."""
     for b in candidates:
         if b.name == name:
-            return b.inflight / max(b.weight, 1e-9)
+            return b.inflight / (1e-9 if b.weight < 1e-9 else b.weight)
     return 0.0

@@ -346,13 +346,17 @@ class RequestMetrics:
             row: Row = (series, exemplar, duration if ok else None, *_NO_FACTS)
         else:
             ttft, up, fin, cached = f.ttft_s, f.upstream_ttft_s, f.input_tokens, f.cached_tokens
+            hit = cached / fin if cached is not None and fin else None
+            if hit is not None and not hit < 1.0:  # min(1.0, hit): min() parses its arguments
+                hit = 1.0
             predicted = None
             prompt_chars: int = getattr(decision, "prompt_chars", 0)
             if decision is not None and backend and prompt_chars:
                 # predicted for the backend that served it (a retry may have moved it)
                 block_chars: int = getattr(decision, "block_chars", 0)
                 matched = decision.matched_blocks.get(backend, 0)
-                predicted = min(1.0, matched * block_chars / prompt_chars)
+                predicted = matched * block_chars / prompt_chars
+                predicted = predicted if predicted < 1.0 else 1.0  # min() parses its arguments
             row = (
                 series,
                 exemplar,
@@ -364,7 +368,7 @@ class RequestMetrics:
                 fin,
                 f.output_tokens,
                 cached,
-                min(1.0, cached / fin) if cached is not None and fin else None,
+                hit,
                 predicted,
             )
         point = series.point
