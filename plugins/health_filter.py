@@ -30,9 +30,10 @@ class HealthFilter:
         if not healthy:
             # A health check can lag a recovery; trying is better than refusing outright.
             return candidates
-        for b in candidates:
-            if not b.healthy:
-                dropped[b.name] = "unhealthy"
+        if len(healthy) < len(candidates):
+            for b in candidates:
+                if not b.healthy:
+                    dropped[b.name] = "unhealthy"
         return healthy
 
 

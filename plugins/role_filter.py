@@ -25,9 +25,10 @@ class RoleFilter:
         if not kept:
             # Only prefill/decode-role backends: a plain request still needs a home.
             return candidates
-        for b in candidates:
-            if b.role not in self.roles:
-                dropped[b.name] = f"role {b.role} is not one of {', '.join(self.roles)}"
+        if len(kept) < len(candidates):  # (disagg off: every backend is mixed)
+            for b in candidates:
+                if b.role not in self.roles:
+                    dropped[b.name] = f"role {b.role} is not one of {', '.join(self.roles)}"
         return kept
 
 
