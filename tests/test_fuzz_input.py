@@ -107,6 +107,7 @@ def client_error_or_nothing(api: str, raw: bytes) -> Any:
 @given(bodies())
 @example(("chat", {"model": MODEL, "messages": [{"role": "user", "content": nested(252)}]}))
 @example(("completions", {"model": MODEL, "prompt": [1, 2, 2**63]}))
+@example(("completions", {"model": MODEL, "prompt": "x", "messages": 1.5}))
 @example(("embeddings", {"model": MODEL, "input": [[1], [-(2**63) - 1]]}))
 @example(
     ("chat", {"model": MODEL, "messages": [{"role": "u", "content": "x"}], "tools": nested(253)})
@@ -223,3 +224,23 @@ def test_the_proxy_answers_any_body_with_a_response_or_a_well_formed_4xx(
         assert r.status_code < 500, r.text
         well_formed_error(r.status_code, r.content)
     assert r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_nesting_is_refused_past_the_limit_however_many_brackets_strings_hold(api: str) -> None:
+    # The walk is skipped when the bytes cannot nest that deep; brackets inside strings make
+    # it run, and it must still accept a shallow body and name the field of a deep one.
+    brackets = "[{" * MAX_DEPTH
+    if api == "chat":
+        shallow = {"model": MODEL, "messages": [{"role": "user", "content": brackets}]}
+    else:
+        shallow = {"model": MODEL, "prompt": brackets}
+    assert client_error_or_nothing(api, orjson.dumps(shallow)) is not None
+    for depth, refused in ((MAX_DEPTH - 2, False), (MAX_DEPTH, True)):
+        body = {**shallow, "metadata": nested(depth)}  # at the body's level 2, as deep + 1
+        try:
+            parse(api, json.dumps(body).encode(), {}, "t", lambda model: model == MODEL)
+        except RequestError as e:
+            assert refused and e.status == 400 and e.param == "metadata", (depth, e.body())
+        else:
+            assert not refused, depth

@@ -106,8 +106,10 @@ def render(api: str, body: Mapping[str, Any]) -> str:
     tools = body.get("tools")
     if tools:
         parts.append(_json(tools))
-    if api == "chat" or "messages" in body:
-        parts.extend(_message(m) for m in body.get("messages") or ())
+    messages = body.get("messages")
+    # Only chat validates `messages`; another API's body may carry any value under that key.
+    if api == "chat" or isinstance(messages, list):
+        parts.extend(_message(m) for m in (messages if isinstance(messages, list) else ()))
     elif api == "responses":
         if body.get("instructions"):
             parts.append(_FIELD.join(("system", "", str(body["instructions"]))))
