@@ -30,7 +30,7 @@ def parse(
         raise RequestError(
             400, f"We could not parse the JSON body of your request ({e}).", code="invalid_json"
         ) from None
-    validate(api, body, raw)
+    validate(api, body)
     model = body["model"]
     if not may_serve(model):
         raise RequestError(

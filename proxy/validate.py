@@ -38,14 +38,8 @@ def _expect(body: dict[str, Any], key: str, types: tuple[type, ...], what: str) 
         raise _bad(key, f"'{key}' must be {what}, got {type(value).__name__}: {value!r:.60}")
 
 
-def validate(api: str, body: Any, raw: bytes | None = None) -> None:
-    """Raise RequestError(400) naming the first offending field.
-
-    With the body's bytes (`raw`), the nesting walk runs only when they hold more than
-    MAX_DEPTH opening brackets, the only way anything can nest that deep: two C-speed counts
-    instead of a Python walk over every message part on every request.
-    """
-    deep = raw is None or raw.count(b"[") + raw.count(b"{") > MAX_DEPTH
+def validate(api: str, body: Any) -> None:
+    """Raise RequestError(400) naming the first offending field."""
     if not isinstance(body, dict):
         raise RequestError(400, "The request body must be a JSON object.", code="invalid_json")
     model = body.get("model")
@@ -83,16 +77,14 @@ def validate(api: str, body: Any, raw: bytes | None = None) -> None:
                     param=f"messages[{i}].role",
                     code="missing_required_parameter",
                 )
-            if deep:
-                for key, part in msg.items():
-                    if type(part) is list or type(part) is dict:
-                        _check_depth(part, 4, f"messages[{i}].{key}")
+            for key, part in msg.items():  # strings (the usual content) cost one type check
+                if type(part) is list or type(part) is dict:
+                    _check_depth(part, 4, f"messages[{i}].{key}")
     elif api in ("completions", "embeddings") and type(value) is list:
         _check_token_ids(field, value)
-    if deep:
-        for key, part in body.items():
-            if (type(part) is list or type(part) is dict) and (key != field or api != "chat"):
-                _check_depth(part, 2, key)
+    for key, part in body.items():
+        if (type(part) is list or type(part) is dict) and (key != field or api != "chat"):
+            _check_depth(part, 2, key)
     _expect(body, "stream", (bool,), "a boolean")
     _expect(body, "stream_options", (dict,), "an object")
     for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):
