@@ -406,12 +406,16 @@ class PdFlows:
                 prefill_done.set()
 
         t_ready = time.time_ns()
+        prefill_pending = False
         async with anyio.create_task_group() as tg:
             tg.start_soon(prefill_leg)
             with decode_scope:
                 result = await self._decode_leg(
                     legs, ex, decode, decode_pool, raw, t_ready, record, send, fallback=False
                 )
+            # A decode leg that gave up while its prefill leg had not answered was waiting for
+            # KV that was not coming: the prefill stalled, not the decode engine.
+            prefill_pending = result is None and not prefill_done.is_set()
             if result is not None and not ex.client_gone:
                 # The decode engine had its KV; the prefill answer is only drained.
                 with anyio.move_on_after(PREFILL_DRAIN_S):
@@ -419,9 +423,15 @@ class PdFlows:
             tg.cancel_scope.cancel()  # the client left, or decode failed: close the prefill
         if result is not None or ex.client_gone or ex.started_response:
             return result
-        if failure:
+        if failure or prefill_pending:
             self._count("prefill_failed")
-            why = f"prefill leg on {prefill} failed ({failure[0].reason})"
+            if failure:
+                why = f"prefill leg on {prefill} failed ({failure[0].reason})"
+            else:
+                why = (
+                    f"prefill leg on {prefill} had not answered when the decode leg on {decode} "
+                    "gave up waiting for its KV"
+                )
             return await self._fallback(legs, ex, why, decode, decode_pool, record, send)
         return await self._decode_only(legs, ex, decode, decode_pool, record, send)
 

@@ -8,6 +8,7 @@ are checked exactly and fast.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -96,7 +97,10 @@ class FakeUpstream:
             raise step
         if on_sent is not None:
             on_sent()
-        return step()
+        response = step()
+        if inspect.isawaitable(response):  # a step that takes its time (or never answers)
+            response = await response
+        return response
 
 
 def _app(

@@ -129,6 +129,22 @@ async def test_a_failing_prefill_leg_falls_back_to_decode_only() -> None:
     assert app.state.forwarding.pd.counts["prefill_failed"] == 1
 
 
+async def test_sglang_decode_giving_up_on_kv_from_a_stalled_prefill_blames_the_prefill() -> None:
+    # The decode engine waits for KV that a hung prefill never sends: its leg times out first.
+    # That is the prefill's failure (fall back on the same decode engine), not the decode's.
+    async def hung() -> FakeResponse:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    app, fake = _pd_app({PREFILL: [hung], DECODE: [TimeoutError(), _stream]}, engine="sglang")
+    status, body, _ = await _call(app, _long_chat())
+    assert status == 200 and body == CHUNK + DONE
+    first, retry = _bodies(fake, DECODE)
+    assert "bootstrap_room" in first and "bootstrap_room" not in retry  # decode-only
+    counts = app.state.forwarding.pd.counts
+    assert counts["prefill_failed"] == 1 and "decode_leg_failed" not in counts
+
+
 async def test_a_prefill_answer_without_kv_params_falls_back_too() -> None:
     def plain() -> FakeResponse:
         return FakeResponse(200, [b'{"choices":[{"text":"x"}],"kv_transfer_params":null}'])
