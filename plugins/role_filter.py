@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.routing.types import BackendView, RouteContext
+from proxy.routing.types import ROLE_REASON_PREFIX, BackendView, RouteContext
 
 
 class RoleFilter:
@@ -28,7 +28,9 @@ class RoleFilter:
         if len(kept) < len(candidates):  # (disagg off: every backend is mixed)
             for b in candidates:
                 if b.role not in self.roles:
-                    dropped[b.name] = f"role {b.role} is not one of {', '.join(self.roles)}"
+                    dropped[b.name] = (
+                        f"{ROLE_REASON_PREFIX}{b.role} is not one of {', '.join(self.roles)}"
+                    )
         return kept
 
 

@@ -62,6 +62,7 @@ from proxy.disagg.window import RequestFacts, itl_quantiles
 from proxy.exchange import Exchange
 from proxy.relay import upstream_headers
 from proxy.retry import Retry, describe
+from proxy.routing.types import ROLE_REASON_PREFIX
 
 if TYPE_CHECKING:
     from proxy.backends import Backend
@@ -80,8 +81,6 @@ PREFILL_ANSWER_LIMIT = 1 << 20  # a one-token answer; more is not a prefill leg'
 # SGLang: once the decode leg has streamed, its engine had the KV, so the prefill answer is
 # due; a prefill engine that still has not answered by then is not waited for longer.
 PREFILL_DRAIN_S = 5.0
-# The reason plugins/role_filter.py gives for a P/D-role backend it keeps from whole requests.
-ROLE_DROPPED = "role "
 
 
 class Legs(Protocol):
@@ -284,7 +283,9 @@ class PdFlows:
         members = set(pool)
         out = [n for n in ranking if n in members]
         dropped = ex.decision.filtered_out if ex.decision is not None else {}
-        aside = [n for n in pool if n not in out and dropped.get(n, "").startswith(ROLE_DROPPED)]
+        aside = [
+            n for n in pool if n not in out and dropped.get(n, "").startswith(ROLE_REASON_PREFIX)
+        ]
         if aside:
             model = str(ex.body.get("model", ""))
             views = {v.name: v for v in self.steering.views()}

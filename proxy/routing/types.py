@@ -11,6 +11,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+# How a filter's reason begins when it kept a prefill- or decode-role backend from whole
+# requests (plugins/role_filter.py writes it; the P/D flows look for it to take such backends
+# back for their own legs).
+ROLE_REASON_PREFIX = "role "
+
 
 @dataclass(slots=True)
 class EngineLoad:
