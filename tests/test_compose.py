@@ -241,6 +241,16 @@ def test_promtool_accepts_the_prometheus_config() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.e2e
+def test_the_alerting_rules_load_and_fire_on_the_series_they_watch() -> None:
+    for args in (
+        ["check", "rules", str(DEPLOY / "prometheus/alerts.yml")],
+        ["test", "rules", str(ROOT / "tests/prometheus/alerts_test.yml")],
+    ):
+        r = subprocess.run([_promtool(), *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_collector_pipelines_use_defined_components_and_send_no_metrics_to_the_trace_store() -> (
     None
 ):

@@ -1,4 +1,5 @@
-"""Every series the Grafana dashboard queries is in a real /metrics after traffic.
+"""Every series the Grafana dashboard and the alerting rules query is in a real /metrics after
+traffic.
 
 The stack in miniature: three simulated engines listed by URL alone (so their engine is
 detected), one of which answers every request with a 500 (so retries and upstream errors are
@@ -17,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from proxy.app import create_app
 from proxy.config import load_config
@@ -44,6 +46,21 @@ def dashboard_metrics() -> set[str]:
     return {n.removeprefix(COLLECTOR_PREFIX) for n in names}
 
 
+ALERTS = ROOT / "deploy/prometheus/alerts.yml"
+# Exposed only while the doctor has a finding: tests/test_doctor_report.py seeds one and reads
+# it from /metrics.
+ONLY_WITH_A_FINDING = {"warmroute_doctor_findings"}
+
+
+def alert_metrics() -> set[str]:
+    """warmroute's metric names in the alerting rules' expressions (label names in `by (...)`
+    and selectors `{...}` left out)."""
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    exprs = [r["expr"] for g in groups for r in g["rules"]]
+    bare = [re.sub(r"by\s*\([^)]*\)|\{[^}]*\}", " ", e) for e in exprs]
+    return {m for e in bare for m in re.findall(r"\bwarmroute_\w+", e)}
+
+
 def exposed(text: str) -> set[str]:
     return {
         line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"
@@ -54,6 +71,9 @@ def exposed(text: str) -> set[str]:
 def test_every_metric_a_dashboard_panel_queries_is_exposed_after_traffic() -> None:
     used = dashboard_metrics()
     assert len(used) >= 15 and any(m.startswith("vllm:") for m in used)
+    alerts = alert_metrics()
+    assert len(alerts) >= 4
+    used |= alerts - ONLY_WITH_A_FINDING
 
     def sim(**faults: float) -> Any:
         cfg = SimConfig.from_preset("h100", kv_blocks=512, time_scale=20, faults=Faults(**faults))
@@ -93,4 +113,4 @@ def test_every_metric_a_dashboard_panel_queries_is_exposed_after_traffic() -> No
                 ]
     have = set().union(*(exposed(t) for t in texts))
     missing = sorted(used - have)
-    assert not missing, f"the dashboard queries series nothing exposes: {missing}"
+    assert not missing, f"the dashboard or an alert queries series nothing exposes: {missing}"
