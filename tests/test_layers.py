@@ -103,17 +103,51 @@ def test_no_module_is_over_600_lines_without_a_stated_reason() -> None:
     assert over == [], "split these, or say why not in a 'Size:' docstring line"
 
 
-def test_the_import_contracts_hold() -> None:
-    # .importlinter: sim/bench stand alone, plugins see the routing vocabulary only, routing
-    # never imports plugins, no cycles between sibling modules or packages.
-    out = subprocess.run(
-        [sys.executable, "-m", "importlinter.cli", "--no-cache"],
-        cwd=ROOT,
+def lint_imports(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """`lint-imports` from this interpreter's environment, the command .ci/run runs.
+
+    Not `python -m importlinter.cli`: that module has no __main__ block, so it loads, checks
+    nothing and exits 0.
+    """
+    script = Path(sys.executable).parent / "lint-imports"
+    assert script.is_file(), f"{script} is missing: install the [test] extra"
+    return subprocess.run(
+        [str(script), "--no-cache", "--no-logo", *args],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def contract_count(config: Path) -> int:
+    ini = configparser.ConfigParser()
+    ini.read(config)
+    return sum(1 for section in ini.sections() if section.startswith("importlinter:contract:"))
+
+
+def test_the_import_contracts_hold() -> None:
+    # .importlinter: sim/bench stand alone, plugins see the routing vocabulary only, routing
+    # never imports plugins, no cycles between sibling modules or packages.
+    out = lint_imports()
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    # Every contract was read and checked: a runner that checks nothing prints no count.
+    assert f"Contracts: {contract_count(ROOT / '.importlinter')} kept, 0 broken." in out.stdout
+
+
+def test_the_contract_runner_fails_a_broken_contract(tmp_path: Path) -> None:
+    """A copy of .importlinter without the one import the router may make of plugins (setup
+    composing the policy): the same runner must report that contract broken, and exit 1."""
+    config = tmp_path / "importlinter.ini"
+    text = (ROOT / ".importlinter").read_text()
+    allowance = "ignore_imports =\n    proxy.routing.setup -> plugins\n"
+    assert allowance in text
+    config.write_text(text.replace(allowance, ""))
+    out = lint_imports("--config", str(config), "--contract", "router-takes-policies")
+    assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "routing never imports plugins" in out.stdout and "BROKEN" in out.stdout
+    assert "proxy.routing.setup -> plugins" in out.stdout
+    assert "Contracts: 0 kept, 1 broken." in out.stdout
 
 
 def test_no_module_imports_itself_through_others() -> None:
