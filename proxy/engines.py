@@ -3,7 +3,7 @@
 Two ways to say it without a YAML file, for `--backend` and `WARMROUTE_BACKENDS`:
 
     http://10.0.0.5:8000#engine=vllm
-    http://10.0.0.6:8000#engine=sglang,role=prefill,name=gpu-6,weight=2
+    http://10.0.0.6:8000#engine=sglang,role=prefill,name=gpu-6,weight=2,bootstrap_port=8998
 
 The fragment (after `#`, never sent to the backend) holds `key=value` options of the backend,
 comma-separated; in WARMROUTE_BACKENDS a comma followed by a new `http(s)://` starts the next
@@ -24,7 +24,7 @@ log = logging.getLogger("warmroute.backends")
 
 # The metric-name prefix each engine publishes, in the order they are tried.
 METRIC_PREFIXES = (("vllm:", "vllm"), ("sglang:", "sglang"), ("llamacpp:", "llamacpp"))
-URL_OPTIONS = ("engine", "role", "name", "weight")
+URL_OPTIONS = ("engine", "role", "name", "weight", "bootstrap_port")
 _NEXT_URL = re.compile(r",\s*(?=https?://)", re.I)
 
 
@@ -56,7 +56,8 @@ def split_backend_list(value: str) -> list[str]:
 def parse_backend_url(url: str) -> dict[str, Any]:
     """`http://h:8000#engine=vllm,role=prefill` -> {"url": "http://h:8000", "engine": ...}.
 
-    Raises ValueError naming the option that is not one of URL_OPTIONS or has no value.
+    Raises ValueError naming the option that is not one of URL_OPTIONS or has no value, or a
+    `bootstrap_port` that is not a port number.
     """
     base, sep, fragment = url.partition("#")
     out: dict[str, Any] = {"url": base}
@@ -72,8 +73,19 @@ def parse_backend_url(url: str) -> dict[str, Any]:
                 f"{', '.join(URL_OPTIONS)} (e.g. http://10.0.0.5:8000#engine=vllm,role=prefill); "
                 f"got {item.strip()!r}"
             )
-        out[key] = value
+        out[key] = _port(url, value) if key == "bootstrap_port" else value
     return out
+
+
+def _port(url: str, value: str) -> int:
+    """An SGLang prefill engine's bootstrap port as written in a URL's options."""
+    port = int(value) if value.isascii() and value.isdigit() and len(value) < 6 else 0
+    if not 1 <= port <= 65535:
+        raise ValueError(
+            f"{url!r}: bootstrap_port is the SGLang prefill engine's "
+            f"--disaggregation-bootstrap-port, a number from 1 to 65535; got {value!r}"
+        )
+    return port
 
 
 def engine_from_metrics(text: str) -> str | None:

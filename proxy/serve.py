@@ -109,7 +109,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         dest="backends",
         action="append",
         metavar="URL",
-        help="backend base URL, repeatable (env: WARMROUTE_BACKENDS=url1,url2)",
+        help="backend base URL, repeatable, with options after '#': engine, role, name, weight, "
+        "bootstrap_port (e.g. 'http://10.0.0.6:30000#engine=sglang,role=prefill,"
+        "bootstrap_port=8998'; env: WARMROUTE_BACKENDS=url1,url2)",
     )
     p.add_argument(
         "--policy", help="routing policy: round_robin, least_inflight, ... (env: WARMROUTE_POLICY)"

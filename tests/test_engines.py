@@ -38,6 +38,24 @@ def test_url_options_are_key_value_pairs_with_known_keys() -> None:
             parse_backend_url(bad)
 
 
+def test_an_sglang_prefill_engines_bootstrap_port_can_be_said_in_its_url() -> None:
+    url = "http://p:30000#engine=sglang,role=prefill,bootstrap_port=8998"
+    assert parse_backend_url(url)["bootstrap_port"] == 8998
+    [p] = load_config(flags={"backends": [url]}, env={}).backends
+    assert (p.engine, p.role, p.bootstrap_port) == ("sglang", "prefill", 8998)
+    env = {"WARMROUTE_BACKENDS": url + ",http://d:30000#engine=sglang,role=decode"}
+    assert [b.bootstrap_port for b in load_config(env=env).backends] == [8998, None]
+
+
+@pytest.mark.parametrize("bad", ["x", "0", "65536", "-1", "89.5", "²", "0x22"])
+def test_a_bootstrap_port_that_is_not_a_port_names_the_option_and_its_range(bad: str) -> None:
+    url = f"http://p:30000#bootstrap_port={bad}"
+    with pytest.raises(ValueError, match="bootstrap_port is the SGLang prefill engine's"):
+        parse_backend_url(url)
+    with pytest.raises(ConfigError, match=r"backends\.0.*from 1 to 65535"):
+        load_config(flags={"backends": [url]}, env={})
+
+
 def test_env_flags_and_yaml_all_take_the_url_form(tmp_path: Path) -> None:
     env = {"WARMROUTE_BACKENDS": "http://a:8000#engine=vllm,role=prefill,http://b:8000"}
     a, b = load_config(env=env).backends
