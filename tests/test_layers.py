@@ -1,16 +1,19 @@
-"""The layers stay one-way: what sim/ and bench/ load, checked at run time and statically.
+"""The layers stay one-way: what sim/, bench/, plugins/ and the doctor's diagnosis load.
 
-The import contracts (.importlinter, run by `lint-imports` in .ci/run and below) check the
-rules statically; the first test also catches what they cannot see, a package __init__ that
-drags a layer in. Both sim/bench checks are allowlists (the leaves), so a module added to the
-proxy is forbidden to them without anyone remembering to forbid it. The cycle test looks
-across proxy/ and plugins/ at once; the size test keeps modules small or their size explained.
+The import contracts (.importlinter) are run here by `lint-imports` as .ci/run runs it, and a
+deliberately broken copy proves the runner looks. The run-time tests catch what the contracts
+cannot see, a package __init__ that drags a layer in. The checks are allowlists (the leaves,
+the routing vocabulary, the diagnosis's pure modules), so a module added to the proxy is
+forbidden without anyone remembering to forbid it. The cycle test looks across proxy/ and
+plugins/ at once; the size test keeps modules small or their size explained.
 """
 
 from __future__ import annotations
 
 import ast
 import configparser
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +44,17 @@ ENTRY_POINTS = (
     "proxy.bench.cli",
     "proxy.bench.mock",
 )
+# All of the proxy that plugins may import (docs/architecture.md, the plugins contract), with
+# the packages that importing it runs.
+ROUTING_VOCABULARY = frozenset(
+    {
+        "proxy",
+        "proxy.routing",
+        "proxy.routing.types",
+        "proxy.routing.rendezvous",
+        "proxy.routing.learn",
+    }
+)
 MAX_LINES = 600
 
 
@@ -48,16 +62,21 @@ def _standalone(module: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in STANDALONE)
 
 
-def test_the_simulator_and_the_bench_load_nothing_of_the_proxy() -> None:
+def loaded_by(modules: list[str]) -> set[str]:
+    """Every module a fresh interpreter holds once it has imported `modules`."""
     code = (
         "import importlib, sys\n"
-        f"for name in {ENTRY_POINTS!r}: importlib.import_module(name)\n"
-        "print('\\n'.join(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('proxy', 'plugins'))))\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        "print('\\n'.join(sorted(sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    loaded = [m for m in out.stdout.split() if not _standalone(m) and m not in LEAVES]
+    return set(out.stdout.split())
+
+
+def test_the_simulator_and_the_bench_load_nothing_of_the_proxy() -> None:
+    ours = (m for m in loaded_by(list(ENTRY_POINTS)) if m.split(".")[0] in ("proxy", "plugins"))
+    loaded = sorted(m for m in ours if not _standalone(m) and m not in LEAVES)
     assert loaded == [], f"sim/bench loaded proxy modules that are not leaves: {loaded}"
 
 
@@ -114,6 +133,7 @@ def lint_imports(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[st
     return subprocess.run(
         [str(script), "--no-cache", "--no-logo", *args],
         cwd=cwd,
+        env={**os.environ, "COLUMNS": "200"},  # one line per contract, however long its name
         capture_output=True,
         text=True,
         timeout=120,
@@ -148,6 +168,45 @@ def test_the_contract_runner_fails_a_broken_contract(tmp_path: Path) -> None:
     assert "routing never imports plugins" in out.stdout and "BROKEN" in out.stdout
     assert "proxy.routing.setup -> plugins" in out.stdout
     assert "Contracts: 0 kept, 1 broken." in out.stdout
+
+
+# Beyond the routing vocabulary: what a plugin must not reach, one of each kind (a pure core
+# of the request path, a router helper, the doctor, a module that was added after the rule).
+BEYOND_THE_VOCABULARY = {
+    "round_robin": "proxy.meter",
+    "session": "proxy.routing.placement",
+    "queue_scorer": "proxy.doctor.diagnose",
+    "model_filter": "proxy.disagg.window",
+}
+
+
+def test_a_plugin_importing_beyond_the_routing_vocabulary_breaks_the_plugins_contract(
+    tmp_path: Path,
+) -> None:
+    """The plugins contract is an allowlist: on a copy of the tree where plugins (or the
+    vocabulary they use) import other modules of the proxy, each import is reported."""
+    for package in ("proxy", "plugins"):
+        shutil.copytree(
+            ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    shutil.copy(ROOT / ".importlinter", tmp_path / ".importlinter")
+    imports = {f"plugins.{plugin}": module for plugin, module in BEYOND_THE_VOCABULARY.items()}
+    imports["proxy.routing.learn"] = "proxy.meter"  # and through the vocabulary
+    for importer, module in imports.items():
+        with tmp_path.joinpath(*importer.split(".")).with_suffix(".py").open("a") as f:
+            f.write(f"\nimport {module}  # noqa: E402\n")
+    out = lint_imports("--contract", "plugins", "--contract", "routing-vocabulary", cwd=tmp_path)
+    assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-2000:]
+    for importer, module in imports.items():
+        assert f"{importer} -> {module}" in out.stdout, (importer, out.stdout[-4000:])
+    assert "Contracts: 0 kept, 2 broken." in out.stdout
+
+
+def test_plugins_load_nothing_of_the_proxy_but_the_routing_vocabulary() -> None:
+    """At run time too: a package __init__ on the way (proxy.routing's) drags nothing in."""
+    names = sorted(f"plugins.{p.stem}" for p in (ROOT / "plugins").glob("[!_]*.py"))
+    proxy = {m for m in loaded_by(["plugins", *names]) if m.split(".")[0] == "proxy"}
+    assert sorted(proxy - ROUTING_VOCABULARY) == []
 
 
 def test_no_module_imports_itself_through_others() -> None:
