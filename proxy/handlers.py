@@ -128,14 +128,9 @@ def routes(state: AppState) -> list[Route]:
         """The prefill/decode decider: mode, active, pools, its window's inputs, why."""
         pd = state.forwarding.pd if state.forwarding is not None else None
         if pd is None:
-            return _json(
-                {
-                    "mode": "off",
-                    "active": False,
-                    "reason": "disagg.mode is off: every request goes whole to the backend "
-                    "routing picks",
-                }
-            )
+            from proxy.disagg.controller import state_when_off  # loaded only if asked, as when on
+
+            return _json(state_when_off(state.config.disagg, time.perf_counter()))
         return _json(pd.state())
 
     async def backends(request: Request) -> Response:

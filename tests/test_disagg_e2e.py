@@ -256,6 +256,21 @@ async def test_usage_through_both_legs_is_the_decode_engines_for_the_whole_promp
 # --- GET /admin/disagg over HTTP ----------------------------------------------------------
 
 ADMIN = "admin-secret-for-tests"
+STATE_KEYS = {
+    "mode",
+    "active",
+    "reason",
+    "pools",
+    "candidate_pools",
+    "inputs",
+    "switched_at",
+    "interference_at_switch",
+    "switches",
+    "thresholds",
+    "in_flight_tracked",
+    "requests",
+    "now",
+}
 
 
 def _admin(url: str) -> dict[str, Any]:
@@ -278,12 +293,14 @@ def test_admin_disagg_over_http_says_the_mode_and_why(
     )
     state = _admin(proxy.url)
     assert state["mode"] == mode
+    assert set(state) == STATE_KEYS  # one schema in every mode, for tools that read it
+    assert set(state["thresholds"]) >= {"min_backends", "min_dwell_s"}
     if mode == "off":
-        assert state == {
-            "mode": "off",
-            "active": False,
-            "reason": "disagg.mode is off: every request goes whole to the backend routing picks",
-        }
+        assert state["active"] is False and state["switches"] == [] and state["requests"] == {}
+        assert state["pools"] is None and state["inputs"] is None  # nothing is measured when off
+        assert state["reason"] == (
+            "disagg.mode is off: every request goes whole to the backend routing picks"
+        )
         return
     # No request has come yet: reading the state is what evaluated it.
     names = sorted(u.removeprefix("http://") for u in (a.url, b.url))

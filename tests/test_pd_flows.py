@@ -226,3 +226,13 @@ async def test_decider_and_passive_health_are_metrics() -> None:
     assert ejected and float(ejected.group(1)) == 1
     assert "warmroute_upstream_retry_budget_exhausted" in text
     assert "warmroute_disagg_input{" in text
+
+
+async def test_disagg_active_is_reported_as_0_when_the_mode_is_off() -> None:
+    cfg = load_config(flags={"backends": [f"http://{DECODE}"]}, env={})
+    app = create_app(cfg)
+    assert app.state.forwarding.pd is None
+    body, _ = app.state.telemetry.prometheus_text()
+    text = body.decode() if isinstance(body, bytes) else body
+    assert re.search(r"(?m)^warmroute_disagg_active(\{[^}]*\})? 0(\.0)?$", text)
+    assert "warmroute_disagg_input{" not in text  # nothing is measured when off

@@ -34,6 +34,8 @@ from proxy.disagg.pools import (
 )
 from proxy.disagg.window import RequestFacts, Window
 
+OFF_REASON = "disagg.mode is off: every request goes whole to the backend routing picks"
+
 
 class DisaggController:
     """The decider, its window and per-request planning for one proxy replica."""
@@ -95,3 +97,11 @@ class DisaggController:
         out = self.decider.state()
         out["in_flight_tracked"] = self.window.in_flight
         return out
+
+
+def state_when_off(cfg: DisaggConfig, now: float) -> dict[str, Any]:
+    """GET /admin/disagg with disagg.mode off: the keys it has in on and auto, with nothing
+    measured (no window is kept when off), so that tools read one schema in every mode."""
+    out = DisaggController(cfg).state()
+    out.update(reason=OFF_REASON, requests={}, now=now)
+    return out

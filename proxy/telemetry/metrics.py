@@ -220,7 +220,8 @@ class RequestMetrics:
             "warmroute.disagg.active",
             [self._observe_disagg_active],
             unit="1",
-            description="1 while prefill/decode disaggregation is active (docs/disaggregation.md).",
+            description="1 while prefill/decode disaggregation is active, else 0 (also with "
+            "disagg.mode off; docs/disaggregation.md).",
         )
         meter.create_observable_gauge(
             "warmroute.disagg.input",
@@ -261,9 +262,9 @@ class RequestMetrics:
         yield Observation(self.budget_exhausted())
 
     def _observe_disagg_active(self, _options: CallbackOptions) -> Iterable[Observation]:
+        # 0 with disagg.mode off too: an alert or a dashboard reads one series in every mode.
         state = self.disagg()
-        if state is not None:
-            yield Observation(1 if state[0] else 0)
+        yield Observation(1 if state is not None and state[0] else 0)
 
     def _observe_disagg_inputs(self, _options: CallbackOptions) -> Iterable[Observation]:
         state = self.disagg()
