@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 
 import plugins
+from proxy import presets
 from proxy.bench.results import RequestResult
 from proxy.bench.workloads import WORKLOADS
-from proxy.sim import presets
 from proxy.stack import Stack, StackError, free_ports
 
 EPILOG = """\

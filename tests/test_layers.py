@@ -30,6 +30,7 @@ LEAVES = frozenset(
         "proxy.asgi",
         "proxy.sse",
         "proxy.stats",
+        "proxy.presets",
         "proxy.kvevents",
         "proxy.kvevents.wire",
         "proxy.kvevents.publisher",
@@ -54,6 +55,32 @@ ROUTING_VOCABULARY = frozenset(
         "proxy.routing.rendezvous",
         "proxy.routing.learn",
     }
+)
+# The doctor's diagnosis (docs/doctor.md): windows in, findings out, the same in the proxy, on
+# the virtual fleet and in a test, so no I/O. Of the proxy it may use these modules and two
+# leaves (the percentile, the device tables); of the standard library only what is below
+# (time: the collector's default clock, passed in everywhere else).
+DIAGNOSIS = (
+    "proxy.doctor",
+    "proxy.doctor.model",
+    "proxy.doctor.stats",
+    "proxy.doctor.hardware",
+    "proxy.doctor.timeline",
+    "proxy.doctor.analysis",
+    "proxy.doctor.report",
+    "proxy.doctor.diagnose",
+    "proxy.doctor.collector",
+    "proxy.doctor.virtual",
+)
+DIAGNOSIS_MAY_USE = frozenset({"proxy", "proxy.stats", "proxy.presets", *DIAGNOSIS})
+DIAGNOSIS_STDLIB = frozenset(
+    "__future__ array bisect collections dataclasses math re struct time typing".split()
+)
+# I/O, should any arrive at run time through something allowed: servers, clients, event loops,
+# threads, sockets, Redis, ZeroMQ, exporters.
+IO_PACKAGES = frozenset(
+    "anyio asyncio h11 http httpcore httptools httpx opentelemetry redis selectors socket ssl "
+    "starlette subprocess threading urllib3 uvicorn uvloop zmq".split()
 )
 MAX_LINES = 600
 
@@ -207,6 +234,26 @@ def test_plugins_load_nothing_of_the_proxy_but_the_routing_vocabulary() -> None:
     names = sorted(f"plugins.{p.stem}" for p in (ROOT / "plugins").glob("[!_]*.py"))
     proxy = {m for m in loaded_by(["plugins", *names]) if m.split(".")[0] == "proxy"}
     assert sorted(proxy - ROUTING_VOCABULARY) == []
+
+
+def test_the_diagnosis_imports_only_its_own_pure_modules_and_no_io() -> None:
+    """Statically, lazy imports included, the standard library too: an allowlist."""
+    graph = grimp.build_graph("proxy", "plugins", include_external_packages=True, cache_dir=None)
+    used: dict[str, str] = {}
+    for module in DIAGNOSIS:
+        for dep in graph.find_upstream_modules(module):
+            if dep not in DIAGNOSIS_MAY_USE and dep not in DIAGNOSIS_STDLIB:
+                used.setdefault(dep, module)
+    assert used == {}, f"not allowed to the diagnosis (imported by): {used}"
+
+
+def test_the_diagnosis_loads_no_io_and_nothing_else_of_the_proxy() -> None:
+    """At run time: importing a module runs its packages' __init__, which the graph above does
+    not follow (proxy.sim's starts uvicorn's import)."""
+    loaded = loaded_by(list(DIAGNOSIS))
+    ours = sorted(m for m in loaded if m.split(".")[0] in ("proxy", "plugins"))
+    assert [m for m in ours if m not in DIAGNOSIS_MAY_USE] == []
+    assert sorted({m.split(".")[0] for m in loaded} & IO_PACKAGES) == []
 
 
 def test_no_module_imports_itself_through_others() -> None:

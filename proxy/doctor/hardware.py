@@ -1,7 +1,7 @@
 """Declared hardware -> the decode ceiling, from the simulator's device and model tables.
 
 The tables (memory bandwidth per device, layouts per model size, bytes per weight) are the
-ones the simulated engine runs on (proxy/sim/presets.py, the ceiling table in
+ones the simulated engine runs on (proxy/presets.py, the ceiling table in
 docs/physics.md), so a declared `device: h100, params: 8b` means the same here as there.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
+from proxy import presets
 from proxy.doctor.model import Hardware
-from proxy.sim import presets
 
 _COUNT = re.compile(r"^(\d+(?:\.\d+)?)\s*([bm])$", re.IGNORECASE)
 

@@ -12,8 +12,8 @@ import socket
 import sys
 from typing import Any
 
+from proxy import presets
 from proxy.kvevents.publisher import offset_endpoint
-from proxy.sim import presets
 from proxy.sim.config import PD_FLOWS, ROLES, Faults, SimConfig
 from proxy.sim.fleet import SimFleet
 

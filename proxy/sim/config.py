@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.sim import presets
+from proxy import presets
 
 ROLES = ("mixed", "prefill", "decode")
 PD_FLOWS = ("both", "vllm", "sglang")  # which engines' P/D fields a sim accepts

@@ -1,4 +1,8 @@
-"""Device and model presets: the numbers the simulated engine's physics is built from.
+"""Device and model presets: the numbers the simulated engine's physics is built from, and
+the ones the doctor judges a declared backend's decode ceiling by (one table for both).
+
+A leaf: it imports nothing of the proxy, so the simulator (which may use only leaves) and the
+doctor's diagnosis (which may do no I/O) import it without loading each other.
 
 Bandwidths are the datasheet figures behind the ceiling table in docs/physics.md: an 8B bf16
 model decodes at bandwidth / 16 GB tokens per second on each device. Peak compute is dense
