@@ -8,7 +8,11 @@ open       no requests until the ejection ends; the n-th ejection in a row lasts
            ejection_s * 2^(n-1) (at most max_ejection_s), so a backend that keeps failing is
            tried less and less often.
 half_open  one probe request may go; its success closes the breaker (and forgets the
-           ejections), its failure opens it again for longer.
+           ejections), its failure opens it again for longer. A probe that ends without a
+           verdict (a 429, a keep-alive race, the client leaving before the answer) lets the
+           next probe go; one that reports nothing at all (cancelled on a path that does not
+           say so) is presumed lost once it has kept requests off for as long as the ejection
+           before it. Either way the breaker never stays half-open with nobody probing.
 
 An active health check that succeeds moves an open breaker to half-open only when the
 ejection came from refused connections (the engine is back); a backend that answers its health
@@ -17,9 +21,12 @@ endpoint but fails requests stays ejected until a probe request succeeds.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from proxy.config import OutlierConfig
+
+log = logging.getLogger("warmroute.outlier")
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 IMMEDIATE_KINDS = frozenset({"connect"})
@@ -35,6 +42,9 @@ class Breaker:
     ejections: int = 0
     open_until: float = 0.0
     probe_out: bool = False
+    held_since: float | None = None  # the first request kept off by the probe in flight
+    ejected_s: float = 0.0  # the length of the last ejection: how long a probe may stay out
+    lost_probes: int = 0
     last_kind: str | None = None
 
     def allows(self, now: float) -> bool:
@@ -44,18 +54,40 @@ class Breaker:
         if self.state == OPEN:
             if now < self.open_until:
                 return False
-            self.state = HALF_OPEN
-            self.probe_out = False
-        return not self.probe_out
+            self._half_open()
+        if not self.probe_out:
+            return True
+        if self.held_since is None:
+            self.held_since = now
+            return False
+        if now - self.held_since < self.ejected_s:
+            return False
+        # The probe's request ended somewhere that reported neither a verdict nor its end:
+        # waiting on it would keep a backend that may be fine out of rotation forever.
+        self.lost_probes += 1
+        log.warning(
+            "a half-open probe gave no verdict within %.1fs (the ejection before it); "
+            "letting another probe go",
+            self.ejected_s,
+        )
+        self._half_open()
+        return True
 
     def on_attempt(self) -> None:
         """A request was sent: in half-open it is the probe, and no other may follow yet."""
         if self.state == HALF_OPEN:
             self.probe_out = True
+            self.held_since = None
 
     def failure(self, kind: str, now: float) -> bool:
-        """Count a failed attempt; True when this one ejected the backend."""
+        """Count a failed attempt; True when this one ejected the backend.
+
+        A kind that says nothing about the backend (overloaded, reused, cancelled) is no
+        verdict: in half-open the probe is released, so the next request probes instead.
+        """
         if kind not in COUNTED_KINDS:
+            if self.probe_out:
+                self._half_open()
             return False
         self.last_kind = kind
         self.consecutive += 1
@@ -73,21 +105,28 @@ class Breaker:
             self.state = CLOSED
             self.ejections = 0
             self.probe_out = False
+            self.held_since = None
 
     def health_ok(self, now: float) -> None:
         """The active health check passed: a refused-connection ejection may end early."""
         if self.state == OPEN and self.last_kind in IMMEDIATE_KINDS:
-            self.state = HALF_OPEN
-            self.probe_out = False
+            self._half_open()
+
+    def _half_open(self) -> None:
+        self.state = HALF_OPEN
+        self.probe_out = False
+        self.held_since = None
 
     def _eject(self, now: float, kind: str) -> None:
         self.ejections += 1
         base = self.cfg.ejection_s
         if kind in IMMEDIATE_KINDS and self.first_ejection_s is not None:
             base = self.first_ejection_s
-        self.open_until = now + min(self.cfg.max_ejection_s, base * 2 ** (self.ejections - 1))
+        self.ejected_s = min(self.cfg.max_ejection_s, base * 2 ** (self.ejections - 1))
+        self.open_until = now + self.ejected_s
         self.state = OPEN
         self.probe_out = False
+        self.held_since = None
 
     def info(self, now: float) -> dict[str, object]:
         return {
@@ -99,5 +138,7 @@ class Breaker:
             "ejected_for_s": round(max(0.0, self.open_until - now), 3)
             if self.state == OPEN
             else 0.0,
+            "probe_out": self.probe_out,
+            "lost_probes": self.lost_probes,
             "last_failure_kind": self.last_kind,
         }

@@ -148,3 +148,47 @@ def test_a_refused_connection_ejects_at_once_and_a_health_check_can_end_it() -> 
     s.failure("status", 0.0)
     s.health_ok(1.0)  # answering /health says nothing about answering requests
     assert not s.allows(1.0)
+
+
+def _probing(**kw: float) -> Breaker:
+    """A breaker ejected once (10 s), now half-open with its probe out."""
+    b = _breaker(consecutive_failures=1, ejection_s=10.0, **kw)
+    b.failure("status", 0.0)
+    assert b.allows(10.0)
+    b.on_attempt()
+    assert not b.allows(10.0)
+    return b
+
+
+@pytest.mark.parametrize("kind", ["overloaded", "reused", "cancelled"])
+def test_a_probe_that_ends_without_a_verdict_lets_the_next_probe_go(kind: str) -> None:
+    # A 429, the keep-alive race, the client leaving (or shutdown) before the answer: none
+    # says whether the backend is well, so the breaker stays half-open and probes again.
+    b = _probing()
+    assert not b.failure(kind, 11.0)
+    assert b.state == "half_open" and b.allows(11.0)
+    assert b.info(11.0)["state"] == "half_open" and not b.info(11.0)["probe_out"]
+    b.on_attempt()
+    assert not b.allows(11.0)  # ...one probe at a time still
+    b.success()
+    assert b.state == "closed" and b.allows(11.0)
+
+
+def test_a_probe_that_reports_nothing_is_presumed_lost_after_the_ejection_it_follows() -> None:
+    b = _probing()  # its check at 10 s was the first request kept off: the clock starts
+    assert not b.allows(19.9)
+    assert b.allows(20.0)  # kept off for 10 s, the length of the ejection before it
+    assert b.lost_probes == 1 and b.info(20.0)["lost_probes"] == 1
+    b.on_attempt()
+    assert not b.allows(20.0)  # the new probe is the only one out
+    b.success()
+    assert b.state == "closed"
+
+
+def test_a_probe_that_fails_ejects_again_after_a_released_one() -> None:
+    b = _probing()
+    b.failure("overloaded", 11.0)
+    assert b.allows(11.0)
+    b.on_attempt()
+    assert b.failure("timeout", 12.0)
+    assert b.state == "open" and b.open_until == 32.0  # the second ejection: 20 s
