@@ -25,10 +25,16 @@ OTEL_EXPORTER_OTLP_[{TRACES,METRICS}_]TIMEOUT is in milliseconds, as the specifi
 defines it; the Python SDK (1.45) reads it as seconds, so warmroute converts it and hands the
 exporters the timeout itself (10000 means 10 s, not 2.8 hours).
 
-The rest are read by the SDK itself, unchanged: OTEL_EXPORTER_OTLP_[{TRACES,METRICS}_]ENDPOINT
-(unless telemetry.otlp_endpoint is set), ..._HEADERS, ..._COMPRESSION, ..._CERTIFICATE,
-OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG, OTEL_RESOURCE_ATTRIBUTES, OTEL_BSP_*,
-OTEL_METRIC_EXPORT_INTERVAL.
+OTEL_EXPORTER_OTLP_[{TRACES,METRICS}_]{CERTIFICATE,CLIENT_KEY,CLIENT_CERTIFICATE} are resolved
+here too (otlp_tls_files), each per-signal variable over its general one, and handed to the
+exporters: the SDK's gRPC exporters read the per-signal client key only beside a per-signal CA
+certificate, so a general CA with a per-signal client certificate would fail the handshake.
+
+The rest are read by the SDK (or, for OTEL_BSP_*, by proxy/telemetry/batcher.py, which does the
+BatchSpanProcessor's job) unchanged: OTEL_EXPORTER_OTLP_[{TRACES,METRICS}_]ENDPOINT (unless
+telemetry.otlp_endpoint is set), ..._HEADERS, ..._COMPRESSION, OTEL_TRACES_SAMPLER and
+OTEL_TRACES_SAMPLER_ARG, OTEL_RESOURCE_ATTRIBUTES, OTEL_BSP_SCHEDULE_DELAY,
+OTEL_BSP_MAX_QUEUE_SIZE, OTEL_BSP_MAX_EXPORT_BATCH_SIZE, OTEL_METRIC_EXPORT_INTERVAL.
 """
 
 from __future__ import annotations
@@ -40,10 +46,19 @@ TRACES_EXPORTERS = ("otlp", "console", "none")
 _OTLP = tuple(
     f"OTEL_EXPORTER_OTLP_{signal}{what}"
     for signal in ("", "TRACES_", "METRICS_")
-    for what in ("ENDPOINT", "PROTOCOL", "HEADERS", "TIMEOUT", "COMPRESSION", "CERTIFICATE")
+    for what in (
+        "ENDPOINT",
+        "PROTOCOL",
+        "HEADERS",
+        "TIMEOUT",
+        "COMPRESSION",
+        "CERTIFICATE",
+        "CLIENT_KEY",
+        "CLIENT_CERTIFICATE",
+    )
 )
 # Every OTEL_* variable warmroute honours, here or through the SDK (deployment files set only
-# these; tests/test_compose.py checks it).
+# these; tests/test_compose.py checks it; tests/test_otel_env.py proves each one's effect).
 HONOURED = (
     "OTEL_SDK_DISABLED",
     "OTEL_SERVICE_NAME",
@@ -129,6 +144,22 @@ def otlp_timeout_s(env: Mapping[str, str], signal: str) -> float | None:
             raise OtelEnvError(f"{var}={raw}: a timeout in milliseconds, e.g. 10000")
         return ms / 1000
     return None
+
+
+def otlp_tls_files(
+    env: Mapping[str, str], signal: str
+) -> tuple[str | None, str | None, str | None]:
+    """(CA certificate, client key, client certificate) files for OTLP export of `signal`
+    (TRACES or METRICS): each OTEL_EXPORTER_OTLP_<SIGNAL>_* variable, else the general one."""
+
+    def one(what: str) -> str | None:
+        for var in (f"OTEL_EXPORTER_OTLP_{signal}_{what}", f"OTEL_EXPORTER_OTLP_{what}"):
+            value = env.get(var, "").strip()
+            if value:
+                return value
+        return None
+
+    return one("CERTIFICATE"), one("CLIENT_KEY"), one("CLIENT_CERTIFICATE")
 
 
 def telemetry_defaults(env: Mapping[str, str]) -> dict[str, Any]:

@@ -272,8 +272,16 @@ def otlp_span_exporter(cfg: TelemetryConfig) -> SpanExporter:
             )
         except ImportError:
             raise _grpc_missing() from None
-        return G(endpoint=_otlp_endpoint(cfg, "traces"), timeout=_timeout_s("TRACES"))
-    return http_span_exporter(endpoint=_otlp_endpoint(cfg, "traces"), timeout=_timeout_s("TRACES"))
+        return G(
+            endpoint=_otlp_endpoint(cfg, "traces"),
+            timeout=_timeout_s("TRACES"),
+            credentials=_grpc_credentials("TRACES"),
+        )
+    return http_span_exporter(
+        endpoint=_otlp_endpoint(cfg, "traces"),
+        timeout=_timeout_s("TRACES"),
+        **_tls_kwargs("TRACES"),
+    )
 
 
 def _otlp_metric_exporter(cfg: TelemetryConfig) -> Any:
@@ -284,10 +292,18 @@ def _otlp_metric_exporter(cfg: TelemetryConfig) -> Any:
             )
         except ImportError:
             raise _grpc_missing() from None
-        return G(endpoint=_otlp_endpoint(cfg, "metrics"), timeout=_timeout_s("METRICS"))
+        return G(
+            endpoint=_otlp_endpoint(cfg, "metrics"),
+            timeout=_timeout_s("METRICS"),
+            credentials=_grpc_credentials("METRICS"),
+        )
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as H
 
-    return H(endpoint=_otlp_endpoint(cfg, "metrics"), timeout=_timeout_s("METRICS"))
+    return H(
+        endpoint=_otlp_endpoint(cfg, "metrics"),
+        timeout=_timeout_s("METRICS"),
+        **_tls_kwargs("METRICS"),
+    )
 
 
 def _timeout_s(signal: str) -> float | None:
@@ -297,3 +313,75 @@ def _timeout_s(signal: str) -> float | None:
         return otel_env.otlp_timeout_s(os.environ, signal)
     except otel_env.OtelEnvError as e:
         raise ConfigError(str(e)) from None
+
+
+def _tls_files(signal: str) -> tuple[str | None, str | None, str | None]:
+    """The OTLP CA certificate, client key and client certificate files for `signal`, each
+    checked to be a readable file, so that a wrong path stops the start naming its variable
+    instead of failing every export."""
+    files = otel_env.otlp_tls_files(os.environ, signal)
+    for what, path in zip(("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE"), files, strict=True):
+        if path is not None and not os.access(path, os.R_OK):
+            var = f"OTEL_EXPORTER_OTLP_{signal}_{what}"
+            if os.environ.get(var, "").strip() != path:
+                var = f"OTEL_EXPORTER_OTLP_{what}"
+            raise ConfigError(f"{var}={path}: no readable file there (a PEM file is expected)")
+    return files
+
+
+def _tls_kwargs(signal: str) -> dict[str, Any]:
+    """The OTLP/HTTP exporter's TLS arguments (none set: the SDK's defaults, the system CAs)."""
+    ca, key, cert = _tls_files(signal)
+    names = ("certificate_file", "client_key_file", "client_certificate_file")
+    kwargs: dict[str, Any] = {
+        name: path for name, path in zip(names, (ca, key, cert), strict=True) if path
+    }
+    credential_provider = (
+        "OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
+        f"OTEL_PYTHON_EXPORTER_OTLP_HTTP_{signal}_CREDENTIAL_PROVIDER",
+    )
+    if ca and not any(os.environ.get(var) for var in credential_provider):
+        kwargs["session"] = _own_ca_session()
+    return kwargs
+
+
+def _own_ca_session() -> Any:
+    """A requests session that verifies with the CA file it is given even where
+    REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE is set: requests lets those replace a session's own
+    `verify` on every request, so the SDK's exporter would ignore OTEL_EXPORTER_OTLP_CERTIFICATE
+    on such a machine (many container images set them) and fail to verify the collector."""
+    import requests
+
+    class OwnCASession(requests.Session):
+        def merge_environment_settings(
+            self, url: Any, proxies: Any, stream: Any, verify: Any, cert: Any
+        ) -> Any:
+            verify = self.verify if verify is None else verify
+            return super().merge_environment_settings(url, proxies, stream, verify, cert)
+
+    return OwnCASession()
+
+
+def _grpc_credentials(signal: str) -> Any:
+    """The gRPC channel credentials from the OTLP TLS variables, resolved one by one (the SDK's
+    gRPC exporters read a per-signal client key only beside a per-signal CA certificate);
+    None when none is set (the SDK's default: the system CAs). Unused for http:// endpoints."""
+    ca, key, cert = _tls_files(signal)
+    if not (ca or key or cert):
+        return None
+    if bool(key) != bool(cert):
+        raise ConfigError(
+            f"OTLP over gRPC for {signal.lower()}: set both OTEL_EXPORTER_OTLP_CLIENT_KEY and "
+            "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE (or their per-signal forms), or neither"
+        )
+    import grpc
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(ca), private_key=read(key), certificate_chain=read(cert)
+    )
