@@ -4,9 +4,10 @@ Used only when `disagg.mode` is `on` or `auto` (with `off` the forwarder never c
 Per request, after routing:
 
 - The controller (proxy/disagg/controller.py, pure) classifies the request from its uncached
-  prompt on the router's winner and its expected output, and plans it: one leg on a pool, or
-  two legs (prefill on the prefill pool, decode on the decode pool) when both pools hold
-  engines that speak the same KV-transfer flow. A pool is used only inside the router's own
+  prompt on the decode pool and its expected output, and plans it: one leg on a pool, or two
+  legs (prefill on the prefill pool, decode on the decode pool) for a chat or completions
+  request whose uncached prompt is over the threshold, when both pools hold engines that speak
+  the same KV-transfer flow. A pool is used only inside the router's own
   ranking (what it filtered out — another model, an in-flight bound, an ejected backend —
   stays out); P/D-role backends the role filter set aside for whole requests are what the two
   legs are for, and join when they can serve. No pool member left: the router's ranking, as
@@ -183,7 +184,8 @@ class PdFlows:
                 itl_p50_s=q[0] if q else None,
                 itl_p99_s=q[1] if q else None,
                 ok=ok,
-            )
+            ),
+            generates=ex.api != "embeddings",
         )
 
     def _prompt_tokens(self, ex: Exchange) -> int:
@@ -245,7 +247,7 @@ class PdFlows:
         names = [n for n in ranking if n in split.decode] if split is not None else []
         names = names or ([] if split is None else list(split.decode)) or list(ranking[:1])
         uncached = min((self._uncached_on(ex, n) for n in names), default=0)
-        return self.ctl.plan(ex.body, self._prompt_tokens(ex), uncached, self.states())
+        return self.ctl.plan(ex.body, self._prompt_tokens(ex), uncached, self.states(), ex.api)
 
     async def forward(
         self,

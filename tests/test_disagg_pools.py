@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from proxy.config import DisaggConfig
+from proxy.disagg.controller import DisaggController
 from proxy.disagg.pools import (
     BackendState,
     Demand,
@@ -14,6 +16,7 @@ from proxy.disagg.pools import (
     split_carries_demand,
     uncached_tokens,
 )
+from proxy.disagg.window import RequestFacts
 
 
 def fleet(n: int, **kw: object) -> list[BackendState]:
@@ -125,3 +128,72 @@ def test_request_plan_uses_kv_transfer_only_between_matching_pd_engines() -> Non
     off = plan_request(None, mixed, "prefill")
     assert off.legs == "one" and off.candidates == ()
     assert plan_request(PoolSplit(), mixed, "decode").candidates == ()
+
+
+PD = [
+    BackendState("p0", "prefill", flow="vllm"),
+    BackendState("d0", "decode", flow="vllm"),
+    BackendState("m0"),
+]
+
+
+def test_a_long_prompt_takes_two_legs_whatever_its_output_the_pool_split_keeps_the_ratio() -> None:
+    split = plan_pools(PD, Demand(1_000, 25_000, 2))
+    # 3,000 uncached tokens and 1,000 to write: decode-heavy by the output ratio, but moved
+    # over the link its prefill stalls no decode engine, so it takes two legs.
+    cls = classify(3_000, 1_000, 1024)
+    assert cls == "decode"
+    two = plan_request(split, PD, cls, long_prompt=True)
+    assert two.legs == "two" and two.flow == "vllm" and two.candidates == ("d0",)
+    short = plan_request(split, PD, "decode", long_prompt=False)
+    assert short.legs == "one" and short.candidates == ("d0", "m0")
+    # Without a KV-transfer pair (mixed engines only) the ratio decides: the decode pool, whole.
+    mixed = [BackendState(f"m{i}") for i in range(4)]
+    pool = plan_pools(mixed, Demand(10_000, 25_000, 2))
+    whole = plan_request(pool, mixed, cls, long_prompt=True)
+    assert whole.legs == "one" and whole.candidates == pool.decode
+
+
+def test_an_api_without_a_kv_transfer_flow_gets_the_pool_split_only() -> None:
+    split = plan_pools(PD, Demand(1_000, 25_000, 2))
+    long = plan_request(split, PD, "prefill", long_prompt=True, kv_transfer=False)
+    assert long.legs == "one" and long.candidates == split.prefill and long.flow is None
+    chat = plan_request(split, PD, "decode", long_prompt=True, kv_transfer=False)
+    assert chat.legs == "one" and chat.candidates == split.decode
+
+
+def _pd_controller() -> DisaggController:
+    ctl = DisaggController(DisaggConfig(mode="on", threshold_tokens=1024))
+    ctl.evaluate(0.0, PD)
+    assert ctl.split is not None and ctl.split.prefill == ("p0",)
+    return ctl
+
+
+def test_two_legs_only_for_chat_and_completions_and_by_the_threshold_alone() -> None:
+    ctl = _pd_controller()
+    long_answer = {"max_tokens": 1_000}
+    for api in ("chat", "completions"):
+        plan = ctl.plan(long_answer, 3_000, 3_000, PD, api)
+        assert (plan.legs, plan.flow) == ("two", "vllm"), api
+        assert ctl.plan(long_answer, 3_000, 500, PD, api).legs == "one"  # short: decode pool
+    # /v1/responses: the pool split by class (its cap is max_output_tokens); no prefill leg.
+    assert ctl.plan({"max_output_tokens": 16}, 3_000, 3_000, PD, "responses").candidates == ("p0",)
+    responses = ctl.plan({"max_output_tokens": 1_000}, 3_000, 3_000, PD, "responses")
+    assert responses.legs == "one" and responses.candidates == ("d0", "m0")
+    # /v1/embeddings: all prefill, no output: a long one to the prefill-heavy pool, whole.
+    embed = ctl.plan({}, 3_000, 3_000, PD, "embeddings")
+    assert (embed.legs, embed.candidates, embed.request_class) == ("one", ("p0",), "prefill")
+    assert ctl.plan({}, 300, 300, PD, "embeddings").candidates == ("d0", "m0")
+
+
+def test_an_embedding_is_prefill_heavy_whatever_generations_of_its_size_wrote() -> None:
+    ctl = _pd_controller()
+    for i in range(20):  # long prompts answered at length: the history expects long outputs
+        ctl.finished(RequestFacts(f"c{i}", "m0", 0.0, 3_000, 3_000, 2_000, 1.0, 0.5))
+    assert ctl.plan({}, 3_000, 3_000, PD, "responses").request_class == "decode"
+    embed = ctl.plan({}, 3_000, 3_000, PD, "embeddings")
+    assert embed.request_class == "prefill" and embed.candidates == ("p0",)
+    # ...and an embedding's zero output does not teach the history about generations.
+    before = dict(ctl.history.means)
+    ctl.finished(RequestFacts("e", "p0", 0.0, 3_000, 3_000, 0, 1.0), generates=False)
+    assert ctl.history.means == before

@@ -236,3 +236,113 @@ async def test_disagg_active_is_reported_as_0_when_the_mode_is_off() -> None:
     text = body.decode() if isinstance(body, bytes) else body
     assert re.search(r"(?m)^warmroute_disagg_active(\{[^}]*\})? 0(\.0)?$", text)
     assert "warmroute_disagg_input{" not in text  # nothing is measured when off
+
+
+# --- which APIs take two legs ------------------------------------------------------------
+
+
+async def _post(app: Any, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    """One request to `path` of the app, its status and body (the client stays connected)."""
+    sent: list[dict[str, Any]] = []
+    messages = [{"type": "http.request", "body": orjson.dumps(body), "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 50000),
+    }
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def _json_answer() -> FakeResponse:
+    r = FakeResponse(200, [b'{"object":"list","data":[]}'])
+    r.headers = [(b"content-type", b"application/json")]
+    return r
+
+
+def _sent(fake: FakeUpstream) -> list[tuple[str, str, dict[str, Any]]]:
+    """(backend, path, body) of every request the fake upstream was sent."""
+    paths = [t.prefix.split(b" ")[1].decode() for t in fake.targets]
+    names = [c[0] for c in fake.calls]
+    return [(n, p, orjson.loads(b)) for n, p, b in zip(names, paths, fake.bodies, strict=True)]
+
+
+class PathsUpstream(FakeUpstream):
+    """The fake upstream, also keeping where each request went."""
+
+    def __init__(self, scripts: dict[str, list[Any]]) -> None:
+        super().__init__(scripts)
+        self.targets: list[Any] = []
+
+    async def post(self, target: Any, *args: Any, **kwargs: Any) -> FakeResponse:
+        self.targets.append(target)
+        return await super().post(target, *args, **kwargs)
+
+
+def _paths_app(engine: str) -> tuple[Any, PathsUpstream]:
+    app, _ = _pd_app({}, engine)
+    fake = PathsUpstream({PREFILL: [_json_answer], DECODE: [_json_answer]})
+    app.state.forwarding.upstream = fake
+    return app, fake
+
+
+LONG_INPUT = "a long document. " * 400  # ~1,700 tokens: over the 256-token threshold
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_an_embedding_goes_whole_to_the_prefill_pool_if_long_else_to_decode(
+    engine: str,
+) -> None:
+    app, fake = _paths_app(engine)
+    long = {"model": "m", "input": LONG_INPUT}
+    short = {"model": "m", "input": "a short query"}
+    assert (await _post(app, "/v1/embeddings", long))[0] == 200
+    assert (await _post(app, "/v1/embeddings", short))[0] == 200
+    # The client's bodies as they were: no prefill leg, no KV-transfer or bootstrap fields.
+    assert _sent(fake) == [
+        (PREFILL, "/v1/embeddings", long),
+        (DECODE, "/v1/embeddings", short),
+    ]
+    counts = app.state.forwarding.pd.counts
+    assert counts == {"one:prefill": 1, "one:decode": 1}  # no prefill_failed, no warning
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_responses_request_gets_the_pool_split_by_its_output_cap_never_two_legs(
+    engine: str,
+) -> None:
+    app, fake = _paths_app(engine)
+    brief = {"model": "m", "input": LONG_INPUT, "max_output_tokens": 16}
+    essay = {"model": "m", "input": "another report. " * 400, "max_output_tokens": 2_000}
+    # (The essay first: the fakes' answers carry no usage, so once one has finished the
+    # output history expects nothing of that prompt size.)
+    assert (await _post(app, "/v1/responses", essay))[0] == 200
+    assert (await _post(app, "/v1/responses", brief))[0] == 200
+    assert _sent(fake) == [
+        (DECODE, "/v1/responses", essay),  # a long answer: a stream, on the decode pool
+        (PREFILL, "/v1/responses", brief),  # long prompt, short answer: the prefill pool
+    ]
+    assert app.state.forwarding.pd.counts == {"one:prefill": 1, "one:decode": 1}
+
+
+async def test_a_long_prompt_with_a_long_answer_still_takes_two_legs() -> None:
+    # ~1,700 uncached tokens and 1,000 to write: over the output ratio, but the threshold
+    # alone decides a KV transfer (decoded whole, its prefill would stall the decode engine).
+    app, fake = _pd_app({PREFILL: [_prefill_answer], DECODE: [_stream]})
+    status, body, _ = await _call(app, _long_chat(max_tokens=1_000))
+    assert status == 200 and body == CHUNK + DONE
+    assert [c[0] for c in fake.calls] == [PREFILL, DECODE]
+    assert _bodies(fake, DECODE)[0]["kv_transfer_params"] == KV
+    assert app.state.forwarding.pd.counts == {"two:prefill": 1}

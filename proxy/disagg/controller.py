@@ -23,6 +23,7 @@ from typing import Any
 
 from proxy.config import DisaggConfig
 from proxy.disagg.decider import Decider, Decision
+from proxy.disagg.legs import KV_TRANSFER_APIS
 from proxy.disagg.pools import (
     BackendState,
     OutputHistory,
@@ -58,12 +59,24 @@ class DisaggController:
         prompt_tokens: int,
         uncached_tokens: int,
         backends: Sequence[BackendState],
+        api: str = "chat",
     ) -> RequestPlan:
-        """Where this request goes now. With the split inactive (always, in mode off) it is
-        one leg on every candidate: exactly what routing does without disaggregation."""
-        expected = self.history.expected(prompt_tokens, requested_output(body))
-        cls = classify(uncached_tokens, expected, self.cfg.threshold_tokens, self.cfg.output_ratio)
-        return plan_request(self.split, backends, cls)
+        """Where this request (to `api`, proxy.exchange.API_PATHS) goes now. With the split
+        inactive (always, in mode off) it is one leg on every candidate: exactly what routing
+        does without disaggregation. An embedding outputs nothing: it is its prompt."""
+        cfg = self.cfg
+        if api == "embeddings":
+            expected: float | None = 0.0
+        else:
+            expected = self.history.expected(prompt_tokens, requested_output(body))
+        cls = classify(uncached_tokens, expected, cfg.threshold_tokens, cfg.output_ratio)
+        return plan_request(
+            self.split,
+            backends,
+            cls,
+            long_prompt=uncached_tokens >= cfg.threshold_tokens,
+            kv_transfer=api in KV_TRANSFER_APIS,
+        )
 
     def started(self, request_id: str, backend: str, now: float, uncached_tokens: int) -> None:
         self.window.started(request_id, backend, now, uncached_tokens)
@@ -77,9 +90,11 @@ class DisaggController:
     def first_token(self, request_id: str, now: float) -> None:
         self.window.first_token(request_id, now)
 
-    def finished(self, facts: RequestFacts) -> None:
+    def finished(self, facts: RequestFacts, generates: bool = True) -> None:
+        """`generates`: False for an embedding, whose zero output would teach the output
+        history nothing about the generations of its prompt size."""
         self.window.finished(facts)
-        if facts.ok:
+        if facts.ok and generates:
             self.history.observe(facts.prompt_tokens, facts.output_tokens)
 
     def evaluate(

@@ -10,10 +10,11 @@ everything else, because decode is the latency-sensitive phase (every extra stre
 stretches every stream's ITL) and must still hold the decoding streams. A split neither pool
 could carry is reported as infeasible, with the reason.
 
-`classify` sorts one request: prefill-heavy when its uncached prompt on the chosen backend is
-at least the threshold and its expected output is short next to it; decode-heavy otherwise
-(chat streams: short uncached prompts, long outputs). `plan_request` turns that into what the
-forwarder does: one leg in a pool, or two legs (prefill, then decode) with a KV transfer.
+`classify` sorts one request for the pool split: prefill-heavy when its uncached prompt on the
+chosen backend is at least the threshold and its expected output is short next to it;
+decode-heavy otherwise (chat streams: short uncached prompts, long outputs). `plan_request`
+turns that into what the forwarder does: one leg in a pool, or two legs (prefill, then decode)
+with a KV transfer, which the threshold alone decides.
 """
 
 from __future__ import annotations
@@ -258,20 +259,52 @@ def plan_request(
     split: PoolSplit | None,
     backends: Sequence[BackendState],
     request_class: RequestClass,
+    *,
+    long_prompt: bool | None = None,
+    kv_transfer: bool = True,
 ) -> RequestPlan:
     """Where one request goes while the split is `split` (None: disaggregation inactive).
 
-    Decode-heavy requests go to the decode pool whole. A prefill-heavy one takes two legs when
-    the prefill pool has `prefill`-role engines and the decode pool `decode`-role engines
-    speaking the same KV-transfer flow; otherwise it goes whole to the prefill-heavy pool (the
-    pool split, which needs no transfer and works with every engine).
+    Two legs when the prefill pool has `prefill`-role engines and the decode pool `decode`-role
+    engines speaking the same KV-transfer flow, the API has such a flow (`kv_transfer`: chat and
+    completions) and the uncached prompt is at least the threshold (`long_prompt`; None: as
+    `request_class` says). The threshold alone decides there: moved over the link, a long
+    prompt stalls no decode engine, whatever its output. Otherwise one leg: decode-heavy
+    requests on the decode pool, prefill-heavy ones on the prefill-heavy pool (the pool split,
+    which needs no transfer and works with every engine).
     """
     if split is None or not split.feasible:
         return RequestPlan("one", (), request_class=request_class, reason="no split active")
+    long = request_class == "prefill" if long_prompt is None else long_prompt
+    if kv_transfer and long:
+        pair = _kv_pair(split, backends)
+        if pair is not None:
+            flow, prefill, decode = pair
+            return RequestPlan(
+                "two",
+                decode,
+                prefill,
+                flow,
+                "prefill",
+                f"long prompt: {flow} KV transfer from the prefill pool to the decode pool",
+            )
     if request_class == "decode":
         return RequestPlan(
             "one", split.decode, request_class="decode", reason="decode-heavy: decode pool"
         )
+    return RequestPlan(
+        "one",
+        split.prefill,
+        request_class="prefill",
+        reason="prefill-heavy: prefill pool (no KV transfer for it, so the whole request)",
+    )
+
+
+def _kv_pair(
+    split: PoolSplit, backends: Sequence[BackendState]
+) -> tuple[PdFlow, tuple[str, ...], tuple[str, ...]] | None:
+    """The first flow with a `prefill`-role engine in the prefill pool and a `decode`-role one
+    in the decode pool: (flow, those prefill engines, those decode engines)."""
     by_name = {b.name: b for b in backends}
     flows: tuple[PdFlow, ...] = ("vllm", "sglang")
     for flow in flows:
@@ -286,20 +319,8 @@ def plan_request(
             if (b := by_name.get(n)) and b.role == "decode" and b.flow == flow
         )
         if p and d:
-            return RequestPlan(
-                "two",
-                d,
-                p,
-                flow,
-                "prefill",
-                f"prefill-heavy: {flow} KV transfer from the prefill pool to the decode pool",
-            )
-    return RequestPlan(
-        "one",
-        split.prefill,
-        request_class="prefill",
-        reason="prefill-heavy: prefill pool (no KV-transfer pair, so the whole request)",
-    )
+            return flow, p, d
+    return None
 
 
 def _r(x: float | None) -> float | None:
