@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import pty
+import select
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -31,7 +36,7 @@ from proxy.doctor.model import (
     GaugeSample,
     RequestSample,
 )
-from proxy.doctor.render import render_text
+from proxy.doctor.render import render_text, use_color
 from tests.support import serving
 
 STEP = 0.02  # one decode step in the hand-built streams
@@ -528,6 +533,51 @@ def test_render_text_is_a_table_per_backend_with_colour_only_when_asked() -> Non
     assert "healthy: no finding on any backend" in healthy
 
 
+class Stream(io.StringIO):
+    """Standard output as the CLI sees it: a terminal or not."""
+
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize(
+    ("tty", "no_color", "choice", "coloured"),
+    [
+        (True, None, "auto", True),  # a terminal
+        (False, None, "auto", False),  # a pipe or a file
+        (True, "1", "auto", False),  # NO_COLOR set: never on its own
+        (True, "", "auto", True),  # ... but set and empty counts as unset (no-color.org)
+        (False, "1", "always", True),  # asked for: always wins, over NO_COLOR too
+        (True, None, "never", False),
+        (False, None, "never", False),
+    ],
+)
+def test_colour_follows_the_terminal_and_no_color_unless_forced(
+    monkeypatch: pytest.MonkeyPatch, tty: bool, no_color: str | None, choice: str, coloured: bool
+) -> None:
+    if no_color is None:
+        monkeypatch.delenv("NO_COLOR", raising=False)
+    else:
+        monkeypatch.setenv("NO_COLOR", no_color)
+    assert use_color(Stream(tty), choice) is coloured
+
+
+def test_a_pseudo_terminal_counts_as_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    leader, follower = pty.openpty()
+    try:
+        with open(follower, "w") as terminal, open(os.devnull, "w") as devnull:
+            assert use_color(terminal) and not use_color(devnull)
+            monkeypatch.setenv("NO_COLOR", "1")
+            assert not use_color(terminal)
+    finally:
+        os.close(leader)
+
+
 @contextlib.contextmanager
 def doctor_endpoint(report: dict[str, Any], token: str | None = None) -> Iterator[str]:
     """A loopback server answering GET /admin/doctor as the proxy does (404 elsewhere)."""
@@ -577,3 +627,48 @@ def test_cli_sends_the_admin_token_and_says_what_to_do_without_it(
         # and 404: a port with no /admin says how to turn admin access on
         code, _, err = run_cli(["doctor", "--url", url + "/elsewhere"], monkeypatch)
         assert code == 1 and "admin port" in err and "admin_token_sha256" in err
+
+
+def on_a_terminal(args: list[str], env: dict[str, str]) -> str:
+    """What `warmroute ARGS` writes when its standard output is a terminal (a pty)."""
+    leader, follower = pty.openpty()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "proxy", *args], stdout=follower, stderr=subprocess.PIPE, env=env
+    )
+    os.close(follower)
+    out = bytearray()
+    try:
+        while select.select([leader], [], [], 60)[0]:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the child exited and the terminal closed
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert child.wait(timeout=60) == 0, child.stderr.read() if child.stderr else ""
+    finally:
+        if child.poll() is None:
+            child.kill()
+        os.close(leader)
+    return out.decode()
+
+
+@pytest.mark.e2e
+def test_cli_colours_a_terminal_by_itself_and_not_with_no_color(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
+    with doctor_endpoint(pathological()) as url:
+        out = on_a_terminal(["doctor", "--url", url], env)
+        assert "\x1b[33mWARNING queueing" in out
+        out = on_a_terminal(["doctor", "--url", url], {**env, "NO_COLOR": "1"})
+        assert "WARNING queueing" in out and "\x1b[" not in out
+        out = on_a_terminal(["doctor", "--url", url, "--color", "never"], env)
+        assert "WARNING queueing" in out and "\x1b[" not in out
+        # and a pipe gets colours only when asked
+        monkeypatch.delenv("NO_COLOR", raising=False)
+        code, out, _ = run_cli(["doctor", "--url", url], monkeypatch)
+        assert code == 0 and "WARNING queueing" in out and "\x1b[" not in out
+        code, out, _ = run_cli(["doctor", "--url", url, "--color", "always"], monkeypatch)
+        assert code == 0 and "\x1b[33mWARNING queueing" in out
