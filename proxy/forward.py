@@ -87,7 +87,7 @@ class ProxyEndpoint:
         self.api = api
         self.path = API_PATHS[api]
         self.relay = Relay(
-            api, fw.steering, fw.config.timeouts.idle_s, fw.config.server.debug_headers
+            api, fw.steering, fw.config.timeouts.idle_s, fw.config.server.debug_headers, fw.fleet
         )
         self.pd = fw.pd  # prefill/decode flows (proxy/pdflow.py); None when disagg is off
 
@@ -375,8 +375,7 @@ class ProxyEndpoint:
                 self.pd.started(ex, backend.name, t_sent, attempt)
             upstream = await self.open_leg(ex, backend, body, headers, fresh)
             ex.upstream = upstream
-            try:
-                fw.fleet.mark_success(backend)
+            try:  # the relay judges the backend: by its first byte, not by this head
                 if ex.stream and upstream.status == 200:
                     return await self.relay.stream(
                         ex, backend, upstream, t_sent, record, send, strip
@@ -387,6 +386,13 @@ class ProxyEndpoint:
                 upstream.release()
         except Retry as r:
             attempt.fail(r.error_type, r.status)
+            raise
+        except BaseException as e:
+            if not ex.started_response:
+                # Cut before any verdict (the client left, shutdown, a bug): none to give, but
+                # a half-open breaker must hear that its probe is over.
+                reason = f"attempt ended before an answer ({type(e).__name__})"
+                fw.fleet.mark_failure(backend, reason, kind="cancelled")
             raise
         finally:
             fw.steering.inflight(backend.name, -1)

@@ -5,6 +5,11 @@ the last complete event: an event cut by the backend, mid-line or mid HTTP chunk
 until its end arrives. So when a stream breaks, the error event that ends it always starts on
 an event boundary and the `openai` client raises APIError instead of a JSON error or a silent
 truncation.
+
+The relay also judges the backend (passive health, proxy/outlier.py): an attempt succeeds when
+its first body byte arrives, not at its response head (vLLM sends a streaming head before the
+first token, so a wedged engine answers heads all day), and a stream that breaks after that
+(idle timeout, cut) counts as a failure.
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ from proxy.upstream import NOT_FORWARDED_DOWNSTREAM_B, NOT_FORWARDED_UPSTREAM, R
 if TYPE_CHECKING:
     from proxy.backends import Backend
     from proxy.ports import UpstreamResponseLike
-    from proxy.state import RequestRouting
+    from proxy.state import Fleet, RequestRouting
     from proxy.telemetry import RequestRecord
 
 __all__ = ["Relay", "event_boundary", "internal_error", "respond", "upstream_headers"]
 
 log = logging.getLogger("warmroute.forward")
+
+# How a stream can break after its first byte (the error.code of the event that ends it).
+IDLE_TIMEOUT, STREAM_CUT = "idle_timeout", "upstream_stream_error"
 
 # Never forwarded upstream besides the hop-by-hop set: credentials meant for the proxy (in
 # any of the usual spellings), and Expect (the proxy has the whole body already).
@@ -101,15 +109,21 @@ class Relay:
     helpers: one coroutine frame fewer per write, on the path every chunk takes.
     """
 
-    __slots__ = ("api", "debug_headers", "idle_s", "steering")
+    __slots__ = ("api", "debug_headers", "fleet", "idle_s", "steering")
 
     def __init__(
-        self, api: str, steering: RequestRouting, idle_s: float, debug_headers: bool
+        self,
+        api: str,
+        steering: RequestRouting,
+        idle_s: float,
+        debug_headers: bool,
+        fleet: Fleet,
     ) -> None:
         self.api = api
         self.steering = steering
         self.idle_s = idle_s
         self.debug_headers = debug_headers
+        self.fleet = fleet
 
     async def whole(
         self,
@@ -125,6 +139,7 @@ class Relay:
             raise Retry(
                 f"response body broke off: {describe(e)}", "body_error", "protocol"
             ) from None
+        self.fleet.mark_success(backend)  # a whole answer, whatever its status
         await send(
             {
                 "type": "http.response.start",
@@ -165,13 +180,20 @@ class Relay:
         try:
             data = await upstream.readany()
         except READ_ERRORS as e:
+            if ex.client_gone:  # its watcher closed the upstream: nothing to judge it by
+                raise Retry(
+                    "the client left before the first byte", "cancelled", "cancelled"
+                ) from None
             if isinstance(e, TimeoutError):
                 raise Retry(f"no first byte: {describe(e)}", "timeout", "timeout") from None
             raise Retry(f"no first byte: {describe(e)}", "stream_error", "protocol") from None
         if not data:
+            if ex.client_gone:
+                raise Retry("the client left before the first byte", "cancelled", "cancelled")
             raise Retry(
                 "the backend closed the stream before sending anything", "empty_stream", "protocol"
             )
+        self.fleet.mark_success(backend)  # the first byte, not the head: the engine works
         upstream.set_read_timeout(self.idle_s)
 
         error: str | None = None
@@ -218,7 +240,7 @@ class Relay:
                     if ex.client_gone:
                         break
                     timed_out = isinstance(e, TimeoutError)
-                    error = "idle_timeout" if timed_out else "upstream_stream_error"
+                    error = IDLE_TIMEOUT if timed_out else STREAM_CUT
                     reason = (
                         f"no data from {backend.name} for {self.idle_s:g}s"
                         if timed_out
@@ -256,13 +278,14 @@ class Relay:
         cancelled = ex.client_gone and not meter.completed
         tail, facts = meter.finish(perf(), error=error, cancelled=cancelled)
         self.steering.observe_stream(backend.name, facts, ex.ctx)
-        if facts.error and not error:
-            error = facts.error
         if not ex.client_gone:
             if carry:
                 tail = carry + tail  # the backend ended cleanly without a final blank line
-            if error in ("idle_timeout", "upstream_stream_error"):
-                # What the meter still held back may end in an incomplete event, too.
+            if error is not None:
+                # Broken after the first byte: the backend's failure, and an error event on
+                # an event boundary (what the meter still held back may end mid-event too).
+                kind = "timeout" if error == IDLE_TIMEOUT else "protocol"
+                self.fleet.mark_failure(backend, reason, kind=kind)
                 tail = tail[: event_boundary(tail)] + sse_error_event(reason, "server_error", error)
             await send({"type": "http.response.body", "body": tail, "more_body": False})
         elif cancelled:
@@ -274,7 +297,7 @@ class Relay:
         record.finish(
             facts,
             status=499 if cancelled else upstream.status,
-            error_type="cancelled" if cancelled else error,
+            error_type="cancelled" if cancelled else error or facts.error,
             backend=backend.name,
         )
         return facts

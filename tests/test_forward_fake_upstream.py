@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import orjson
+import pytest
 
 from proxy.app import create_app
 from proxy.config import load_config
@@ -338,3 +340,140 @@ async def test_every_backend_at_its_inflight_bound_answers_429_with_retry_after(
     assert orjson.loads(body)["error"]["code"] == "backends_at_capacity"
     release.set()
     assert [s for s, _, _ in await asyncio.gather(*busy)] == [200, 200]
+
+
+# -- passive health: what an attempt's outcome says about its backend --------------------------
+SICK, OTHER = "127.0.0.1:9101", "127.0.0.1:9102"
+
+
+def _probing(app: Any) -> Any:
+    """SICK ejected once with its ejection already over (its next check is half-open); OTHER
+    out for good, so every request goes to SICK. Returns SICK's breaker."""
+    registry = app.state.registry
+    other = registry[OTHER].breaker
+    other.state, other.open_until = "open", float("inf")
+    breaker = registry[SICK].breaker
+    while not breaker.failure("status", time.monotonic() - 1000):  # until it ejects
+        pass
+    return breaker
+
+
+async def _call_and_leave(app: Any, body: dict[str, Any], left: asyncio.Event) -> list[Any]:
+    """A request whose client hangs up once `left` is set; the messages it was sent."""
+    raw = orjson.dumps(body)
+    sent: list[dict[str, Any]] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 50000),
+    }
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    return sent
+
+
+def _status(code: int) -> Callable[[], FakeResponse]:
+    return lambda: FakeResponse(code, [b'{"error":{"message":"not now"}}'])
+
+
+@pytest.mark.parametrize(
+    "ending",
+    ["answered_429", "keepalive_race", "client_left_before_the_head", "client_left_after_it"],
+)
+async def test_a_half_open_probe_that_ends_without_a_verdict_lets_the_next_one_go(
+    ending: str,
+) -> None:
+    left = asyncio.Event()
+
+    async def no_head() -> FakeResponse:
+        left.set()  # the client hangs up while the backend has not answered
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    class NoFirstByte(FakeResponse):
+        closing = asyncio.Event()
+
+        async def readany(self) -> bytes:
+            left.set()
+            await self.closing.wait()  # until the client's watcher closes the upstream
+            raise UpstreamPayloadError("closed by the proxy")
+
+        def close(self) -> None:
+            super().close()
+            self.closing.set()
+
+    probe: list[Any] = {
+        "answered_429": [_status(429)],
+        "keepalive_race": [
+            UpstreamDisconnected("closed", reused=True),
+            UpstreamDisconnected("closed", reused=True),
+        ],
+        "client_left_before_the_head": [no_head],
+        "client_left_after_it": [lambda: NoFirstByte(200, [])],
+    }[ending]
+    app, fake = _app({SICK: [*probe, _ok], OTHER: [_ok]})
+    breaker = _probing(app)
+    if ending.startswith("client_left"):
+        assert await _call_and_leave(app, _chat(), left) == []  # nothing to send to nobody
+    else:
+        status, _, _ = await _call(app, _chat())
+        assert status == 503  # the only backend did not answer this one
+    assert fake.count[SICK] == len(probe)
+    # No verdict, no probe in flight: the backend is routable, and the next request probes.
+    assert breaker.state == "half_open" and not breaker.probe_out
+    assert breaker.allows(time.monotonic())
+    status, body, _ = await _call(app, _chat())
+    assert (status, body) == (200, CHUNK + DONE)
+    assert breaker.state == "closed"
+
+
+async def test_a_backend_that_sends_a_head_and_no_first_byte_is_ejected() -> None:
+    # vLLM answers a streaming request's head before its first token: a wedged engine keeps
+    # answering heads, so only the first byte says it works.
+    def head_only() -> FakeResponse:
+        return FakeResponse(200, [], TimeoutError("no data within the first-byte timeout"))
+
+    app, fake = _app(
+        {SICK: [head_only], OTHER: [_ok]},
+        outlier={"consecutive_failures": 3, "ejection_s": 60.0},
+    )
+    for _ in range(8):
+        status, _, _ = await _call(app, _chat())
+        assert status == 200  # retried on the healthy one
+    breaker = app.state.registry[SICK].breaker
+    assert breaker.state == "open" and breaker.last_kind == "timeout"
+    assert fake.count[SICK] == 3
+
+
+async def test_a_stream_that_breaks_after_its_first_byte_counts_against_its_backend() -> None:
+    def idles() -> FakeResponse:
+        return FakeResponse(200, [CHUNK], TimeoutError("no data for 60 s"))
+
+    def cut() -> FakeResponse:
+        return FakeResponse(200, [CHUNK], UpstreamPayloadError("Response payload cut"))
+
+    app, _ = _app({SICK: [idles, cut, _ok], OTHER: [_ok]})
+    breaker = _probing(app)
+    breaker.success()  # closed, no failures yet
+    status, body, _ = await _call(app, _chat())
+    assert status == 200 and b"idle_timeout" in body
+    assert (breaker.consecutive, breaker.last_kind) == (1, "timeout")
+    status, body, _ = await _call(app, _chat())
+    assert status == 200 and b"upstream_stream_error" in body
+    assert (breaker.consecutive, breaker.last_kind) == (1, "protocol")  # its first byte: 0, +1
+    status, body, _ = await _call(app, _chat())
+    assert (status, body, breaker.consecutive) == (200, CHUNK + DONE, 0)

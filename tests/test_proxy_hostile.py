@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -23,6 +25,14 @@ EVENT = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":
 
 def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _answer(status: bytes, body: bytes) -> bytes:
+    return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        status,
+        len(body),
+        body,
+    )
 
 
 MODELS = b'{"object":"list","data":[{"id":"m","object":"model"}]}'
@@ -38,14 +48,20 @@ BEHAVIOURS: dict[str, bytes] = {
     "garbage_head": b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
     # a healthy stream
     "ok": HEAD + _chunk(EVENT) + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n",
+    # an engine that fails every request, or is too busy to take it
+    "status_500": _answer(b"500 Internal Server Error", b'{"error":{"message":"boom"}}'),
+    "status_429": _answer(b"429 Too Many Requests", b'{"error":{"message":"busy"}}'),
+    # a wedged engine: the streaming head (vLLM sends it before the first token), then nothing
+    "head_then_hang": HEAD,
 }
+HOLD = frozenset({"head_then_hang"})  # keep the connection open until the proxy closes it
 
 
 class RawBackend:
     """Answers GET /v1/models properly and every POST with its scripted bytes, then closes."""
 
     def __init__(self, behaviour: str) -> None:
-        self.reply = BEHAVIOURS[behaviour]
+        self.behaviour = behaviour  # may be changed while it serves
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
@@ -89,7 +105,11 @@ class RawBackend:
             while len(body) < length:
                 body += conn.recv(65536)
             self.posts += 1
-            conn.sendall(self.reply)
+            behaviour = self.behaviour
+            conn.sendall(BEHAVIOURS[behaviour])
+            if behaviour in HOLD:
+                while conn.recv(65536):
+                    pass
 
     def close(self) -> None:
         self.sock.close()
@@ -160,3 +180,68 @@ def test_with_only_a_garbled_backend_the_client_gets_a_clear_503(
         )
     assert err.value.status_code == 503
     assert "invalid" in err.value.message.lower()
+
+
+def _chat(proxy: object) -> list[str]:
+    chunks = _client(proxy).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    return [c.choices[0].delta.content or "" for c in chunks if c.choices]
+
+
+def _circuit(proxy: object, name: str) -> tuple[bool, str, dict[str, object]]:
+    """What /ready says of the backend (up, its circuit) and /admin/backends' detail."""
+    url = proxy.url  # type: ignore[attr-defined]
+    ready = {b["name"]: b for b in httpx.get(url + "/ready").json()["backends"]}[name]
+    admin = {b["name"]: b for b in httpx.get(url + "/admin/backends").json()["backends"]}[name]
+    assert admin["up"] == ready["up"] and admin["circuit"]["state"] == ready["circuit"]
+    return ready["up"], ready["circuit"], admin["circuit"]
+
+
+def test_ready_shows_the_breaker_go_open_half_open_and_closed_past_a_probe_without_verdict(
+    raw_backend: Callable[[str], RawBackend], proxy_server: Callable[..., object]
+) -> None:
+    backend = raw_backend("status_500")
+    name = backend.url.removeprefix("http://")
+    proxy = proxy_server(
+        [backend.url], config={"outlier": {"consecutive_failures": 1, "ejection_s": 0.3}}
+    )
+    with pytest.raises(openai.APIStatusError):
+        _chat(proxy)
+    up, circuit, detail = _circuit(proxy, name)
+    assert (up, circuit, detail["ejections"]) == (False, "open", 1)
+    assert httpx.get(proxy.url + "/ready").status_code == 503  # type: ignore[attr-defined]
+    backend.behaviour = "status_429"
+    deadline = time.monotonic() + 10
+    while _circuit(proxy, name)[:2] != (True, "half_open"):  # the 0.3 s ejection ends
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(openai.APIStatusError):  # the probe: busy, which is no verdict
+        _chat(proxy)
+    assert backend.posts == 2
+    up, circuit, detail = _circuit(proxy, name)
+    assert (up, circuit, detail["probe_out"]) == (True, "half_open", False)  # not stuck
+    backend.behaviour = "ok"
+    assert _chat(proxy) == ["hi"]  # the next probe answers: back in rotation
+    up, circuit, detail = _circuit(proxy, name)
+    assert (up, circuit, detail["ejections"]) == (True, "closed", 0)
+    assert httpx.get(proxy.url + "/ready").status_code == 200  # type: ignore[attr-defined]
+
+
+def test_a_backend_that_sends_heads_but_no_first_byte_is_ejected(
+    raw_backend: Callable[[str], RawBackend], proxy_server: Callable[..., object]
+) -> None:
+    wedged, good = raw_backend("head_then_hang"), raw_backend("ok")
+    proxy = proxy_server(
+        [wedged.url, good.url],
+        policy="round_robin",
+        config={
+            "timeouts": {"first_byte_s": 0.3},
+            "outlier": {"consecutive_failures": 3, "ejection_s": 60.0},
+        },
+    )
+    for _ in range(8):
+        assert _chat(proxy) == ["hi"]  # each first-byte timeout retried on the good one
+    up, circuit, detail = _circuit(proxy, wedged.url.removeprefix("http://"))
+    assert (up, circuit, detail["last_failure_kind"]) == (False, "open", "timeout")
+    assert wedged.posts == 3  # ejected after the third, not tried since
