@@ -28,14 +28,6 @@ TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
-def sha256_hex(secret: str) -> str:
-    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def is_sha256_hex(value: str) -> bool:
-    return len(value) == 64 and all(c in "0123456789abcdef" for c in value.lower())
-
-
 def bearer(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     """The token of an `Authorization: Bearer <token>` header (ASGI raw headers), if any."""
     for name, value in headers:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "mixed", "hot-prompt", "chat-docs")
@@ -222,10 +222,6 @@ def make_workload(name: str, seed: int = 0, **sizes: Any) -> Workload:
     """Build a workload by name from its PRESETS, then the size knobs given (None: unset)."""
     given = {k: v for k, v in sizes.items() if v is not None}
     return Workload(name=name, seed=seed, **{**PRESETS.get(name, {}), **given})
-
-
-def spec_dict(spec: RequestSpec) -> dict[str, Any]:
-    return asdict(spec)
 
 
 def _zipf_picker(rng: random.Random, k: int, s: float) -> Any:
