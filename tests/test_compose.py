@@ -10,6 +10,7 @@ runs.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,7 +28,7 @@ import pytest
 import yaml
 
 from proxy.cli import build_parser
-from proxy.config import load_config
+from proxy.config import ConfigError, load_config
 from proxy.otel_env import HONOURED
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +77,28 @@ def test_compose_file_validates_against_the_compose_specification() -> None:
     jsonschema.Draft7Validator.check_schema(schema)
     errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(RAW), key=str)
     assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
+
+
+@pytest.mark.parametrize(
+    ("where", "key", "value"),
+    [
+        (("services", "proxy"), "helthcheck", {"test": ["CMD", "true"]}),
+        (("services", "proxy", "healthcheck"), "intervall", "5s"),
+        (("services", "proxy", "depends_on", "redis"), "condition", "service_ready"),
+        (("services", "grafana"), "entrypoint", {"sh": "-c"}),
+    ],
+)
+def test_the_compose_schema_rejects_what_compose_would(
+    where: tuple[str, ...], key: str, value: Any
+) -> None:
+    """The validation above is not vacuous: a misspelt key or a wrong value fails it."""
+    schema = json.loads((ROOT / "tests/schemas/compose-spec.json").read_text())
+    broken = copy.deepcopy(RAW)
+    node = broken
+    for part in where:
+        node = node[part]
+    node[key] = value
+    assert list(jsonschema.Draft7Validator(schema).iter_errors(broken))
 
 
 def test_every_service_has_a_healthcheck_and_waits_for_healthy_dependencies() -> None:
@@ -151,9 +175,39 @@ def test_every_environment_variable_set_on_the_proxy_is_one_warmroute_reads() ->
         ("http://sim:8002", "auto"),
     ]
     assert (cfg.telemetry.traces_exporter, cfg.telemetry.metrics_exporter) == ("otlp", "otlp")
+    # ... which holds because a WARMROUTE_* name warmroute does not read stops the start.
+    with pytest.raises(ConfigError, match="WARMROUTE_REDIS_ULR is not a warmroute setting"):
+        load_config(env={**env, "WARMROUTE_REDIS_ULR": env["WARMROUTE_REDIS_URL"]})
 
 
 # -- every host:port a config targets is a service that exposes it --------------------------
+
+
+@dataclass(frozen=True)
+class ScrapeTarget:
+    job: str
+    host: str
+    port: str
+    by_dns: bool  # a dns_sd_configs name (no target while it does not resolve), else static
+
+
+def scrape_targets() -> list[ScrapeTarget]:
+    """Every host:port Prometheus's config names, static or found by DNS."""
+    prom = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
+    out = []
+    for job in prom["scrape_configs"]:
+        name = job["job_name"]
+        assert set(job) - {"job_name", "metrics_path"} <= {"static_configs", "dns_sd_configs"}, (
+            f"{name}: a kind of target this test does not check"
+        )
+        for sd in job.get("dns_sd_configs", []):
+            assert sd["type"] == "A", f"{name}: an A record has no port; SRV is not used here"
+            out += [ScrapeTarget(name, host, str(sd["port"]), True) for host in sd["names"]]
+        for sc in job.get("static_configs", []):
+            for target in sc["targets"]:
+                host, port = target.rsplit(":", 1)
+                out.append(ScrapeTarget(name, host, port, False))
+    return out
 
 
 def _targets(trace_store: str) -> Iterator[tuple[str, str, str]]:
@@ -166,15 +220,8 @@ def _targets(trace_store: str) -> Iterator[tuple[str, str, str]]:
     for var in ("WARMROUTE_REDIS_URL", "OTEL_EXPORTER_OTLP_ENDPOINT"):
         u = urlsplit(env[var])
         yield var, u.hostname or "", str(u.port)
-    prom = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
-    for job in prom["scrape_configs"]:
-        for sd in job.get("dns_sd_configs", []):
-            for host in sd["names"]:
-                yield f"prometheus {job['job_name']}", host, str(sd["port"])
-        for sc in job.get("static_configs", []):
-            for target in sc["targets"]:
-                host, port = target.rsplit(":", 1)
-                yield f"prometheus {job['job_name']}", host, port
+    for target in scrape_targets():
+        yield f"prometheus {target.job}", target.host, target.port
     collector = yaml.safe_load((DEPLOY / "otel-collector/config.yaml").read_text())
     collector_env = s["otel-collector"]["environment"]
     for name, exporter in collector["exporters"].items():
@@ -207,6 +254,56 @@ def test_every_address_a_config_targets_is_a_service_exposing_that_port(trace_st
     # The traces go where TRACE_STORE says, and that service runs with the profiles named for it.
     assert trace_store in seen
     assert set(s[trace_store].get("profiles", [])) <= TRACE_STORES[trace_store]
+
+
+def _profiles(svc: Mapping[str, Any]) -> set[str]:
+    return set(svc.get("profiles", []))
+
+
+def test_no_static_scrape_target_is_down_for_want_of_a_profile() -> None:
+    """A static target must run whenever Prometheus does (no profile of its own, or every
+    profile Prometheus has); a service that runs only under another profile is found by DNS,
+    which gives no target while compose does not resolve its name."""
+    s = services()
+    prometheus = _profiles(s["prometheus"])
+    for t in scrape_targets():
+        if not t.by_dns:
+            theirs = _profiles(s[t.host])
+            assert not theirs or prometheus <= theirs, (
+                f"{t.job} scrapes {t.host}:{t.port} statically, but {t.host} runs only with "
+                f"--profile {' or '.join(sorted(theirs))}: use dns_sd_configs (type A)"
+            )
+
+
+def _documented_gpu_backends() -> list[str]:
+    """The WARMROUTE_BACKENDS value docker-compose.yml and docs/deployment.md give for
+    `--profile gpu` (the same in both)."""
+    found = [
+        re.findall(r"WARMROUTE_BACKENDS='([^']+)'.*?--profile gpu", path.read_text(), re.S)
+        for path in (ROOT / "docker-compose.yml", ROOT / "docs/deployment.md")
+    ]
+    assert found[0] and found[0] == found[1], found
+    return found[0]
+
+
+def test_every_engine_the_proxy_can_be_pointed_at_is_scraped_on_the_port_it_serves() -> None:
+    s = services()
+    engines = {(t.host, t.port) for t in scrape_targets() if t.job == "engines"}
+    settings = [s["proxy"]["environment"]["WARMROUTE_BACKENDS"], *_documented_gpu_backends()]
+    named = set()
+    for value in settings:
+        for backend in load_config(env={"WARMROUTE_BACKENDS": value}).backends:
+            u = urlsplit(backend.url)
+            named.add((u.hostname or "", str(u.port)))
+    assert {("vllm-0", "8000"), ("vllm-1", "8000"), ("sim", "8001")} <= named
+    assert named <= engines, f"not scraped: {named - engines}"
+    # Every engine service is one of them, and its server listens on the port scraped.
+    for name, svc in s.items():
+        if name == "sim" or svc.get("image", "").startswith("vllm/"):
+            assert {p for h, p in engines if h == name} == expose(svc), name
+        if svc.get("image", "").startswith("vllm/"):
+            [port] = [a.split("=", 1)[1] for a in svc["command"] if a.startswith("--port=")]
+            assert expose(svc) == {port}, name
 
 
 def test_nginx_streams_without_buffering_and_waits_longer_than_a_first_byte() -> None:
@@ -317,6 +414,13 @@ def test_every_datasource_the_dashboard_uses_is_provisioned_and_exemplars_open_a
     provisioned = {ds["uid"]: ds for ds in yaml.safe_load(text)["datasources"]}
     used = set(_uids(_dashboard()))
     assert used and used <= set(provisioned), used - set(provisioned)
+    # Every query names its datasource by uid (a name, or none, would escape the check above
+    # and fall to whatever Grafana's default is).
+    dashboard = _dashboard()
+    queries = [p for p in dashboard["panels"] if p["type"] != "row"]
+    queries += dashboard["templating"]["list"]
+    for node in queries + [t for p in queries for t in p.get("targets", [])]:
+        assert isinstance(node.get("datasource"), dict) and node["datasource"].get("uid"), node
     for ds in provisioned.values():
         for link in ds.get("jsonData", {}).get("exemplarTraceIdDestinations", []):
             assert link["datasourceUid"] == trace_store
