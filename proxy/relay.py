@@ -9,7 +9,7 @@ truncation.
 The relay also judges the backend (passive health, proxy/outlier.py): an attempt succeeds when
 its first body byte arrives, not at its response head (vLLM sends a streaming head before the
 first token, so a wedged engine answers heads all day), and a stream that breaks after that
-(idle timeout, cut) counts as a failure.
+(idle timeout, cut, closed before its end) counts as a failure.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ __all__ = ["Relay", "event_boundary", "internal_error", "respond", "upstream_hea
 log = logging.getLogger("warmroute.forward")
 
 # How a stream can break after its first byte (the error.code of the event that ends it).
-IDLE_TIMEOUT, STREAM_CUT = "idle_timeout", "upstream_stream_error"
+IDLE_TIMEOUT, STREAM_CUT, INCOMPLETE = "idle_timeout", "upstream_stream_error", "incomplete_stream"
 
 # Never forwarded upstream besides the hop-by-hop set: credentials meant for the proxy (in
 # any of the usual spellings), and Expect (the proxy has the whole body already).
@@ -281,6 +281,19 @@ class Relay:
         if not ex.client_gone:
             if carry:
                 tail = carry + tail  # the backend ended cleanly without a final blank line
+            if error is None and facts.error == INCOMPLETE:
+                # A clean end of the body before the stream's own end ([DONE], a finish
+                # reason, response.completed: the meter's judgement per API): a truncation
+                # the client could not tell from a whole answer.
+                error = INCOMPLETE
+                reason = f"{backend.name} ended the stream before it was complete"
+                cut = len(tail) - event_boundary(tail)
+                log.warning(
+                    "request %s: %s; ending it with an error event%s",
+                    ex.request_id,
+                    reason,
+                    f" (dropped {cut} bytes of an incomplete event)" if cut else "",
+                )
             if error is not None:
                 # Broken after the first byte: the backend's failure, and an error event on
                 # an event boundary (what the meter still held back may end mid-event too).

@@ -23,6 +23,20 @@ HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding
 EVENT = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'  # noqa: E501
 
 
+CLOSE_DELIMITED_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+)
+RESPONSES_DELTA = (
+    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+    b'"item_id":"i1","output_index":0,"content_index":0,"delta":"hi","sequence_number":1}\n\n'
+)
+RESPONSES_COMPLETED = (
+    b'event: response.completed\ndata: {"type":"response.completed","sequence_number":2,'
+    b'"response":{"id":"r1","object":"response","status":"completed","model":"m","output":[]}}'
+    b"\n\n"
+)
+
+
 def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -48,6 +62,13 @@ BEHAVIOURS: dict[str, bytes] = {
     "garbage_head": b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
     # a healthy stream
     "ok": HEAD + _chunk(EVENT) + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n",
+    # a body delimited by the connection's end (no length, no chunking), closed mid-event
+    "close_delimited_cut": CLOSE_DELIMITED_HEAD + EVENT + EVENT[:40],
+    # a chunked stream properly terminated, but before its end (no finish reason, no [DONE])
+    "chunked_without_end": HEAD + _chunk(EVENT) + b"0\r\n\r\n",
+    # a Responses API stream: it ends after response.completed, with no [DONE]
+    "responses_ok": HEAD + _chunk(RESPONSES_DELTA) + _chunk(RESPONSES_COMPLETED) + b"0\r\n\r\n",
+    "responses_cut": HEAD + _chunk(RESPONSES_DELTA) + b"0\r\n\r\n",
     # an engine that fails every request, or is too busy to take it
     "status_500": _answer(b"500 Internal Server Error", b'{"error":{"message":"boom"}}'),
     "status_429": _answer(b"429 Too Many Requests", b'{"error":{"message":"busy"}}'),
@@ -150,6 +171,40 @@ def test_a_stream_cut_mid_event_raises_api_error_in_the_openai_client(
                     got.append(chunk.choices[0].delta.content or "")
         assert got == ["hi"]  # the complete event arrived; the cut one did not
         assert "broke off" in str(err.value)
+
+
+@pytest.mark.parametrize("behaviour", ["close_delimited_cut", "chunked_without_end"])
+def test_a_stream_the_backend_ends_cleanly_before_its_end_raises_api_error(
+    behaviour: str, raw_backend: Callable[[str], RawBackend], proxy_server: Callable[..., object]
+) -> None:
+    backend = raw_backend(behaviour)
+    proxy = proxy_server([backend.url])
+    got: list[str] = []
+    with pytest.raises(openai.APIError) as err:
+        for chunk in _client(proxy).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        ):
+            got.extend(c.delta.content or "" for c in chunk.choices)
+    assert got == ["hi"]  # the complete event arrived; a cut one did not
+    assert "before it was complete" in str(err.value)
+    assert err.value.code == "incomplete_stream"  # type: ignore[attr-defined]
+
+
+def test_a_responses_stream_ends_at_response_completed_and_raises_when_cut_before_it(
+    raw_backend: Callable[[str], RawBackend], proxy_server: Callable[..., object]
+) -> None:
+    backend = raw_backend("responses_ok")
+    proxy = proxy_server([backend.url])
+    client = _client(proxy)
+    events = list(client.responses.create(model="m", input="hi", stream=True))
+    assert [e.type for e in events] == ["response.output_text.delta", "response.completed"]
+    backend.behaviour = "responses_cut"
+    got: list[str] = []
+    with pytest.raises(openai.APIError) as err:
+        for event in client.responses.create(model="m", input="hi", stream=True):
+            got.append(event.type)
+    assert got == ["response.output_text.delta"]
+    assert err.value.code == "incomplete_stream"  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("behaviour", ["partial_head", "garbage_head"])
