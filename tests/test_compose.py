@@ -306,6 +306,56 @@ def test_every_engine_the_proxy_can_be_pointed_at_is_scraped_on_the_port_it_serv
             assert expose(svc) == {port}, name
 
 
+def test_grafana_anonymous_users_only_view_and_the_admin_password_is_no_default() -> None:
+    raw_env = RAW["services"]["grafana"]["environment"]
+    for trace_store in TRACE_STORES:
+        env = compose(trace_store)["services"]["grafana"]["environment"]
+        assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+        assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] not in ("Admin", "Editor")
+        # Nothing else lifts what a Viewer may do.
+        assert str(env.get("GF_USERS_VIEWERS_CAN_EDIT", "false")).lower() == "false"
+        assert "GF_AUTH_ANONYMOUS_ORG_NAME" not in env and "GF_SECURITY_ADMIN_USER" not in env
+    # The role is written out, not taken from a variable that could say Admin.
+    assert raw_env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    # The password is the operator's, with no default literal (Grafana's own is `admin`) ...
+    assert raw_env["GF_SECURITY_ADMIN_PASSWORD"] == "${GRAFANA_ADMIN_PASSWORD:-}"
+    assert not {k for k in raw_env if k.startswith("GF_SECURITY_ADMIN_PASSWORD__")}
+
+
+def _grafana_start(env: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """Run the grafana service's entrypoint script with `env`, `env -0` standing in for
+    Grafana: (what it printed, the environment it would start Grafana with)."""
+    entrypoint = services()["grafana"]["entrypoint"]
+    assert entrypoint[:2] == ["/bin/sh", "-c"] and entrypoint[-1] == "/run.sh"
+    out = subprocess.run(
+        ["sh", "-c", entrypoint[2], entrypoint[3], "env", "-0"],
+        env={"PATH": os.environ["PATH"], **env},
+        capture_output=True,
+        timeout=10,
+        check=True,
+    ).stdout.decode()
+    printed, _, environ = out.rpartition("\n")
+    return printed, dict(v.split("=", 1) for v in environ.split("\0") if "=" in v)
+
+
+def test_grafana_gets_a_random_admin_password_unless_one_is_given(tmp_path: Path) -> None:
+    """... and when none is given, the entrypoint makes a random one and prints it once."""
+    fresh = {"GF_PATHS_DATA": str(tmp_path), "GF_SECURITY_ADMIN_PASSWORD": ""}
+    printed, env = _grafana_start(fresh)
+    password = env["GF_SECURITY_ADMIN_PASSWORD"]
+    assert len(password) >= 20 and password != "admin"
+    assert f"user admin, password {password} " in printed
+    assert _grafana_start(fresh)[1]["GF_SECURITY_ADMIN_PASSWORD"] != password  # random
+    given = {**fresh, "GF_SECURITY_ADMIN_PASSWORD": "chosen-by-operator"}
+    printed, env = _grafana_start(given)
+    assert env["GF_SECURITY_ADMIN_PASSWORD"] == "chosen-by-operator" and printed == ""
+    # Its data exists (a restart): Grafana keeps the first password; a new one would be a lie.
+    (tmp_path / "grafana.db").write_text("")
+    printed, env = _grafana_start(fresh)
+    assert env["GF_SECURITY_ADMIN_PASSWORD"] == ""
+    assert "printed when its data was created" in printed and "reset-admin-password" in printed
+
+
 def test_nginx_streams_without_buffering_and_waits_longer_than_a_first_byte() -> None:
     nginx = (DEPLOY / "nginx/nginx.conf").read_text()
     assert re.search(r"proxy_buffering off;", nginx)
