@@ -34,12 +34,38 @@ DASHBOARD = ROOT / "deploy/grafana/dashboards/warmroute.json"
 COLLECTOR_PREFIX = "otlp_"
 
 
+# PromQL's words that are not metric names (functions and aggregations are followed by `(`).
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool"}
+PROMQL_WORDS |= {"offset", "and", "or", "unless", "inf", "nan"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """Every metric name in a PromQL expression, with or without a selector or a range:
+    what is left once strings, `{...}`, `[...]`, `by (...)` clauses, functions and keywords
+    are taken out."""
+    bare = re.sub(
+        r'"[^"]*"|\{[^}]*\}|\[[^\]]*\]|\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)',
+        " ",
+        expr,
+    )
+    names = re.findall(r"(?<![\w.:])([a-zA-Z_:][\w:]*)(?![\w:])(?!\s*\()", bare)
+    return {n for n in names if n.lower() not in PROMQL_WORDS}
+
+
+def test_metric_names_are_found_bare_as_well_as_with_a_selector() -> None:
+    expr = (
+        "sum by (server_address) (warmroute_backend_inflight) / ignoring(x) "
+        'histogram_quantile(0.99, rate(foo_bucket{le!="+Inf"}[5m] offset 1m)) > bool 1e3'
+    )
+    assert metric_names(expr) == {"warmroute_backend_inflight", "foo_bucket"}
+
+
 def dashboard_metrics() -> set[str]:
-    """Metric names in the dashboard's queries: selectors `name{...}` / `name[...]`, and the
-    template variables' label_values(name, label)."""
+    """Metric names in the dashboard's queries, and the template variables'
+    label_values(name, label)."""
     d = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
-    names = {m for e in exprs for m in re.findall(r"([a-zA-Z_:][\w:]*)\s*[{\[]", e)}
+    names = {m for e in exprs for m in metric_names(e)}
     for var in d.get("templating", {}).get("list", []):
         query = var.get("definition") or var.get("query", {}).get("query", "")
         names |= set(re.findall(r"label_values\(\s*([a-zA-Z_:][\w:]*)", query))

@@ -158,6 +158,11 @@ def test_environment_variables_are_ones_warmroute_reads() -> None:
     otel = {n for n in names if n.startswith("OTEL_")}
     assert otel <= set(HONOURED), otel - set(HONOURED)
     assert names - otel <= {"POD_NAME", "POD_NAMESPACE"}  # the downward API, used in the above
+    # ... and each one is: Kubernetes expands $(NAME) only from variables listed before it.
+    for i, e in enumerate(container["env"]):
+        if e["name"].startswith("POD_"):
+            later = " ".join(str(x.get("value", "")) for x in container["env"][i + 1 :])
+            assert f"$({e['name']})" in later, f"{e['name']} is set but nothing reads it"
     env = {e["name"]: e.get("value", "") for e in container["env"]}
     cfg = load_config(flags={"backends": ["http://x:1"]}, env=env).telemetry
     assert cfg.traces_exporter == "otlp" and cfg.metrics_exporter == "none"  # scraped, not pushed
@@ -171,6 +176,12 @@ def test_probes_point_at_endpoints_the_proxy_serves(fake_backends: Any) -> None:
         for kind in ("readinessProbe", "livenessProbe", "startupProbe")
     }
     assert probes["readinessProbe"] == "/ready" and probes["livenessProbe"] == "/health"
+    # ... on the port the proxy listens on (by its name or number), in plain HTTP.
+    [port] = container["ports"]
+    for kind in probes:
+        get = container[kind]["httpGet"]
+        assert get["port"] in (port["name"], port["containerPort"]), kind
+        assert get.get("scheme", "HTTP") == "HTTP", kind
     [(_, backend)] = fake_backends(1)
     port = free_port()
     cfg = load_config(flags={"backends": [backend.url], "port": port}, env={})
