@@ -10,6 +10,7 @@ a trailing slash is a 404, never a redirect built from the client's Host header.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from proxy.telemetry import Telemetry
 
 ADMIN_LISTENER_PATHS = ("/admin/", "/metrics", "/health", "/ready")
+log = logging.getLogger("warmroute.edge")
 
 
 class Edge:
@@ -56,14 +58,20 @@ class Edge:
         self.admission = Admission(
             server.max_inflight, server.admission_queue, server.admission_timeout_s
         )
+        max_connections = server.max_connections or default_max_connections()
         self.connections = Connections(
             ConnLimits(
                 max_header_bytes=server.max_header_bytes,
                 max_headers=server.max_headers,
                 header_timeout_s=server.header_timeout_s,
                 body_timeout_s=server.body_timeout_s,
-                max_connections=server.max_connections or default_max_connections(),
+                max_connections=max_connections,
             )
+        )
+        log.info(
+            "at most %d client connections (server.max_connections%s)",
+            max_connections,
+            "" if server.max_connections else ": half the open-file limit, less a reserve",
         )
         self.auth_refused = {"api": 0, "admin": 0}
         self.client_requests: dict[str, int] = {}

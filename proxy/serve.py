@@ -315,6 +315,13 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(redacted_config(config.model_dump(mode="json")), indent=2))
             return 0
         setup_logging(config.server.log_level)
+        # Before the app exists: its default server.max_connections is half the limit, and
+        # worker processes inherit it.
+        before, after = raise_open_file_limit()
+        if after != before:
+            logging.getLogger("warmroute").debug(
+                "open-file limit raised from %d to %d", before, after
+            )
         if config.server.workers > 1:
             os.environ[CONFIG_ENV] = config.model_dump_json()
             server_config = uvicorn_config(
@@ -338,9 +345,6 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("warmroute").info(
             "admin on http://%s:%d/admin", config.server.admin_host, config.server.admin_port
         )
-    before, after = raise_open_file_limit()
-    if after != before:
-        logging.getLogger("warmroute").debug("open-file limit raised from %d to %d", before, after)
     if config.server.workers > 1:
         from uvicorn.supervisors import Multiprocess
 

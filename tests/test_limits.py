@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -86,13 +87,23 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
+    with serve(LIMITS) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def serve(limits: dict[str, float], soft_nofile: int | None = None) -> Iterator[Served]:
+    """`warmroute serve` with these server.* settings, in front of a mock backend; started
+    with that soft open-file limit, if given."""
     backend = ServerThread(MockBackend(chunks=3, models=(MODEL,))).start()
     port = free_port()
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        **{f"WARMROUTE_SERVER__{k.upper()}": str(v) for k, v in LIMITS.items()},
+        **{f"WARMROUTE_SERVER__{k.upper()}": str(v) for k, v in limits.items()},
     }
     args = [sys.executable, "-m", "proxy", "serve", "--port", str(port), "--backend", backend.url]
+    if soft_nofile is not None:  # the shell sets it and execs: the pid stays serve's
+        args = ["sh", "-c", f'ulimit -Sn {soft_nofile} && exec "$@"', "sh", *args]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         server = Served(proc.pid, port)
@@ -323,3 +334,25 @@ def test_past_max_connections_a_new_connection_gets_503_at_once(
     assert answers.count(b"") == cap - 1  # the held ones: closed idle, no answer
     baseline()
     assert normal_request(served) == 200
+
+
+@pytest.mark.e2e
+def test_the_default_connection_cap_is_taken_from_the_raised_open_file_limit() -> None:
+    # Started with the common soft limit of 1024, serve raises it (to the hard limit, at
+    # most 65536) before the app derives max_connections from it: the cap is half the raised
+    # limit, not the 480 that 1024 gives.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 4096:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves nothing to raise")
+    held_count = 600  # past 480, well within the raised cap
+    with serve({}, soft_nofile=1024) as served:
+        limits = Path(f"/proc/{served.pid}/limits").read_text()
+        soft = int(next(ln for ln in limits.splitlines() if "open files" in ln).split()[3])
+        assert soft > 1024
+        held = [connect(served) for _ in range(held_count)]
+        try:
+            assert normal_request(served) == 200  # the 601st connection: not refused
+            assert served.refused()["too_many_connections"] == 0
+        finally:
+            for sock in held:
+                sock.close()
