@@ -46,7 +46,7 @@ from proxy.errors import RequestError, error_body
 from proxy.exchange import API_PATHS, Exchange
 from proxy.intake import parse, too_large, with_include_usage
 from proxy.relay import Relay, internal_error, respond, upstream_headers
-from proxy.retry import RETRYABLE_STATUS, Retry, RetryPolicy, classify
+from proxy.retry import RETRYABLE_STATUS, Resume, Retry, RetryPolicy, classify
 from proxy.routing.types import RouteContext
 from proxy.state import Fleet, Recorder, RequestRouting, UpstreamClient, start_record
 from proxy.upstream import CONNECT_ERRORS, UpstreamProtocolError
@@ -235,16 +235,22 @@ class ProxyEndpoint:
         send: Send,
         body: bytes | None = None,
         final: bool = True,
+        resume: Resume | None = None,
     ) -> tuple[str, StreamFacts | None] | None:
         """Attempts until one is answered (its backend and facts), or None: the client got
         an error, or (`final` False) nothing yet, for the caller to fall back. `body`
-        replaces what each backend is sent (a decode leg's)."""
+        replaces what each backend is sent (a decode leg's). `resume`: the request is back
+        after a failed leg, and the policy decides its first attempt too. Every call for one
+        request runs to one deadline, from the request's arrival."""
         fw = self.fw
         policy = fw.retry
-        deadline = policy.deadline(time.monotonic())
+        deadline = policy.deadline(ex.t0)
         failures: list[str] = []
-        name, fresh = first, False
-        while True:
+        name: str | None = first
+        if resume is not None:
+            name = await self._resumed(ex, resume, first, ranking, deadline, failures)
+        fresh = False
+        while name is not None:
             backend = fw.fleet[name]
             try:
                 return name, await self._attempt(ex, backend, record, send, fresh, body)
@@ -255,7 +261,7 @@ class ProxyEndpoint:
                 if ex.client_gone:
                     break
                 nxt, why_not = policy.next(
-                    r, name, ranking, ex.attempts, time.monotonic(), deadline
+                    r, name, ranking, ex.attempts, time.perf_counter(), deadline
                 )
                 log.warning(
                     "request %s attempt %d on %s failed before the first byte: %s; %s",
@@ -288,6 +294,28 @@ class ProxyEndpoint:
             "backends_unavailable",
         )
         return None
+
+    async def _resumed(
+        self,
+        ex: Exchange,
+        resume: Resume,
+        first: str,
+        ranking: list[str],
+        deadline: float,
+        failures: list[str],
+    ) -> str | None:
+        """Where a request back after a failed leg goes first, as the policy says; None: not
+        retried (the reason logged and kept for the client's error)."""
+        now = time.perf_counter()
+        nxt, why_not = self.fw.retry.resume(resume, first, ranking, ex.attempts, now, deadline)
+        if nxt is None:
+            log.warning("request %s: %s; not retrying: %s", ex.request_id, resume.why, why_not)
+            failures.append(f"{resume.why} (not retried: {why_not})")
+            return None
+        failures.append(resume.why)
+        if nxt.delay_s:
+            await asyncio.sleep(nxt.delay_s)
+        return nxt.backend
 
     async def _fail(
         self,

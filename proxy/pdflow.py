@@ -22,8 +22,12 @@ Per request, after routing:
   is cancelled and its connection closed); the client's stream comes from decode, the prefill
   answer is drained.
 - Any prefill-leg failure (an error, a stall past the first-byte timeout, no KV params) falls
-  back to decode-only on the decode pool (the engine prefills itself), with the reason logged
-  and on the span (`warmroute.pd.fallback`).
+  back to decode-only on the decode backend (the engine prefills itself), with the reason
+  logged and on the span (`warmroute.pd.fallback`).
+- Retries are not decided here: a request back after a failed leg goes through the attempt
+  loop with a `Resume`, and proxy/retry.py says whether and where (the fallback before the
+  request's deadline; a failed decode leg elsewhere in the decode pool within max_attempts,
+  the budget and the deadline, after a backoff). One deadline, from the request's arrival.
 
 The decider's window sees what each engine really did: the prefill leg opens its long-prefill
 interval on the prefill engine, the decode leg counts no prefill on the decode engine (its KV
@@ -62,7 +66,7 @@ from proxy.disagg.pools import BackendState, RequestPlan, uncached_tokens
 from proxy.disagg.window import RequestFacts, itl_quantiles
 from proxy.exchange import Exchange
 from proxy.relay import upstream_headers
-from proxy.retry import Retry, describe
+from proxy.retry import Resume, Retry, describe
 from proxy.routing.types import ROLE_REASON_PREFIX
 
 if TYPE_CHECKING:
@@ -108,6 +112,7 @@ class Legs(Protocol):
         send: Send,
         body: bytes | None = None,
         final: bool = True,
+        resume: Resume | None = None,
     ) -> tuple[str, StreamFacts | None] | None: ...
 
 
@@ -340,7 +345,9 @@ class PdFlows:
         if not prefill_pool:
             self._count("no_prefill_backend")
             why = "no backend of the prefill pool can serve it"
-            return await self._fallback(legs, ex, why, decode, decode_pool, record, send)
+            return await self._fallback(
+                legs, ex, why, decode, decode_pool, record, send, failed=False
+            )
         prefill_pool = await self._ordered(ex, prefill_pool, ranking)
         prefill = prefill_pool[0]
         record.set_attribute("warmroute.pd.flow", plan.flow or "")
@@ -527,13 +534,13 @@ class PdFlows:
         record: RequestRecord,
         send: Send,
     ) -> Result:
-        """The decode leg failed before its first byte: the request whole, on the rest of the
-        decode pool first (its KV, if any, is lost)."""
+        """The decode leg failed before its first byte: the request whole, retried on the rest
+        of the decode pool as the retry policy allows (the KV it was to receive is lost)."""
         self._count("decode_leg_failed")
         self._prefilled.pop(ex.request_id, None)
-        rest = [n for n in decode_pool if n != failed] or decode_pool
         self._leg[ex.request_id] = "decode_only"
-        return await legs.attempts(ex, rest, rest[0], record, send)
+        why = f"decode leg on {failed} failed before its first byte"
+        return await legs.attempts(ex, decode_pool, failed, record, send, resume=Resume(why))
 
     async def _fallback(
         self,
@@ -544,16 +551,20 @@ class PdFlows:
         decode_pool: list[str],
         record: RequestRecord,
         send: Send,
+        failed: bool = True,
     ) -> Result:
-        """No KV to decode from: the request whole on the decode backend, which prefills it."""
+        """No KV to decode from: the request whole on the decode backend, which prefills it.
+        After a failed prefill leg (`failed`) the retry policy has the last word (deadline)."""
         self._prefilled.pop(ex.request_id, None)
-        why = f"{why}; decode-only on {decode}"
-        record.set_attribute("warmroute.pd.fallback", why)
+        said = f"{why}; decode-only on {decode}"
+        record.set_attribute("warmroute.pd.fallback", said)
         if ex.client_gone:
             return None
-        log.warning("request %s: %s", ex.request_id, why)
+        log.warning("request %s: %s", ex.request_id, said)
         self._leg[ex.request_id] = "decode_only"
-        return await legs.attempts(ex, _first(decode_pool, decode), decode, record, send)
+        resume = Resume(why, fallback=True) if failed else None
+        order = _first(decode_pool, decode)
+        return await legs.attempts(ex, order, decode, record, send, resume=resume)
 
     def _least_loaded(self, names: list[str]) -> str:
         inflight = {v.name: v.inflight for v in self.steering.views()}

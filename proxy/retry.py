@@ -10,7 +10,15 @@ errors, the registry only keeps health). Rules:
 - Anything else moves to the next backend of the routing ranking, after an exponential
   backoff with full jitter (U(0, min(max, base * 2^n))), so a fleet that is briefly sick is
   not hit by every client at the same instant.
-- An overall deadline: no new attempt starts `deadline_s` after the request arrived.
+- An overall deadline: no new attempt starts `deadline_s` after the request arrived, counted
+  from its arrival (`Exchange.t0`) for every leg, fallback and retry of it.
+- A two-leg prefill/decode request (proxy/pdflow.py) comes back to the attempt loop after a
+  failed leg with a `Resume`, and the policy decides its next attempt too. A decode leg that
+  failed is retried like any attempt (elsewhere in the decode pool: max_attempts, backoff,
+  budget, deadline). A prefill leg that failed falls back to the decode backend its plan chose,
+  at once and outside max_attempts and the budget: that engine did not fail, and it gets the
+  one request it was getting anyway, so nothing is added to a failing fleet's load; but not
+  past the deadline.
 - A retry budget (as Envoy's and Finagle's): retries may add at most `budget_ratio` of the
   requests of the last 10 s, plus `budget_min_per_s`; beyond it a failure is answered at once.
   When every backend is failing, retries would multiply the load on the fleet exactly when
@@ -140,6 +148,14 @@ class NextAttempt:
     fresh: bool  # open a new connection (the pooled one was closed under us)
 
 
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A request back in the attempt loop after one of its legs failed (proxy/pdflow.py)."""
+
+    why: str  # that failure in a sentence, for the log and the client's error
+    fallback: bool = False  # the flow's fallback to its decode backend, not a retry elsewhere
+
+
 class RetryPolicy:
     """Decides, after each failed attempt, whether and where the request goes next."""
 
@@ -152,8 +168,10 @@ class RetryPolicy:
     def candidates(self, ranking: list[str]) -> list[str]:
         return ranking[: self.cfg.max_attempts]
 
-    def deadline(self, start: float) -> float:
-        return start + self.cfg.deadline_s
+    def deadline(self, arrival: float) -> float:
+        """When the last new attempt may start: `deadline_s` after the request's arrival
+        (Exchange.t0, on time.perf_counter's clock), whichever leg or retry it is."""
+        return arrival + self.cfg.deadline_s
 
     def backoff_s(self, retry_no: int) -> float:
         """Full jitter: uniform in [0, min(max, base * 2^(n-1))] for the n-th retry."""
@@ -170,13 +188,49 @@ class RetryPolicy:
         deadline: float,
     ) -> tuple[NextAttempt | None, str]:
         """Where to try next after `failed` failed, or None and why not."""
-        if len(tried) >= self.cfg.max_attempts:
-            return None, f"{self.cfg.max_attempts} attempts made (retries.max_attempts)"
-        if now >= deadline:
-            return None, f"the retry deadline of {self.cfg.deadline_s:g}s passed"
+        stop = self._stop(tried, now, deadline)
+        if stop:
+            return None, stop
         if failure.kind == "reused" and tried.count(failed) == 1:
             # The keep-alive race: the same backend, a new connection, no wait, no budget.
             return NextAttempt(failed, 0.0, fresh=True), ""
+        return self._elsewhere(ranking, tried, now, deadline)
+
+    def resume(
+        self,
+        resume: Resume,
+        first: str,
+        ranking: list[str],
+        tried: list[str],
+        now: float,
+        deadline: float,
+    ) -> tuple[NextAttempt | None, str]:
+        """Where a request coming back after a failed leg goes, or None and why not: its
+        fallback to `first` (its decode backend) before the deadline, or a retry elsewhere in
+        `ranking` as after any failure."""
+        if now >= deadline:
+            return None, self._late()
+        if resume.fallback:
+            return NextAttempt(first, 0.0, fresh=False), ""
+        stop = self._stop(tried, now, deadline)
+        if stop:
+            return None, stop
+        return self._elsewhere(ranking, tried, now, deadline)
+
+    def _stop(self, tried: list[str], now: float, deadline: float) -> str:
+        if len(tried) >= self.cfg.max_attempts:
+            return f"{self.cfg.max_attempts} attempts made (retries.max_attempts)"
+        if now >= deadline:
+            return self._late()
+        return ""
+
+    def _late(self) -> str:
+        return f"the retry deadline of {self.cfg.deadline_s:g}s passed"
+
+    def _elsewhere(
+        self, ranking: list[str], tried: list[str], now: float, deadline: float
+    ) -> tuple[NextAttempt | None, str]:
+        """The first backend of `ranking` not tried yet, after a backoff, from the budget."""
         remaining = [b for b in ranking if b not in tried]
         if not remaining:
             return None, "no other backend to try"

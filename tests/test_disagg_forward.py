@@ -4,6 +4,7 @@ decider evaluated on read, its switch logged, and the SGLang body on both legs e
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -18,6 +19,7 @@ from proxy.app import create_app
 from proxy.config import Config, load_config
 from proxy.disagg.window import RequestFacts
 from proxy.telemetry import Telemetry
+from proxy.upstream import UpstreamConnectError
 from tests.test_forward_fake_upstream import CHUNK, DONE, FakeResponse, FakeUpstream, _call
 
 DOC = "a long document about the history of the river. " * 120  # ~1,450 tokens at 4 chars
@@ -368,3 +370,80 @@ async def test_sglang_rooms_are_drawn_afresh_per_request() -> None:
     await _call(app, {**_doc(), "messages": [{"role": "user", "content": APPENDIX * 3}]})
     rooms = [orjson.loads(b)["bootstrap_room"] for b in _fake(app).bodies]
     assert rooms[0] == rooms[1] and rooms[2] == rooms[3] and rooms[0] != rooms[2]
+
+
+# --- one retry policy, one deadline ---------------------------------------------------------
+
+
+def _late(answer: Any) -> Any:
+    """A step that answers (or fails) 50 ms after it was sent: past a 20 ms deadline."""
+
+    async def step() -> FakeResponse:
+        await asyncio.sleep(0.05)
+        if isinstance(answer, BaseException):
+            raise answer
+        response: FakeResponse = answer()
+        return response
+
+    return step
+
+
+async def _hung() -> FakeResponse:
+    await asyncio.Event().wait()  # an SGLang decode engine waiting for KV that never comes
+    raise AssertionError
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_prefill_leg_failing_past_the_deadline_gets_no_fallback(engine: str) -> None:
+    cfg = _config(_pd_fleet(engine)[::2], retries={"deadline_s": 0.02})
+    decode = [_stream] if engine == "vllm" else [_hung, _stream]
+    app = _app(cfg, {P1: [_late(UpstreamConnectError("refused"))], D1: decode})
+    status, body, _ = await _call(app, _doc())
+    assert status == 503
+    message = orjson.loads(body)["error"]["message"]
+    assert f"prefill leg on {P1} failed" in message
+    assert "not retried: the retry deadline of 0.02s passed" in message
+    # vLLM sent no decode leg; SGLang's, sent with the prefill leg, was not followed by more.
+    assert sorted(_called(app)) == ([P1] if engine == "vllm" else sorted([P1, D1]))
+    assert app.state.forwarding.pd.counts["prefill_failed"] == 1
+
+
+async def test_a_decode_leg_failing_past_the_deadline_is_not_retried_elsewhere() -> None:
+    cfg = _config(_pd_fleet(), retries={"deadline_s": 0.02})
+    down = lambda: FakeResponse(500, [])  # noqa: E731
+    app = _app(cfg, {P1: [_late(_kv_answer)], D1: [down], D2: [_stream]})
+    status, body, _ = await _call(app, _doc())
+    assert status == 503 and _called(app) == [P1, D1]  # D2 was free, but the time was up
+    assert "not retried: the retry deadline" in orjson.loads(body)["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("retries", "why"),
+    [
+        ({"budget_ratio": 0, "budget_min_per_s": 0}, "the retry budget is spent"),
+        ({"max_attempts": 2}, "2 attempts made"),  # the prefill leg was the first
+    ],
+)
+async def test_a_failed_decode_leg_is_retried_within_the_policys_budget_and_attempts(
+    retries: dict[str, Any], why: str
+) -> None:
+    down = lambda: FakeResponse(500, [])  # noqa: E731
+    scripts = {P1: [_kv_answer], D1: [down], D2: [_stream]}
+    app = _app(_config(_pd_fleet(), retries=retries), scripts)
+    status, body, _ = await _call(app, _doc())
+    assert status == 503 and _called(app) == [P1, D1]
+    assert f"not retried: {why}" in orjson.loads(body)["error"]["message"]
+    # With retries to spare, the decode-only retry goes to the other decode engine.
+    app = _app(_config(_pd_fleet()), scripts)
+    status, _, _ = await _call(app, _doc())
+    assert status == 200 and _called(app) == [P1, D1, D2]
+    assert "kv_transfer_params" not in orjson.loads(_fake(app).bodies[-1])
+
+
+async def test_a_prefill_fallback_spends_no_retry_budget() -> None:
+    # The decode engine gets the one request it was getting anyway: no load is added.
+    cfg = _config(_pd_fleet()[::2], retries={"budget_ratio": 0, "budget_min_per_s": 0})
+    app = _app(cfg, {P1: [lambda: FakeResponse(500, [])], D1: [_stream]})
+    status, body, _ = await _call(app, _doc())
+    assert (status, body) == (200, CHUNK + DONE) and _called(app) == [P1, D1]
+    assert app.state.forwarding.retry.budget.info()["retries"] == 0
