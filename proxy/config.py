@@ -143,6 +143,7 @@ class ServerConfig(_Model):
     header_timeout_s: float = Field(10.0, gt=0)  # connection (or first byte) -> head complete
     body_timeout_s: float = Field(60.0, gt=0)  # head complete -> body complete
     keepalive_timeout_s: float = Field(30.0, gt=0)  # idle between requests on a connection
+    write_timeout_s: float = Field(60.0, gt=0)  # a client that reads none of its response
     max_connections: int | None = Field(None, ge=1)  # default: half the open-file limit
     # Overload (proxy/admission.py): in flight at once, then a short queue, then 503
     max_inflight: int = Field(4096, ge=1)

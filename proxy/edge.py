@@ -66,6 +66,7 @@ class Edge:
                 header_timeout_s=server.header_timeout_s,
                 body_timeout_s=server.body_timeout_s,
                 max_connections=max_connections,
+                write_timeout_s=server.write_timeout_s,
             )
         )
         log.info(

@@ -10,7 +10,13 @@ connections were all still open after 75 s. Here, per connection:
 - the head must be complete within `header_timeout_s` of the connection opening (or of its
   first byte after a keep-alive wait), and the body within `body_timeout_s` of the head: else
   408 (a connection that never sent a byte is just closed);
-- past `max_connections` open connections a new one gets 503 and is closed at once.
+- past `max_connections` open connections a new one gets 503 and is closed at once;
+- a client that stops reading its response is cut off once its writes have been stalled for
+  `write_timeout_s`: else it would hold its admission slot and the upstream connection (the
+  engine's KV cache) for as long as it liked. The timer is armed when the transport's buffer
+  passes its high-water mark (pause_writing) and cancelled when it drains (resume_writing),
+  so a chunk written costs nothing; closing the connection makes uvicorn hand the app
+  http.disconnect, and the proxy's disconnect watcher closes the upstream.
 
 Deadlines are checked by one timer per server every tick (a quarter of the shortest timeout,
 at most 1 s), not one timer per request: a request costs two clock reads. The app publishes
@@ -43,6 +49,7 @@ REASONS = (
     "body_timeout",
     "idle_timeout",
     "bad_request",
+    "write_timeout",
 )
 
 
@@ -53,6 +60,7 @@ class ConnLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_connections: int = 1024
+    write_timeout_s: float = 60.0
 
     @property
     def tick_s(self) -> float:
@@ -106,6 +114,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._chunk = 0  # bytes of the read being parsed
         self._refusal: tuple[int, str, str] | None = None
         self._counted = False
+        self._stalled: asyncio.TimerHandle | None = None  # armed while writes are paused
 
     # -- connection ------------------------------------------------------------------------
     def connection_made(self, transport: Any) -> None:
@@ -131,7 +140,41 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._counted = False
             self._conns.open -= 1
         self._phase = _IDLE
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
         super().connection_lost(exc)
+
+    # -- flow control: called at the transport's water marks, never per write -----------------
+    def pause_writing(self) -> None:
+        HttpToolsProtocol.pause_writing(self)
+        conns = self._conns
+        if conns is not None and self._stalled is None:
+            self._stalled = self.loop.call_later(
+                conns.limits.write_timeout_s, self._write_timed_out
+            )
+
+    def resume_writing(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+        HttpToolsProtocol.resume_writing(self)
+
+    def _write_timed_out(self) -> None:
+        self._stalled = None
+        conns = self._conns
+        transport = self.transport
+        if conns is None or transport is None:
+            return
+        conns.refused["write_timeout"] += 1
+        log.warning(
+            "connection from %s closed: it read nothing of its response for %g s "
+            "(server.write_timeout_s)",
+            _address(self.client),
+            conns.limits.write_timeout_s,
+        )
+        # abort, not close: close() would wait to flush the buffer the client is not reading.
+        transport.abort()
 
     def data_received(self, data: bytes) -> None:
         conns = self._conns
@@ -249,6 +292,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         )
         transport.write(head + body)
         transport.close()
+
+
+def _address(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "an unknown address"
 
 
 def _head_too_large(limit: int) -> tuple[int, str, str]:

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.bench.mock import MockBackend
+from proxy.bench.mock import MockBackend, prompt_directives
 from tests.support import ServerThread, free_port
 
 MODEL = "test-model"
@@ -84,6 +84,13 @@ class Served:
                 out[reason] = float(line.rsplit(" ", 1)[1])
         return out
 
+    def admitted(self) -> float:
+        """Requests holding an admission slot (warmroute.admission.inflight)."""
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("warmroute_admission_inflight"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("warmroute_admission_inflight is not in /metrics")
+
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
@@ -92,10 +99,12 @@ def served() -> Iterator[Served]:
 
 
 @contextlib.contextmanager
-def serve(limits: dict[str, float], soft_nofile: int | None = None) -> Iterator[Served]:
-    """`warmroute serve` with these server.* settings, in front of a mock backend; started
-    with that soft open-file limit, if given."""
-    backend = ServerThread(MockBackend(chunks=3, models=(MODEL,))).start()
+def serve(
+    limits: dict[str, float], soft_nofile: int | None = None, app: MockBackend | None = None
+) -> Iterator[Served]:
+    """`warmroute serve` with these server.* settings, in front of a mock backend (`app`, or
+    one of three chunks); started with that soft open-file limit, if given."""
+    backend = ServerThread(app or MockBackend(chunks=3, models=(MODEL,))).start()
     port = free_port()
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -356,3 +365,33 @@ def test_the_default_connection_cap_is_taken_from_the_raised_open_file_limit() -
         finally:
             for sock in held:
                 sock.close()
+
+
+@pytest.mark.e2e
+def test_a_client_that_stops_reading_is_cut_off_and_its_upstream_closed() -> None:
+    app = MockBackend(chunks=3, models=(MODEL,), script=prompt_directives, record=True)
+    assert app.rec is not None
+    with serve({"write_timeout_s": 1.0}, app=app) as served:
+        body = json.dumps(
+            {**CHAT, "stream": True, "messages": [{"role": "user", "content": "chunks:1000000"}]}
+        ).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills in a moment
+        sock.settimeout(GUARD_S)
+        sock.connect(("127.0.0.1", served.port))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: proxy\r\ncontent-type: "
+            b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        try:
+            assert sock.recv(16).startswith(b"HTTP/1.1 200")  # streaming; from here, unread
+            assert normal_request(served) == 200  # other clients are served meanwhile
+            # Cut off once its writes stalled for 1 s: the upstream is closed, so the engine
+            # stops generating, and the admission slot and the connection come back.
+            assert app.rec.disconnected.wait(GUARD_S)
+            assert app.rec.completed == 1  # the normal request's; the stalled one was cut
+            _until(lambda: served.client_sockets() == 0 and served.admitted() == 0)
+            assert served.refused()["write_timeout"] == 1
+            assert normal_request(served) == 200
+        finally:
+            sock.close()
