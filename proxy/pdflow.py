@@ -3,17 +3,14 @@
 Used only when `disagg.mode` is `on` or `auto` (with `off` the forwarder never calls this).
 Per request, after routing:
 
-- The controller (proxy/disagg/controller.py, pure) classifies the request from its uncached
-  prompt on the decode pool and its expected output, and plans it: one leg on a pool, or two
-  legs (prefill on the prefill pool, decode on the decode pool) for a chat or completions
-  request whose uncached prompt is over the threshold, when both pools hold engines that speak
-  the same KV-transfer flow. A pool is used only inside the router's own
-  ranking (what it filtered out — another model, an in-flight bound, an ejected backend —
-  stays out); P/D-role backends the role filter set aside for whole requests are what the two
-  legs are for, and join when they can serve. No pool member left: the router's ranking, as
-  without a split. Inside a pool, the router's winner goes first when it is a member, else
-  the member holding most of the prompt (prefix affinity), so a repeated document returns to
-  the engine that has it; the decode leg goes to the least loaded decode backend.
+- The controller (proxy/disagg/controller.py, pure) plans the request from its uncached prompt
+  on the decode pool and its expected output: one leg on a pool, or two legs (prefill pool,
+  then decode pool) for a chat or completions prompt over the threshold when both pools hold
+  engines of one KV-transfer flow. A pool is used only inside the router's own ranking (what
+  it filtered out stays out); P/D-role backends the role filter set aside for whole requests
+  join when they can serve. No pool member left: the router's ranking. Inside a pool, the
+  router's winner first when a member, else the member holding most of the prompt (prefix
+  affinity); the decode leg goes to the least loaded decode backend.
 - vLLM (NixlConnector style): the prefill leg is a one-token non-streaming request carrying
   `kv_transfer_params`; its answer's params go into the decode leg, which is the client's
   request and streams to the client. Sequential.
@@ -24,10 +21,8 @@ Per request, after routing:
 - Any prefill-leg failure (an error, a stall past the first-byte timeout, no KV params) falls
   back to decode-only on the decode backend (the engine prefills itself), with the reason
   logged and on the span (`warmroute.pd.fallback`).
-- Retries are not decided here: a request back after a failed leg goes through the attempt
-  loop with a `Resume`, and proxy/retry.py says whether and where (the fallback before the
-  request's deadline; a failed decode leg elsewhere in the decode pool within max_attempts,
-  the budget and the deadline, after a backoff). One deadline, from the request's arrival.
+- Retries are not decided here: a request back after a failed leg re-enters the attempt loop
+  with a `Resume`, and proxy/retry.py says whether and where, to one deadline per request.
 
 The decider's window sees what each engine really did: the prefill leg opens its long-prefill
 interval on the prefill engine, the decode leg counts no prefill on the decode engine (its KV
@@ -575,9 +570,8 @@ class PdFlows:
 
 
 def _up(view: BackendView) -> bool:
-    """Whether a backend counts for the pools: passing health checks, not ejected (both in
-    `healthy`) and serving some model. An in-flight bound is left out on purpose: it comes and
-    goes per request, and pools that followed it would move engines (and their caches)."""
+    """Whether a backend counts for the pools: healthy, not ejected, serving some model. Not
+    its in-flight bound: pools following a per-request state would move engines and caches."""
     return view.healthy and (view.models is None or bool(view.models))
 
 
