@@ -101,6 +101,160 @@ async def test_a_prefill_leg_stalling_past_the_first_byte_timeout_falls_back_wit
                            [f"{waited}; decode-only on {d_name}"]), reasons  # fmt: skip
 
 
+# --- an erroring prefill leg ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flow", ["vllm", "sglang"])
+async def test_a_prefill_engine_answering_500_falls_back_to_decode_only_with_its_reason(
+    proxy_server: Callable[..., ServerThread], caplog: pytest.LogCaptureFixture, flow: str
+) -> None:
+    with (
+        sim("h100", time_scale=8, role="prefill", pd=flow) as (p_url, _),
+        # An SGLang decode engine told of a room that is never prefilled waits for it; the
+        # proxy cancels that leg, and the engine gives up 2 s later instead of 30.
+        sim("h100", time_scale=8, role="decode", pd=flow, bootstrap_timeout_s=2) as (d_url, _),
+    ):
+        async with httpx.AsyncClient(timeout=WAIT_S) as h:
+            faults = {"error_rate": 1.0, "error_status": 500}
+            assert (await h.post(p_url + "/sim/faults", json=faults)).status_code == 200
+            proxy = proxy_server([p_url, d_url], config=_pd_config(p_url, d_url, flow))
+            with caplog.at_level(logging.WARNING, logger="warmroute.disagg"):
+                client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+                answer = await client.chat.completions.create(
+                    **_doc_body(stream=False), extra_body={"ignore_eos": True}
+                )
+            state = (await h.get(proxy.url + "/admin/disagg")).json()
+            p_stats = (await h.get(p_url + "/sim/stats")).json()
+            d_stats = (await h.get(d_url + "/sim/stats")).json()
+            d_received = (await h.get(d_url + "/sim/received")).json()["requests"]
+    assert answer.usage is not None and answer.usage.completion_tokens == 12
+    assert p_stats["counts"]["errors_injected"] == 1
+    assert d_stats["external_kv_tokens"] == 0  # no KV came: the decode engine prefilled it
+    assert d_stats["requests"][-1]["prompt_tokens"] == answer.usage.prompt_tokens
+    assert "kv_transfer_params" not in d_received[-1]["body"]  # the client's body: decode-only
+    assert "bootstrap_room" not in d_received[-1]["body"]
+    assert state["requests"]["prefill_failed"] == 1
+    assert "decode_leg_failed" not in state["requests"]
+    p_name, d_name = p_url.removeprefix("http://"), d_url.removeprefix("http://")
+    reasons = [
+        r.getMessage().split(": ", 1)[1] for r in caplog.records if "prefill leg" in r.getMessage()
+    ]
+    assert reasons == [
+        f"prefill leg on {p_name} failed (HTTP 500 (injected fault: simulated engine error)); "
+        f"decode-only on {d_name}"
+    ]
+
+
+# --- each leg's body, as the engines receive it ---------------------------------------------
+
+
+def _client_body() -> dict[str, Any]:
+    return {
+        **_doc_body(max_tokens=12),
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "min_tokens": 4,
+        "temperature": 0.0,
+        "seed": 7,
+    }
+
+
+def _streamed(url: str, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+    """The chunks of one streamed answer through the proxy."""
+    headers = {"x-request-id": request_id}
+    with httpx.stream("POST", url + CHAT, json=body, headers=headers, timeout=WAIT_S) as r:
+        assert r.status_code == 200
+        text = r.read().decode()
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e.strip()]
+    assert events[-1] == "[DONE]"
+    return [orjson.loads(e) for e in events[:-1]]
+
+
+def _received(url: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = httpx.get(url + "/sim/received").json()["requests"]
+    return out
+
+
+def test_vllm_legs_arrive_at_the_engines_exactly_as_the_flow_says(proxy_server: Any) -> None:
+    client = _client_body()
+    with (
+        sim("h100", time_scale=8, role="prefill", pd="vllm") as (p_url, p_app),
+        sim("h100", time_scale=8, role="decode", pd="vllm") as (d_url, _),
+    ):
+        proxy = proxy_server([p_url, d_url], config=_pd_config(p_url, d_url, "vllm"))
+        chunks = _streamed(proxy.url, client, "wire-vllm")
+        [prefill], [decode] = _received(p_url), _received(d_url)
+    p_host, p_port = p_url.removeprefix("http://").split(":")
+    assert prefill == {
+        "path": CHAT,
+        "request_id": "wire-vllm",
+        "body": {
+            **{k: v for k, v in client.items() if k not in ("stream_options", "min_tokens")},
+            "stream": False,
+            "max_tokens": 1,
+            "kv_transfer_params": {
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            },
+        },
+    }
+    params = decode["body"]["kv_transfer_params"]
+    blocks = params.pop("remote_block_ids")
+    assert blocks and all(isinstance(b, int) for b in blocks)
+    assert params == {  # what the prefill engine answered, passed on untouched
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": p_app.cfg.engine_id,
+        "remote_request_id": "wire-vllm",
+        "remote_host": p_host,
+        "remote_port": int(p_port),
+        "tp_size": 1,
+    }
+    del decode["body"]["kv_transfer_params"]
+    assert decode == {"path": CHAT, "request_id": "wire-vllm", "body": client}
+    _assert_whole_stream(chunks, 12)
+
+
+def test_sglang_legs_arrive_at_both_engines_as_one_body_with_one_room(proxy_server: Any) -> None:
+    client = _client_body()
+    with (
+        sim("h100", time_scale=8, role="prefill", pd="sglang") as (p_url, _),
+        sim("h100", time_scale=8, role="decode", pd="sglang") as (d_url, _),
+    ):
+        proxy = proxy_server([p_url, d_url], config=_pd_config(p_url, d_url, "sglang"))
+        chunks = _streamed(proxy.url, client, "wire-sglang")
+        [prefill], [decode] = _received(p_url), _received(d_url)
+        d_stats = httpx.get(d_url + "/sim/stats").json()
+    p_host, p_port = p_url.removeprefix("http://").split(":")
+    room = decode["body"]["bootstrap_room"]
+    assert isinstance(room, int) and 0 <= room < 2**63
+    expected = {
+        "path": CHAT,
+        "request_id": "wire-sglang",
+        "body": {
+            **client,
+            "bootstrap_host": p_host,
+            "bootstrap_port": int(p_port),
+            "bootstrap_room": room,
+        },
+    }
+    assert prefill == expected and decode == expected
+    assert d_stats["external_kv_tokens"] >= 1400  # the decode engine fetched that room's KV
+    _assert_whole_stream(chunks, 12)
+
+
+def _assert_whole_stream(chunks: list[dict[str, Any]], tokens: int) -> None:
+    """Every token of the decode leg reached the client, then the usage chunk."""
+    text = [c["choices"][0]["delta"].get("content") for c in chunks if c.get("choices")]
+    assert sum(1 for t in text if t) == tokens
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == tokens and usage["prompt_tokens"] >= 1500
+
+
 # --- the client leaves --------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ and both KV-transfer flows end to end against `warmroute sim` engines in P/D rol
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from typing import Any
 
@@ -346,3 +347,46 @@ async def test_a_long_prompt_with_a_long_answer_still_takes_two_legs() -> None:
     assert [c[0] for c in fake.calls] == [PREFILL, DECODE]
     assert _bodies(fake, DECODE)[0]["kv_transfer_params"] == KV
     assert app.state.forwarding.pd.counts == {"two:prefill": 1}
+
+
+# --- an SGLang prefill leg that errors ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("failure", "reason"),
+    [
+        (
+            lambda: FakeResponse(500, [b'{"error":{"message":"engine down"}}']),
+            "HTTP 500 (engine down)",
+        ),
+        (UpstreamConnectError("connection refused"), "connection refused"),
+    ],
+    ids=["http_500", "refused"],
+)
+async def test_an_erroring_sglang_prefill_leg_cancels_the_kv_wait_and_falls_back(
+    failure: Any, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    waited, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def waiting_for_kv() -> FakeResponse:
+        waited.set()
+        try:
+            await asyncio.Event().wait()  # the engine waits for the room's KV: it never comes
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        raise AssertionError
+
+    app, fake = _pd_app({PREFILL: [failure], DECODE: [waiting_for_kv, _stream]}, "sglang")
+    client = _long_chat(stream_options={"include_usage": True})
+    with caplog.at_level(logging.WARNING, logger="warmroute.disagg"):
+        status, body, _ = await _call(app, client)
+    assert (status, body) == (200, CHUNK + DONE)
+    assert waited.is_set() and cancelled.is_set()  # the decode leg's wait was cut short
+    first, fallback = _bodies(fake, DECODE)
+    assert first["bootstrap_room"] == _bodies(fake, PREFILL)[0]["bootstrap_room"]
+    assert fallback == client  # decode-only: the client's body, no bootstrap fields
+    counts = app.state.forwarding.pd.counts
+    assert counts["prefill_failed"] == 1 and "decode_leg_failed" not in counts
+    [line] = [r.getMessage() for r in caplog.records if r.name == "warmroute.disagg"]
+    assert line.endswith(f"prefill leg on {PREFILL} failed ({reason}); decode-only on {DECODE}")

@@ -16,6 +16,7 @@ import logging
 import random
 import time
 import uuid
+from collections import deque
 from dataclasses import asdict
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = ["ERROR_TYPES", "HTTPError", "SimApp", "StreamCut", "create_sim_app", 
 
 MAX_BODY = 32 * 1024 * 1024
 MAX_N = 128
+RECEIVED_KEPT = 16  # completion requests GET /sim/received shows, newest last
 
 
 class SimApp:
@@ -65,6 +67,9 @@ class SimApp:
         self.refuse_until = 0.0
         self.protocols: set[Any] = set()
         self.pd = Disagg(cfg)
+        # A debug view for tests of what sits in front of the engine (a proxy's rewritten
+        # bodies, its headers): the last completion requests exactly as they arrived.
+        self.received: deque[dict[str, Any]] = deque(maxlen=RECEIVED_KEPT)
         self.created = int(time.time())
         self._ids = itertools.count()
         self._log_filter = QuietStreamCut()
@@ -151,6 +156,8 @@ class SimApp:
             await send_json(send, 200, {"version": "warmroute-sim"})
         elif path == "/sim/stats":
             await send_json(send, 200, self.stats())
+        elif path == "/sim/received":
+            await send_json(send, 200, {"requests": list(self.received)})
         elif path == "/sim/faults":
             if method == "POST":
                 await self._set_faults(await _json_body(receive), send)
@@ -228,6 +235,9 @@ class SimApp:
         body = await _json_body(receive)
         if not isinstance(body, dict):
             raise HTTPError(400, "the request body must be a JSON object")
+        self.received.append(
+            {"path": scope["path"], "request_id": header(scope, b"x-request-id"), "body": body}
+        )
         self.counts["requests"] += 1
         faults = self.cfg.faults
         if faults.error_rate and self.rng.random() < faults.error_rate:
