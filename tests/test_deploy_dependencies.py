@@ -1,9 +1,11 @@
 """What `pip install warmroute` (no extras) brings, and that the proxy needs no more.
 
-The Docker image installs the package without extras. A fresh virtual environment per test
-run would cost a download and minutes, so the base install is reproduced in a child process
-whose imports of the bench extra's modules (and gRPC's) fail as if they were not installed:
-`warmroute serve` must start, serve a streamed request, export its metrics and never try them.
+The Docker image installs the package without extras. Here, fast and without the package
+index, the base install is imitated in a child process whose imports of the bench extra's
+modules (and gRPC's) fail as if they were not installed: `warmroute serve` must start, serve a
+streamed request, export its metrics and never try them. That cannot see a base dependency
+missing from pyproject.toml (the test environment has them all): tests/test_deploy_base_install.py
+installs for real into a fresh virtual environment (slow, needs the index).
 """
 
 from __future__ import annotations
