@@ -26,6 +26,19 @@ from proxy.jsonscan import (
 from proxy.sse import DONE, data_of
 
 API = Literal["chat", "completions", "responses"]
+# The most bytes of one event held while its end has not arrived. The largest legitimate
+# event is a Responses stream's last, which repeats the whole output (~4 bytes a token,
+# more when escaped): 4 MiB holds several hundred thousand tokens. A backend that never
+# sends a blank line would otherwise grow the held bytes (here and in the relay) forever.
+MAX_EVENT_BYTES = 4 * 1024 * 1024
+
+
+class EventTooLarge(ValueError):
+    """An event grew past MAX_EVENT_BYTES without its end."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"an event of over {size} bytes without its end")
+        self.size = size
 
 
 @dataclass(slots=True)
@@ -258,7 +271,10 @@ class StreamMeter:
         return data.endswith(sep)
 
     def feed(self, data: bytes, now: float) -> bytes:
-        """Meter one upstream read; return the bytes to write to the client now."""
+        """Meter one upstream read; return the bytes to write to the client now.
+
+        Raises EventTooLarge when an event has grown past MAX_EVENT_BYTES without its end.
+        """
         if not data:
             return data
         self._pending = 0
@@ -267,6 +283,8 @@ class StreamMeter:
             k = data.find(b"\n")
             if k < 0:
                 self._tail += data
+                if len(self._tail) > MAX_EVENT_BYTES:
+                    raise EventTooLarge(len(self._tail))
                 return data if not self.strip_usage else b""
             crlf = data[k - 1] == 0x0D if k > 0 else self._tail.endswith(b"\r")
             self._sep = b"\r\n\r\n" if crlf else b"\n\n"
@@ -275,7 +293,11 @@ class StreamMeter:
         seplen = len(sep)
         if self._tail:
             # Resume the separator search where the last read left off (an event can span
-            # many reads; rescanning it from the start each time would be quadratic).
+            # many reads; rescanning it from the start each time would be quadratic). Only
+            # here, with an event pending, is its size checked: reads that end on an event
+            # boundary pay nothing for the bound.
+            if len(self._tail) > MAX_EVENT_BYTES:
+                raise EventTooLarge(len(self._tail))
             buf = self._tail + data
             search = max(0, len(self._tail) - seplen + 1)
         else:

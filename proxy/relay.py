@@ -26,7 +26,7 @@ from proxy import asgi
 from proxy.asgi import Send
 from proxy.errors import error_body, sse_error_event
 from proxy.exchange import Exchange
-from proxy.meter import StreamFacts, StreamMeter, meter_json
+from proxy.meter import MAX_EVENT_BYTES, EventTooLarge, StreamFacts, StreamMeter, meter_json
 from proxy.retry import Retry, describe
 from proxy.sse import event_boundary
 from proxy.upstream import NOT_FORWARDED_DOWNSTREAM_B, NOT_FORWARDED_UPSTREAM, READ_ERRORS
@@ -43,6 +43,7 @@ log = logging.getLogger("warmroute.forward")
 
 # How a stream can break after its first byte (the error.code of the event that ends it).
 IDLE_TIMEOUT, STREAM_CUT, INCOMPLETE = "idle_timeout", "upstream_stream_error", "incomplete_stream"
+TOO_LARGE = "event_too_large"
 
 # Never forwarded upstream besides the hop-by-hop set: credentials meant for the proxy (in
 # any of the usual spellings), and Expect (the proxy has the whole body already).
@@ -208,7 +209,9 @@ class Relay:
         ex.started_response = True
         perf = time.perf_counter
         first = True
-        carry = b""  # the start of an event whose end has not arrived
+        # The start of an event whose end has not arrived: never longer than what the meter
+        # holds of it, which the meter bounds (MAX_EVENT_BYTES).
+        carry = b""
         try:
             while data:
                 received = perf()
@@ -255,6 +258,16 @@ class Relay:
                     )
                     carry = b""
                     break
+        except EventTooLarge as e:
+            error = TOO_LARGE
+            reason = (
+                f"{backend.name} sent {describe(e)} (the most this proxy holds of one event is "
+                f"{MAX_EVENT_BYTES} bytes)"
+            )
+            log.warning(
+                "request %s: %s; ending the stream with an error event", ex.request_id, reason
+            )
+            carry = b""
         except asyncio.CancelledError:
             if ex.client_gone:
                 raise

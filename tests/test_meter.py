@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.jsonscan import ARRAY, FINISH, QUOTE, nonempty_at, value_starts
-from proxy.meter import API, StreamFacts, StreamMeter, meter_json
+from proxy.meter import API, MAX_EVENT_BYTES, EventTooLarge, StreamFacts, StreamMeter, meter_json
 from proxy.sse import data_of
 
 
@@ -715,6 +715,25 @@ def test_stream_cut_without_done_is_incomplete() -> None:
     assert client == CUT  # the torn tail is still flushed to the client
     assert f.error == "incomplete_stream" and "error" in f.finish_reasons
     assert f.chunks == 2
+
+
+@pytest.mark.parametrize("strip", [False, True])
+@pytest.mark.parametrize("framed", [False, True], ids=["from_the_start", "after_an_event"])
+def test_an_event_that_never_ends_is_held_only_up_to_max_event_bytes(
+    strip: bool, framed: bool
+) -> None:
+    # A backend that never sends a blank line must not grow what the meter (and the relay)
+    # hold: past the bound, feed() says so and the relay ends the stream with an error.
+    m = StreamMeter("chat", t0=0.0, strip_usage=strip)
+    if framed:  # the separator is known: the bound is checked where an event is resumed
+        m.feed(sse(chunk("c", "m", [delta(content="hi")]), done=False), 1.0)
+    m.feed(b'data: {"choices":[{"delta":{"content":"', 1.0)
+    piece, fed = b"a" * 65536, 0
+    with pytest.raises(EventTooLarge) as err:
+        while fed <= MAX_EVENT_BYTES + 2 * len(piece):
+            m.feed(piece, 1.0)
+            fed += len(piece)
+    assert MAX_EVENT_BYTES < err.value.size <= MAX_EVENT_BYTES + len(piece)  # not before
 
 
 def test_proxy_reported_error_wins_over_stream_state() -> None:

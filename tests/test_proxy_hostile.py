@@ -8,6 +8,7 @@ JSONDecodeError, a silent truncation or a 500 with a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -74,8 +75,11 @@ BEHAVIOURS: dict[str, bytes] = {
     "status_429": _answer(b"429 Too Many Requests", b'{"error":{"message":"busy"}}'),
     # a wedged engine: the streaming head (vLLM sends it before the first token), then nothing
     "head_then_hang": HEAD,
+    # an event that never ends: no blank line for more than the proxy holds of one event
+    "oversized_event": HEAD + _chunk(EVENT) + _chunk(b'data: {"x":"' + b"a" * (5 << 20)),
 }
-HOLD = frozenset({"head_then_hang"})  # keep the connection open until the proxy closes it
+# keep the connection open until the proxy closes it
+HOLD = frozenset({"head_then_hang", "oversized_event"})
 
 
 class RawBackend:
@@ -88,6 +92,7 @@ class RawBackend:
         self.sock.listen(64)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.posts = 0
+        self.released = threading.Event()  # the proxy closed a held connection
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -129,8 +134,10 @@ class RawBackend:
             behaviour = self.behaviour
             conn.sendall(BEHAVIOURS[behaviour])
             if behaviour in HOLD:
-                while conn.recv(65536):
-                    pass
+                with contextlib.suppress(OSError):  # a reset, when the proxy left bytes unread
+                    while conn.recv(65536):
+                        pass
+                self.released.set()
 
     def close(self) -> None:
         self.sock.close()
@@ -188,6 +195,22 @@ def test_a_stream_the_backend_ends_cleanly_before_its_end_raises_api_error(
     assert got == ["hi"]  # the complete event arrived; a cut one did not
     assert "before it was complete" in str(err.value)
     assert err.value.code == "incomplete_stream"  # type: ignore[attr-defined]
+
+
+def test_an_event_that_never_ends_is_cut_off_with_an_api_error_and_its_upstream_closed(
+    raw_backend: Callable[[str], RawBackend], proxy_server: Callable[..., object]
+) -> None:
+    backend = raw_backend("oversized_event")
+    proxy = proxy_server([backend.url])
+    got: list[str] = []
+    with pytest.raises(openai.APIError) as err:
+        for chunk in _client(proxy).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        ):
+            got.extend(c.delta.content or "" for c in chunk.choices)
+    assert got == ["hi"]
+    assert err.value.code == "event_too_large"  # type: ignore[attr-defined]
+    assert backend.released.wait(10)  # the proxy let go of the backend's connection
 
 
 def test_a_responses_stream_ends_at_response_completed_and_raises_when_cut_before_it(
