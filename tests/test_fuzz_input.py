@@ -134,7 +134,7 @@ def test_any_bytes_are_a_400_or_a_request(raw: bytes, api: str) -> None:
     client_error_or_nothing(api, raw)
 
 
-# -- the stream meter, over JSON-shaped events with hostile values -----------------------------
+# -- the stream meter, over JSON-shaped events with hostile values, and any bytes -------------
 
 
 @st.composite
@@ -159,11 +159,17 @@ def events(draw: st.DrawFn) -> bytes:
 @settings(max_examples=300, deadline=None)
 @given(
     st.sampled_from(["chat", "completions", "responses"]),
-    st.lists(events() | st.sampled_from([b"data: [DONE]\n\n", b": ping\n\n"]), max_size=8),
+    st.lists(
+        events()
+        | st.sampled_from([b"data: [DONE]\n\n", b": ping\n\n"])
+        | st.binary(max_size=60)  # anything a broken backend may send, framed or not
+        | st.binary(max_size=40).map(lambda b: b"data: " + b + b"\n\n"),
+        max_size=8,
+    ),
     st.booleans(),
     st.lists(st.integers(0, 5000), max_size=6),
 )
-def test_the_meter_takes_any_json_events_without_raising(
+def test_the_meter_takes_any_json_events_or_bytes_without_raising(
     api: Any, pieces: list[bytes], strip: bool, splits: list[int]
 ) -> None:
     stream = b"".join(pieces)
@@ -228,8 +234,8 @@ def test_the_proxy_answers_any_body_with_a_response_or_a_well_formed_4xx(
 
 @pytest.mark.parametrize("api", ["chat", "completions"])
 def test_nesting_is_refused_past_the_limit_however_many_brackets_strings_hold(api: str) -> None:
-    # The walk is skipped when the bytes cannot nest that deep; brackets inside strings make
-    # it run, and it must still accept a shallow body and name the field of a deep one.
+    # Brackets inside strings are not nesting: a body full of them is still shallow, and a
+    # deep one is refused naming its field, on both sides of the limit.
     brackets = "[{" * MAX_DEPTH
     if api == "chat":
         shallow = {"model": MODEL, "messages": [{"role": "user", "content": brackets}]}
