@@ -1,9 +1,10 @@
 """Keeping secrets and client bytes out of what warmroute prints.
 
-Backend and Redis URLs may carry credentials (`http://user:password@host`); they are shown with
-the userinfo and query replaced by `***` wherever they are printed: views, `serve --check`,
-log lines. Log messages also quote client input (a model name, a request id), so control
-characters in a message are escaped: a newline in a model name cannot forge a log line.
+Backend, Redis and OTLP URLs may carry credentials (`http://user:password@host`); they are
+shown with the userinfo and query replaced by `***` wherever they are printed: views,
+`serve --check`, log lines. Log messages also quote client input (a model name, a request
+id), so control characters in a message are escaped: a newline in a model name cannot forge a
+log line.
 """
 
 from __future__ import annotations
@@ -52,15 +53,26 @@ def _escape_one(m: re.Match[str]) -> str:
     return {"\n": "\\n", "\r": "\\r"}.get(c) or f"\\x{ord(c):02x}"
 
 
-def redacted_config(dump: dict[str, Any]) -> dict[str, Any]:
-    """A config dump (Config.model_dump) with backend and Redis URLs redacted."""
-    for backend in dump.get("backends") or ():
-        if isinstance(backend.get("url"), str):
-            backend["url"] = redact_url(backend["url"])
-    redis = dump.get("redis") or {}
-    if isinstance(redis.get("url"), str):
-        redis["url"] = redact_url(redis["url"])
+def redacted_config(dump: Any) -> Any:
+    """A config dump (Config.model_dump) with every string in it redacted: a URL's userinfo
+    and query masked, and any URL inside other text too. Every value, not a list of keys:
+    backend, Redis and OTLP endpoints, KV-event sockets, plugin settings, and whatever key
+    holds a URL next."""
+    if isinstance(dump, str):
+        return redact_url(dump) if _is_url(dump) else redact_text(dump)
+    if isinstance(dump, dict):
+        return {k: redacted_config(v) for k, v in dump.items()}
+    if isinstance(dump, list):
+        return [redacted_config(v) for v in dump]
     return dump
+
+
+def _is_url(text: str) -> bool:
+    try:
+        parts = urlsplit(text)
+    except ValueError:
+        return False
+    return bool(parts.scheme and parts.netloc) and " " not in text
 
 
 class SafeFormatter(logging.Formatter):

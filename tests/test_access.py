@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from proxy.access import TENANT, AdminAccess, KeyRing, bearer
 from proxy.app import create_app
 from proxy.config import Config, load_config
-from proxy.redact import SafeFormatter, escape_control, redact_text, redact_url
+from proxy.redact import SafeFormatter, escape_control, redact_text, redact_url, redacted_config
 from proxy.routing.prefix import PrefixHasher
 from proxy.serve import NoDelayHttpToolsProtocol, listen_socket
 from proxy.telemetry import Telemetry
@@ -87,6 +87,26 @@ def test_credentials_are_masked_in_urls_and_text() -> None:
     assert redact_url("http://10.0.0.5:8000") == "http://10.0.0.5:8000"
     text = f"GET 'https://u:{SECRET}@h/v1/models' failed; redis://{SECRET}@r:1 too"
     assert SECRET not in redact_text(text)
+
+
+def test_the_printed_config_masks_every_url_whatever_key_holds_it() -> None:
+    config = Config.model_validate(
+        {
+            "backends": [
+                {
+                    "url": f"http://u:{SECRET}@10.0.0.5:8000",
+                    "kv_events": {"endpoint": f"tcp://u:{SECRET}@10.0.0.5:5557"},
+                }
+            ],
+            "redis": {"url": f"redis://:{SECRET}@r:6379/0"},
+            "telemetry": {"otlp_endpoint": f"https://u:{SECRET}@collector:4318/v1?token={SECRET}"},
+            "routing": {"plugins": {"any": {"note": f"see http://u:{SECRET}@wiki/x"}}},
+        }
+    )
+    shown = json.dumps(redacted_config(config.model_dump(mode="json")))
+    assert SECRET not in shown
+    assert '"otlp_endpoint": "https://***@collector:4318/v1?***"' in shown
+    assert shown.count("***@") == 5
 
 
 def test_log_messages_cannot_forge_lines_and_carry_no_credentials() -> None:
@@ -345,7 +365,10 @@ def test_a_planted_secret_never_shows_in_views_logs_spans_or_check(
     seen += lines
     check = subprocess.run(
         [sys.executable, "-m", "proxy", "serve", "--check", "--backend", url, "--redis", redis],
-        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=60, env={
+            "PATH": "/usr/bin:/bin",
+            "WARMROUTE_TELEMETRY__OTLP_ENDPOINT": f"http://u:{SECRET}@127.0.0.1:4318",
+        },
     )  # fmt: skip
     assert check.returncode == 0, check.stderr
     seen += [check.stdout, check.stderr]
