@@ -38,7 +38,27 @@ BODIES = {
     "/v1/embeddings": {"model": MODEL, "input": "hi"},
     "/v1/responses": {"model": MODEL, "input": "hi"},
 }
-ADMIN_ROUTES = (("GET", "/admin/backends"), ("GET", "/admin/routing"))
+# The admin routes there are now; the tests cover every one the app serves (admin_routes).
+ADMIN_ROUTES = frozenset(
+    {
+        ("GET", "/admin/backends"),
+        ("GET", "/admin/routing"),
+        ("POST", "/admin/route/explain"),
+        ("GET", "/admin/doctor"),
+        ("GET", "/admin/disagg"),
+    }
+)
+
+
+def admin_routes(app: Any) -> list[tuple[str, str]]:
+    """Every /admin route the app serves, with its method: one added later is covered too."""
+    found = sorted(
+        ("POST" if "POST" in route.methods else "GET", route.path)
+        for route in app.inner.routes
+        if getattr(route, "path", "").startswith("/admin")
+    )
+    assert ADMIN_ROUTES <= set(found), found
+    return found
 
 
 def sha(secret: str) -> str:
@@ -229,7 +249,7 @@ def test_every_api_route_refuses_without_its_key_and_serves_with_it(backend: str
 def test_admin_refuses_on_the_serving_port_unless_configured(backend: str) -> None:
     config = {"backends": [{"url": backend, "models": [MODEL]}]}
     with Proxy(dict(config)) as proxy:
-        for method, path in [*ADMIN_ROUTES, ("POST", "/admin/route/explain")]:
+        for method, path in admin_routes(proxy.app):
             r = httpx.request(method, proxy.url + path, json=BODIES[API[0]])
             assert r.status_code == 404, path
             assert "server.admin_port" in r.json()["error"]["message"]
@@ -239,12 +259,14 @@ def test_admin_refuses_on_the_serving_port_unless_configured(backend: str) -> No
             assert r.status_code == 404 and "backends" not in r.json(), sneaky
 
     with Proxy({**config, "server": {"admin_token_sha256": sha(ADMIN)}}) as proxy:
-        for method, path in ADMIN_ROUTES:
-            assert httpx.request(method, proxy.url + path).status_code == 401
-            bad = httpx.request(method, proxy.url + path, headers={"authorization": "Bearer x"})
-            assert bad.status_code == 401
+        for method, path in admin_routes(proxy.app):
+            url, body = proxy.url + path, BODIES[API[0]]
+            assert httpx.request(method, url, json=body).status_code == 401, path
+            bad = httpx.request(method, url, json=body, headers={"authorization": "Bearer x"})
+            assert bad.status_code == 401, path
             good = {"authorization": f"Bearer {ADMIN}"}
-            assert httpx.request(method, proxy.url + path, headers=good).status_code == 200
+            r = httpx.request(method, url, json=body, headers=good)
+            assert r.status_code == 200, (path, r.text)
 
 
 @pytest.mark.e2e
@@ -347,9 +369,10 @@ def test_a_planted_secret_never_shows_in_views_logs_spans_or_check(
         seen.append(http.post(API[0], json=forged, headers=auth).text)
         for path in ("/ready", "/metrics", "/health", "/v1/models"):
             seen.append(http.get(path, headers=auth).text)
-        for _, path in ADMIN_ROUTES:
-            seen.append(http.get(path, headers=admin).text)
-        seen.append(http.post("/admin/route/explain", json=BODIES[API[0]], headers=admin).text)
+        for method, path in admin_routes(proxy.app):
+            r = http.request(method, path, json=BODIES[API[0]], headers=admin)
+            assert r.status_code == 200, (path, r.text)
+            seen.append(r.text)
         ready = http.get("/ready").json()
         assert all(set(b) <= {"name", "up", "circuit"} for b in ready["backends"])
         spans = [
