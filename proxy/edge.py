@@ -11,7 +11,6 @@ a trailing slash is a 404, never a redirect built from the client's Host header.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
@@ -24,7 +23,13 @@ from proxy.access import CLIENT, TENANT, AdminAccess, KeyRing, bearer
 from proxy.admission import Admission
 from proxy.asgi import JSON, ASGIApp, Message, Receive, Scope, Send, respond
 from proxy.errors import error_body
-from proxy.limits import APP_STATE_KEY, Connections, ConnLimits, default_max_connections
+from proxy.limits import (
+    APP_STATE_KEY,
+    Connections,
+    ConnLimits,
+    default_max_connections,
+    request_id_of,
+)
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -189,10 +194,7 @@ class Edge:
 
 
 def _request_id(scope: Scope) -> str:
-    for name, value in scope["headers"]:
-        if name == b"x-request-id" and 0 < len(value) <= 200 and all(32 < c < 127 for c in value):
-            return value.decode("ascii")
-    return os.urandom(16).hex()
+    return request_id_of(scope["headers"])
 
 
 def _with_request_id(send: Send, request_id: str) -> Send:

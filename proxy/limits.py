@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +76,15 @@ class Connections:
     limits: ConnLimits
     open: int = 0
     refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+
+
+def request_id_of(headers: Iterable[tuple[bytes, bytes]] | None) -> str:
+    """The client's x-request-id when it is a sane one (printable, at most 200 bytes: it goes
+    into logs and headers), else a new one."""
+    for name, value in headers or ():
+        if name == b"x-request-id" and 0 < len(value) <= 200 and all(32 < c < 127 for c in value):
+            return value.decode("ascii")
+    return os.urandom(16).hex()
 
 
 def default_max_connections() -> int:
@@ -268,7 +279,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._refusal = None
         if self._conns is not None:
             self._conns.refused[reason] = self._conns.refused.get(reason, 0) + 1
-        log.debug("connection from %s refused: %s (%d)", self.client, reason, status)
+        # Every answer carries a request id, the refusals made before the app saw a request
+        # too: the client's, when its head got that far, or a new one to quote in a report.
+        request_id = request_id_of(self.headers)
+        log.debug(
+            "request %s from %s refused: %s (%d)",
+            request_id,
+            _address(self.client),
+            reason,
+            status,
+        )
         transport = self.transport
         if transport.is_closing():
             return
@@ -288,6 +308,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             STATUS_LINE[status]
             + b"content-type: application/json\r\ncontent-length: "
             + str(len(body)).encode()
+            + b"\r\nx-request-id: "
+            + request_id.encode()
             + b"\r\nconnection: close\r\n\r\n"
         )
         transport.write(head + body)

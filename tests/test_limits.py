@@ -181,10 +181,12 @@ def read_to_close(sock: socket.socket) -> bytes:
 
 
 def answer(raw: bytes) -> tuple[int, dict[str, str], dict[str, Any]]:
-    """(status, headers, JSON body) of one raw HTTP/1.1 response."""
+    """(status, headers, JSON body) of one raw HTTP/1.1 response; every answer, refusals
+    included, carries a request id."""
     head, _, body = raw.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    assert headers.get("x-request-id"), head
     return int(lines[0].split()[1]), headers, json.loads(body)
 
 
@@ -241,14 +243,18 @@ def test_more_header_fields_than_the_limit_get_431(
 ) -> None:
     def request(fields: int) -> bytes:
         sock = connect(served)
-        extra = b"".join(b"x-f%d: v\r\n" % i for i in range(fields))
-        sock.sendall(b"GET /health HTTP/1.1\r\nhost: proxy\r\nconnection: close\r\n" + extra)
+        extra = b"".join(b"x-f%d: v\r\n" % i for i in range(fields - 1))
+        sock.sendall(
+            b"GET /health HTTP/1.1\r\nhost: proxy\r\nconnection: close\r\n"
+            b"x-request-id: refused-431\r\n" + extra
+        )
         sock.sendall(b"\r\n")
         return read_to_close(sock)
 
     limit = MAX_HEADERS
-    status, _, body = answer(request(limit))  # host + connection + limit: two too many
+    status, headers, body = answer(request(limit))  # host + connection + limit: two too many
     assert status == 431 and body["error"]["code"] == "too_many_headers"
+    assert headers["x-request-id"] == "refused-431"  # the client's own, to match its logs
     assert f"at most {limit}" in body["error"]["message"]
     assert answer(request(limit - 2))[0] == 200  # exactly at the limit is fine
     assert normal_request(served) == 200
