@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from redis import exceptions as redis_errors
 
 from proxy.routing.index import open_redis
 from proxy.routing.inflight import InflightBoard
@@ -78,3 +81,34 @@ async def test_redis_outage_keeps_local_counts(prefix: str) -> None:
         await board.sync()
     assert board.get("a") == 1
     await board.client.aclose()
+
+
+class ScriptedRedis:
+    """Answers each sync as scripted: "ok", "slow" (past any timeout) or "refused"."""
+
+    def __init__(self, outcomes: list[str]) -> None:
+        self.outcomes = outcomes
+
+    def register_script(self, lua: str) -> Any:
+        async def script(keys: list[str], args: list[Any]) -> list[Any]:
+            outcome = self.outcomes.pop(0)
+            if outcome == "slow":
+                await asyncio.sleep(10)
+            if outcome == "refused":
+                raise redis_errors.ConnectionError("Connection refused")
+            return []
+
+        return script
+
+
+async def test_a_slow_sync_is_not_an_outage_but_three_in_a_row_are() -> None:
+    # A loaded event loop makes a healthy Redis time out now and then; a refused connection
+    # is down at once (the prefix index's TimeoutStreak, shared).
+    outcomes = ["slow", "ok", "slow", "slow", "ok", "slow", "slow", "slow", "ok", "refused", "ok"]
+    board = InflightBoard(ScriptedRedis(list(outcomes)), timeout_s=0.01)  # type: ignore[arg-type]
+    modes = []
+    for _ in outcomes:
+        await board.step()
+        modes.append(board.info()["mode"][0])  # r(edis) or l(ocal-fallback)
+    assert "".join(modes) == "rrrrrrrlrlr"
+    assert board.counters["sync_timeouts"] == 6 and board.counters["sync_errors"] == 7

@@ -6,6 +6,11 @@ counts and reads the peers' in one script call every ``sync_interval_s``. Peers 
 heartbeat; a replica that crashed stops heartbeating and its counts are dropped after ``ttl_s``,
 so a dead replica's requests never haunt the load picture.
 
+Redis counts as down as the prefix index judges it (proxy/routing/index_redis.py): a refused or
+dropped connection at once, a timeout only when it repeats (TimeoutStreak), since a loaded
+event loop makes a healthy Redis time out too, and a board that flapped to local counts on
+every slow sync would route on half the load picture.
+
 Redis layout (one hash tag, so one script touches one slot under Cluster)::
 
     {key_prefix}:{{key_prefix}:load}:inflight   HASH  "<replica>|<backend>" -> count
@@ -22,7 +27,13 @@ import uuid
 from collections import Counter
 from typing import Any
 
-from proxy.routing.index import REDIS_DOWN_ERRORS, _reraise_if_cancelled, stop_task
+from proxy.routing.index import (
+    REDIS_DOWN_ERRORS,
+    TIMEOUT_ERRORS,
+    TimeoutStreak,
+    _reraise_if_cancelled,
+    stop_task,
+)
 
 log = logging.getLogger("warmroute.routing.inflight")
 
@@ -81,9 +92,10 @@ class InflightBoard:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._up = True
+        self._timeouts = TimeoutStreak()
         self.clock = time.time  # wall clock: heartbeats are compared across hosts
         self.synced_at = 0.0
-        self.counters = {"syncs": 0, "sync_errors": 0}
+        self.counters = {"syncs": 0, "sync_errors": 0, "sync_timeouts": 0}
 
     @property
     def keys(self) -> list[str]:
@@ -146,21 +158,38 @@ class InflightBoard:
 
     async def _loop(self) -> None:
         while not self._closed:
-            try:
-                await self.sync()
-                if not self._up:
-                    self._up = True
-                    log.warning("in-flight board: Redis is back; sharing counts again")
-            except REDIS_DOWN_ERRORS as e:
-                _reraise_if_cancelled()
-                self.counters["sync_errors"] += 1
-                if self._up:
-                    self._up = False
-                    log.warning("in-flight board: Redis unavailable (%s); local counts only", e)
-                # Peers' counts go stale quickly; routing on our own counts is the safe side.
-                if time.monotonic() - self.synced_at > self.ttl_s:
-                    self.peers = {}
+            await self.step()
             await asyncio.sleep(self.sync_interval_s)
+
+    async def step(self) -> None:
+        """One sync, and what its outcome says about Redis (the background loop's round)."""
+        ticket = self._timeouts.start()
+        try:
+            await self.sync()
+        except REDIS_DOWN_ERRORS as e:
+            _reraise_if_cancelled()
+            self.counters["sync_errors"] += 1
+            down = True
+            if isinstance(e, TIMEOUT_ERRORS):
+                self.counters["sync_timeouts"] += 1
+                down = self._timeouts.timed_out(ticket)
+                if not down:
+                    log.debug("in-flight board: a sync timed out (%s); not yet an outage", e)
+            if down and self._up:
+                self._up = False
+                log.warning(
+                    "in-flight board: Redis unavailable (%s: %s); local counts only",
+                    type(e).__name__,
+                    e,
+                )
+            # Peers' counts go stale quickly; routing on our own counts is the safe side.
+            if time.monotonic() - self.synced_at > self.ttl_s:
+                self.peers = {}
+            return
+        self._timeouts.answered()
+        if not self._up:
+            self._up = True
+            log.warning("in-flight board: Redis is back; sharing counts again")
 
     def info(self) -> dict[str, Any]:
         mode = "local" if self.client is None else ("redis" if self._up else "local-fallback")
