@@ -137,6 +137,8 @@ class Relay:
         try:
             payload = await upstream.read()
         except READ_ERRORS as e:
+            if ex.client_gone:  # its watcher closed the upstream: nothing to judge it by
+                raise Retry("the client left before the answer", "cancelled", "cancelled") from None
             raise Retry(
                 f"response body broke off: {describe(e)}", "body_error", "protocol"
             ) from None

@@ -392,7 +392,13 @@ def _status(code: int) -> Callable[[], FakeResponse]:
 
 @pytest.mark.parametrize(
     "ending",
-    ["answered_429", "keepalive_race", "client_left_before_the_head", "client_left_after_it"],
+    [
+        "answered_429",
+        "keepalive_race",
+        "client_left_before_the_head",
+        "client_left_after_it",
+        "client_left_during_a_whole_answer",
+    ],
 )
 async def test_a_half_open_probe_that_ends_without_a_verdict_lets_the_next_one_go(
     ending: str,
@@ -424,11 +430,13 @@ async def test_a_half_open_probe_that_ends_without_a_verdict_lets_the_next_one_g
         ],
         "client_left_before_the_head": [no_head],
         "client_left_after_it": [lambda: NoFirstByte(200, [])],
+        "client_left_during_a_whole_answer": [lambda: NoFirstByte(200, [])],
     }[ending]
     app, fake = _app({SICK: [*probe, _ok], OTHER: [_ok]})
     breaker = _probing(app)
     if ending.startswith("client_left"):
-        assert await _call_and_leave(app, _chat(), left) == []  # nothing to send to nobody
+        body = _chat(stream=not ending.endswith("whole_answer"))
+        assert await _call_and_leave(app, body, left) == []  # nothing to send to nobody
     else:
         status, _, _ = await _call(app, _chat())
         assert status == 503  # the only backend did not answer this one
