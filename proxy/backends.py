@@ -177,7 +177,7 @@ class BackendRegistry:
         self.backends: dict[str, Backend] = {}
         for b in config.backends:
             self.backends[b.key] = Backend(
-                b, breaker=Breaker(config.outlier, config.retries.unhealthy_cooldown_s)
+                b, breaker=Breaker(config.outlier, config.retries.unhealthy_cooldown_s, name=b.key)
             )
         # Called with (backend name, KV pool tokens) when an engine reports its pool size.
         self.on_kv_capacity: Callable[[str, int], None] | None = None
@@ -211,10 +211,12 @@ class BackendRegistry:
             backend.breaker.on_attempt()
 
     def mark_failure(self, backend: Backend, reason: str, *, kind: str) -> None:
-        """A failed attempt of kind `kind` (proxy/retry.py's Retry.kind)."""
-        backend.failures += 1
-        backend.last_error = reason
+        """A failed attempt of kind `kind` (proxy/retry.py's Retry.kind). A cancelled one (the
+        client left, shutdown) says nothing of the backend: only a half-open probe hears of it."""
         breaker = backend.breaker
+        if kind != "cancelled":
+            backend.failures += 1
+            backend.last_error = reason
         now = time.monotonic()
         if breaker is not None and breaker.failure(kind, now):
             log.warning(

@@ -46,6 +46,7 @@ class Breaker:
     ejected_s: float = 0.0  # the length of the last ejection: how long a probe may stay out
     lost_probes: int = 0
     last_kind: str | None = None
+    name: str = ""  # the backend's, for the log
 
     def allows(self, now: float) -> bool:
         """May a request be routed here now?"""
@@ -66,8 +67,9 @@ class Breaker:
         # waiting on it would keep a backend that may be fine out of rotation forever.
         self.lost_probes += 1
         log.warning(
-            "a half-open probe gave no verdict within %.1fs (the ejection before it); "
-            "letting another probe go",
+            "backend %s: a half-open probe gave no verdict within %.1fs (the ejection before "
+            "it); letting another probe go",
+            self.name,
             self.ejected_s,
         )
         self._half_open()

@@ -21,17 +21,15 @@ Per request, after routing:
 - Any prefill-leg failure (an error, a stall past the first-byte timeout, no KV params) falls
   back to decode-only on the decode backend (the engine prefills itself), with the reason
   logged and on the span (`warmroute.pd.fallback`).
-- Retries are not decided here: a request back after a failed leg re-enters the attempt loop
-  with a `Resume`, and proxy/retry.py says whether and where, to one deadline per request.
+- Retries are not decided here: a request back after a failed leg re-enters the attempt
+  loop with a `Resume`; proxy/retry.py says whether and where, to one deadline per request.
 
 The decider's window sees what each engine really did: the prefill leg opens its long-prefill
-interval on the prefill engine, the decode leg counts no prefill on the decode engine (its KV
-came over the link), a decode-only fallback counts the whole prompt there.
-
-Spans: each leg is a CLIENT span of the request (`warmroute.pd.leg`: prefill, decode, or
-decode_only for a fallback) and the KV-transfer wait is an INTERNAL span `kv_transfer`: from
-the moment the decode engine may start pulling the KV (the prefill answer for vLLM, the decode
-leg sent for SGLang) to the decode leg's first output byte.
+interval on the prefill engine, the decode leg none (its KV came over the link), a decode-only
+fallback the whole prompt. Spans: each leg is a CLIENT span of the request (`warmroute.pd.leg`:
+prefill, decode, or decode_only for a fallback), the KV-transfer wait an INTERNAL span
+`kv_transfer`: from when the decode engine may pull the KV (the prefill answer for vLLM, the
+decode leg sent for SGLang) to the decode leg's first output byte.
 """
 
 from __future__ import annotations
@@ -482,6 +480,9 @@ class PdFlows:
             attempt.fail(other.error_type)
             self.fleet.mark_failure(backend, other.reason, kind=other.kind)
             raise other from e
+        except BaseException as e:  # cut: no verdict, but a half-open probe must hear it ended
+            self.fleet.mark_failure(backend, type(e).__name__, kind="cancelled")
+            raise
         finally:
             self.ctl.prefill_ended(key, self.clock())
             self.steering.inflight(name, -1)

@@ -20,7 +20,14 @@ from proxy.config import Config, load_config
 from proxy.disagg.window import RequestFacts
 from proxy.telemetry import Telemetry
 from proxy.upstream import UpstreamConnectError
-from tests.test_forward_fake_upstream import CHUNK, DONE, FakeResponse, FakeUpstream, _call
+from tests.test_forward_fake_upstream import (
+    CHUNK,
+    DONE,
+    FakeResponse,
+    FakeUpstream,
+    _call,
+    _call_and_leave,
+)
 
 DOC = "a long document about the history of the river. " * 120  # ~1,450 tokens at 4 chars
 APPENDIX = "and an appendix with new tables and figures. " * 60  # ~700 more
@@ -447,3 +454,26 @@ async def test_a_prefill_fallback_spends_no_retry_budget() -> None:
     status, body, _ = await _call(app, _doc())
     assert (status, body) == (200, CHUNK + DONE) and _called(app) == [P1, D1]
     assert app.state.forwarding.retry.budget.info()["retries"] == 0
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_prefill_probe_cut_by_the_client_leaving_lets_the_next_probe_go(
+    engine: str,
+) -> None:
+    left = asyncio.Event()
+
+    async def no_answer() -> FakeResponse:
+        left.set()  # the client hangs up while the prefill engine has not answered
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    decode = [_stream] if engine == "vllm" else [_hung, _stream]
+    app = _app(_config(_pd_fleet(engine)[::2]), {P1: [no_answer, _kv_answer], D1: decode})
+    breaker = app.state.registry[P1].breaker
+    while not breaker.failure("status", time.monotonic() - 1000):  # ejected, ejection over
+        pass
+    assert await _call_and_leave(app, _doc(), left) == []
+    # The probe was cut, not answered: no verdict, and nobody is left probing.
+    assert breaker.state == "half_open" and not breaker.probe_out
+    assert app.state.registry[P1].last_error is None  # the client leaving is not the engine's
+    assert breaker.allows(time.monotonic())
