@@ -86,13 +86,13 @@ def test_tallied_loads_decide_as_the_sums_over_every_placed_prefix_did() -> None
     assert max(len(p.homes) for p in tallied.placed.values()) > 1  # copies were made
     # And the tallies are what counting the placed prefixes gives, once brought up to date
     # (as the next placement would: the sizes and weights that changed since are pending).
-    tallied._current()
-    assert tallied._base == pop.base and not tallied._stale
+    tallied.tallies.current(tallied.placed)
+    assert tallied.tallies.base == pop.base and not tallied.tallies.stale
     for name in NAMES:
         on = [(k, p) for k, p in tallied.placed.items() if name in p.homes]
-        assert tallied._hosted.get(name, 0) == len(on)
-        assert tallied._sizes.get(name, 0) == sum(int(ldexp(p.size, 128)) for _, p in on)
-        assert tallied._weights.get(name, 0) == sum(
+        assert tallied.tallies.hosted.get(name, 0) == len(on)
+        assert tallied.tallies.sizes.get(name, 0) == sum(int(ldexp(p.size, 128)) for _, p in on)
+        assert tallied.tallies.weights.get(name, 0) == sum(
             int(ldexp(pop.weight(k), 128)) // len(p.homes) for k, p in on
         )
         assert (name in tallied.full_for(hot[1], NAMES, lambda _: False)) == bool(
@@ -113,7 +113,7 @@ def test_new_prefixes_leave_their_two_choices_once_those_host_more_than_a_fair_c
         for k in range(8)
     ]  # fmt: skip
     assert homes == [(n,) for n in "abcdabcd"]
-    assert p._hosted == dict.fromkeys(NAMES, 2)
+    assert p.tallies.hosted == dict.fromkeys(NAMES, 2)
 
 
 def view(name: str) -> BackendView:

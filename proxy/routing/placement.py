@@ -32,53 +32,22 @@ module decided: `take_changes` hands over what changed since the last exchange, 
 another replica's homes, and with `leads` False this replica leaves the periodic
 recomputation to the one that leads (it still places the prefixes it sees first).
 
-Placing reads integer tallies of the placed prefixes (per backend: how many, their blocks,
-their traffic), kept as homes change: a prompt under eight blocks has a head of its own, so
-with short system prompts every request is placed into a full placement, and summing over it
-took ~53,000 of ~56,000 bytecodes a request. Traffic needs shares that decay alike (`attach`
-a PrefixPopularity, as the router does); with `share_of` alone loads are summed as before.
+Placing reads what the placed prefixes add up to per backend (how many, their blocks, their
+traffic) from tallies kept as homes change (proxy.routing.tallies), not from a sum over all
+of them. Traffic needs shares that decay alike (`attach` a PrefixPopularity, as the router
+does); with `share_of` alone loads are summed as before.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-_FIXED = 128  # tallies count blocks and weights in units of 2**-128
+from proxy.routing.tallies import Placed, Shares, Tallies, unfixed
 
-
-def _fixed(x: float) -> int:
-    return int(math.ldexp(x, _FIXED))
-
-
-class Shares(Protocol):
-    """Shares that decay alike (PrefixPopularity): share = weight(key) x scale(); `listener`
-    hears of each key whose weight changed, and every weight changes when `base` does."""
-
-    base: int
-    listener: Callable[[int], None] | None
-
-    def weight(self, key: int) -> float: ...
-
-    def scale(self) -> float: ...
-
-
-@dataclass(slots=True)
-class Placed:
-    """One prefix's homes and the measurements they were chosen from."""
-
-    homes: tuple[str, ...]
-    size: float  # index blocks its requests share (running average of common prefixes)
-    last: Sequence[int]  # the previous request's blocks, to measure the shared part
-    share: float = 0.0
-    overflow: bool = False  # no home had room for it in its learned cache
-    moves: int = 0  # times its homes changed after the first placement
-    weight: int = 0  # its Shares weight as the load tally counts it (fixed point)
-    tallied_size: int = 0  # its size as the tallies count it (fixed point)
-    seq: int = 0  # its place in `Placement.placed`'s order (the coolest's tie-break)
+__all__ = ["Placed", "Placement", "SharedHomes", "Shares"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,28 +83,19 @@ class Placement:
     # first placement (another replica's, if it has one, wins), and whether it recomputed all.
     dirty: dict[int, bool] = field(default_factory=dict)
     reassigned: bool = False
-    # Per backend, over the placed prefixes homed there: how many, their sizes and their
-    # weights split over their homes (fixed point); a backend home to none has no entry.
-    _hosted: dict[str, int] = field(default_factory=dict)
-    _sizes: dict[str, int] = field(default_factory=dict)
-    _weights: dict[str, int] = field(default_factory=dict)
-    shares: Shares | None = None  # set by attach(): the load tally's source
-    _base: int = 0  # shares.base the weights were read at
-    _coolest: list[tuple[int, int, int]] = field(default_factory=list)  # heap (weight, seq, key)
-    _seq: int = 0
-    # Prefixes changed since counted, until the next read (a hot one: every request).
-    _stale: set[int] = field(default_factory=set)
+    # What the placed prefixes add up to per backend, kept as homes change (tallies.py).
+    tallies: Tallies = field(default_factory=Tallies)
 
     def attach(self, shares: Shares) -> None:
         """Keep the loads from `shares` (the share_of every call passes must be its current)."""
-        self.shares = shares
+        self.tallies.shares = shares
         shares.listener = self.reweigh
-        self._retally()
+        self.tallies.recount(self.placed)
 
     def reweigh(self, key: int) -> None:
         """`key`'s weight changed (the Shares listener)."""
         if key in self.placed:
-            self._stale.add(key)
+            self.tallies.stale.add(key)
 
     def observe(self, key: int, blocks: Sequence[int]) -> Placed | None:
         """Note one request whose prompt starts with `key`; returns its placement, if any."""
@@ -148,7 +108,7 @@ class Placement:
             return p
         shared = _common_prefix(p.last, blocks)
         p.size += self.size_alpha * (shared - p.size)
-        self._stale.add(key)
+        self.tallies.stale.add(key)
         p.last = blocks
         return p
 
@@ -179,28 +139,28 @@ class Placement:
             # Its traffic grew past what its homes should carry: add homes now, not at the
             # next rebalance (a hot prompt arriving in a burst would pile onto one backend).
             p.share = share
-            self._current()
-            self._untally(p)
+            tallies = self.tallies
+            tallies.current(self.placed)
+            tallies.uncount(p)
             loads, room = self._accounting(backends, weights, capacity, share_of, skip=key)
             p.homes, p.overflow = self._choose(
                 key, p, backends, weights, loads, room, [], order, homes, 1.0, busy
             )
-            self._tally(p)
+            tallies.count(p)
             for h in p.homes:
                 room[h] -= p.size
             self.room = room
             self.dirty.setdefault(key, False)
             return p.homes
         first = p is None
-        self._current()
+        tallies = self.tallies
+        tallies.current(self.placed)
         if p is None:
             if len(self.placed) >= self.max_keys:
                 self._forget_coolest(share_of)
-            p = self.placed[key] = Placed((), float(len(blocks)), blocks, seq=self._next_seq())
-            if self.shares is not None:
-                p.weight = _fixed(self.shares.weight(key))
-                heapq.heappush(self._coolest, (p.weight, p.seq, key))
-        self._untally(p)
+            p = self.placed[key] = Placed((), float(len(blocks)), blocks)
+            tallies.track(key, p)
+        tallies.uncount(p)
         loads, room = self._accounting(backends, weights, capacity, share_of, skip=key)
         p.share = share_of(key)
         holders = [b for b in backends if warm.get(b, 0) >= warm_blocks]
@@ -210,7 +170,7 @@ class Placement:
         p.homes, p.overflow = self._choose(
             key, p, backends, weights, loads, room, holders, order, (), 1.0, busy
         )
-        self._tally(p)
+        tallies.count(p)
         for h in p.homes:
             room[h] -= p.size
         self.room = room
@@ -231,7 +191,7 @@ class Placement:
         if p is None:
             return frozenset()
         room = self.room
-        hosted = self._hosted
+        hosted = self.tallies.hosted
         return frozenset(
             b
             for b in backends
@@ -256,22 +216,23 @@ class Placement:
         ranked = sorted(self.placed.items(), key=lambda kv: (-kv[1].share, kv[0]))
         keep = ranked[: self.max_keys]
         self.placed = dict(keep)
+        tallies = self.tallies
         for key, gone in ranked[self.max_keys :]:
             self.dirty.pop(key, None)  # so it stays bounded where nobody takes the changes
-            self._untally(gone)
+            tallies.uncount(gone)
         for _, p in keep:
-            p.seq = self._next_seq()  # the new order
-        self._reheap()
+            p.seq = tallies.next_seq()  # the new order
+        tallies.reheap(self.placed)
         loads = dict.fromkeys(backends, 0.0)
         room = {b: self.fill * capacity(b) for b in backends}
         total = sum(p.share for _, p in keep)
         for key, p in keep:
             previous = p.homes
-            self._untally(p)
+            tallies.uncount(p)
             p.homes, p.overflow = self._choose(
                 key, p, backends, weights, loads, room, [], order, previous, total
             )
-            self._tally(p)
+            tallies.count(p)
             if previous and p.homes != previous:
                 p.moves += 1
                 self.moves += 1
@@ -314,14 +275,14 @@ class Placement:
             if p is None:
                 if len(self.placed) >= self.max_keys:
                     continue
-                p = self.placed[key] = Placed((), theirs.size, (), seq=self._next_seq())
+                p = self.placed[key] = Placed((), theirs.size, (), seq=self.tallies.next_seq())
             elif p.homes == theirs.homes:
                 continue
             p.homes, p.overflow = theirs.homes, theirs.overflow
             changed += 1
         if changed:
             self.adopted += changed
-            self._retally()
+            self.tallies.recount(self.placed)
             backends = set(self.room) | {h for p in self.placed.values() for h in p.homes}
             room = {b: self.fill * capacity(b) for b in backends}
             for p in self.placed.values():
@@ -340,16 +301,14 @@ class Placement:
     ) -> tuple[dict[str, float], dict[str, float]]:
         """Assigned load (weight-normalised share) and free cache room per backend now, of the
         placed prefixes but `skip` (the caller took it out of the tallies, made current)."""
-        sizes = self._sizes
-        room = {b: self.fill * capacity(b) - math.ldexp(sizes.get(b, 0), -_FIXED) for b in backends}
-        shares = self.shares
+        tallies = self.tallies
+        sizes = tallies.sizes
+        room = {b: self.fill * capacity(b) - unfixed(sizes.get(b, 0)) for b in backends}
+        shares = tallies.shares
         if shares is not None:
-            tally = self._weights
+            tally = tallies.weights
             scale = shares.scale()
-            loads = {
-                b: math.ldexp(tally.get(b, 0), -_FIXED) * scale / _weight(weights, b)
-                for b in backends
-            }
+            loads = {b: unfixed(tally.get(b, 0)) * scale / _weight(weights, b) for b in backends}
             return loads, room
         loads = dict.fromkeys(backends, 0.0)
         for key, p in self.placed.items():
@@ -427,7 +386,7 @@ class Placement:
             # Unless both already host more placed prefixes than a backend's fair count: then
             # the least crowded one (two choices still left 3 of 8 prompts on one engine).
             # (The tallies leave `p` out: its caller took it out of them.)
-            tally = self._hosted
+            tally = self.tallies.hosted
             hosted = {b: tally.get(b, 0) for b in backends}
             fair = sum(hosted.values()) / max(len(backends), 1)
             if spare and hosted[spare[0]] > fair:
@@ -465,94 +424,13 @@ class Placement:
         return need if need < backends else backends
 
     def _forget_coolest(self, share_of: Callable[[int], float]) -> None:
-        shares = self.shares
-        if shares is None:
+        tallies = self.tallies
+        if tallies.shares is None:
             coolest = min(self.placed, key=share_of)
         else:
-            # Least weight = least share (one scale), the first placed of equals as min() takes
-            # it. Every prefix has an entry no heavier than its weight (pushed when a weight
-            # falls; one that grew is pushed again when its old entry comes up).
-            heap = self._coolest
-            while True:
-                weight, seq, coolest = heap[0]
-                p = self.placed.get(coolest)
-                if p is not None and p.seq == seq:
-                    if p.weight == weight:
-                        break
-                    heapq.heapreplace(heap, (p.weight, seq, coolest))
-                else:
-                    heapq.heappop(heap)
-        self._untally(self.placed.pop(coolest))
+            coolest = tallies.coolest_key(self.placed)
+        tallies.uncount(self.placed.pop(coolest))
         self.dirty.pop(coolest, None)
-
-    # -- the tallies -------------------------------------------------------------------------
-
-    def _tally(self, p: Placed, sign: int = 1) -> None:
-        """Count `p` in (or, sign -1, out of) its homes' tallies, as they last counted it."""
-        if not p.homes:
-            return
-        if sign > 0:
-            p.tallied_size = _fixed(p.size)
-        size = sign * p.tallied_size
-        weight = sign * (p.weight // len(p.homes))
-        hosted, sizes, weights = self._hosted, self._sizes, self._weights
-        for h in p.homes:
-            n = hosted.get(h, 0) + sign
-            if n:
-                hosted[h] = n
-                sizes[h] = sizes.get(h, 0) + size
-                weights[h] = weights.get(h, 0) + weight
-            else:  # none left: exactly nothing, whatever came and went
-                del hosted[h], sizes[h], weights[h]
-
-    def _untally(self, p: Placed) -> None:
-        self._tally(p, -1)
-
-    def _current(self) -> None:
-        """Bring the tallies up to date (never while a prefix is out of them: counted twice)."""
-        shares = self.shares
-        if shares is not None and shares.base != self._base:
-            self._retally()
-            return
-        if not self._stale:
-            return
-        stale, self._stale = self._stale, set()
-        for key in stale:
-            p = self.placed.get(key)
-            if p is None:
-                continue
-            self._untally(p)
-            if shares is not None:
-                weight = _fixed(shares.weight(key))
-                if weight < p.weight:  # one that grew keeps its older entry: _forget_coolest
-                    heapq.heappush(self._coolest, (weight, p.seq, key))
-                p.weight = weight
-            self._tally(p)
-        if len(self._coolest) > 2 * len(self.placed) + 64:
-            self._reheap()
-
-    def _retally(self) -> None:
-        """Every tally again from the placed prefixes (and their weights, when shares are)."""
-        self._hosted, self._sizes, self._weights = {}, {}, {}
-        self._stale = set()
-        shares = self.shares
-        if shares is not None:
-            self._base = shares.base
-        for key, p in self.placed.items():
-            p.weight = _fixed(shares.weight(key)) if shares is not None else 0
-            self._tally(p)
-        self._reheap()
-
-    def _reheap(self) -> None:
-        if self.shares is None:
-            self._coolest = []
-            return
-        self._coolest = [(p.weight, p.seq, key) for key, p in self.placed.items()]
-        heapq.heapify(self._coolest)
-
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
 
     def snapshot(self, share_of: Callable[[int], float], top: int = 32) -> dict[str, Any]:
         ranked = sorted(self.placed.items(), key=lambda kv: -share_of(kv[0]))[:top]
