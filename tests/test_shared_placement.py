@@ -160,6 +160,52 @@ async def test_a_first_placement_yields_to_an_earlier_one_from_another_replica(
         assert b.homes == a.homes == {next(iter(a.homes)): first}
 
 
+async def _first_sightings(reps: list[Replica], orders: list[list[int]]) -> None:
+    """Each replica sees the eight prompts for the first time, in its own order, with no
+    exchange in between: the burst that reaches every replica before the next one."""
+    for rep, order in zip(reps, orders, strict=True):
+        for i, k in enumerate(order):
+            decision = await rep.router.route(chat(SYSTEMS[k], 100 + i), VIEWS)
+            assert decision.winner is not None
+
+
+async def test_replicas_place_a_burst_of_new_prompts_alike_before_they_exchange(
+    prefix: str,
+) -> None:
+    orders = [list(range(8)), list(range(8))[::-1]]
+    async with replicas(SHARED_URL, prefix, 2, [0.0]) as reps:
+        await exchange(reps)
+        assert [rep.shared.info()["replicas"] for rep in reps] == [2, 2]
+        await _first_sightings(reps, orders)
+        a, b = reps
+        assert len(a.homes) == 8 and a.homes == b.homes  # no prompt with a copy per replica
+    # Placed by load instead (as a lone replica does), the two orders part ways: this is what
+    # the agreement above is not an accident of.
+    async with replicas(SHARED_URL, prefix + "-by-load", 2, [0.0]) as reps:
+        await exchange(reps)
+        for rep in reps:
+            assert rep.router.placement is not None
+            rep.router.placement.alike = False
+        await _first_sightings(reps, orders)
+        a, b = reps
+        assert len(a.homes) == 8 and a.homes != b.homes
+    delete_prefix(prefix + "-by-load")
+
+
+async def test_a_lone_replica_places_by_load_and_counts_the_others_as_they_come_and_go(
+    prefix: str,
+) -> None:
+    async with replicas(SHARED_URL, prefix, 2, [0.0]) as (a, b):
+        assert a.router.placement is not None and b.router.placement is not None
+        assert await a.shared.step()
+        assert a.shared.info()["replicas"] == 1 and not a.router.placement.alike
+        await exchange([a, b])
+        assert a.router.placement.alike and b.router.placement.alike
+        await b.shared.close()  # leaves the live replicas at once
+        assert await a.shared.step()
+        assert a.shared.info()["replicas"] == 1 and not a.router.placement.alike
+
+
 @pytest.mark.e2e  # a private redis-server, stopped and started
 async def test_without_redis_a_replica_places_on_its_own_and_agrees_again_once_it_is_back(
     private: RedisProcess,

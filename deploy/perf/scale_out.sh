@@ -13,8 +13,9 @@
 #   SEEDS="1 2 3" REPLICAS=3 deploy/perf/scale_out.sh
 #   REDIS_URL=redis://10.0.0.9:6379/0 deploy/perf/scale_out.sh
 #   git archive HEAD~3 | tar -x -C /tmp/old && BASE=/tmp/old deploy/perf/scale_out.sh
+#   SETUPS="1:redis 3:redis" RUNS=2 SEEDS="1 2 3" deploy/perf/scale_out.sh   # only these, twice
 #
-# Prints one line per run (hit ratio, TTFT p50/p99; with several replicas, on how many of the
+# Prints one line per run (hit ratio, of the first 50 requests too, TTFT p50/p99; with several replicas, on how many of the
 # hot prompts their placements agree at the end, and the spread of their learned capacities)
 # and writes results JSON under $OUT. BASE=DIR runs the proxies from another checkout of the
 # source (say, `git archive` of an older commit unpacked in DIR), for a before/after.
@@ -29,6 +30,8 @@ CONCURRENCY="${CONCURRENCY:-32}"
 RATE_TPS="${RATE_TPS:-20000}"      # prefill tokens/s of each engine
 REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
 OUT="${OUT:-/tmp/warmroute-scale-out}"
+SETUPS="${SETUPS:-1:redis $REPLICAS:redis $REPLICAS:none 1:none}"  # proxies:redis|none
+RUNS="${RUNS:-1}"                  # times each seed is run (alternating with the others)
 MOCK_PORT=9401
 PROXY_PORT=9410
 ADMIN_PORT=9430
@@ -72,33 +75,43 @@ bench() {  # label, proxy count
   # --direct repeated, round-robin: one load generator in front of every replica.
   warmroute bench --workload shared-prefix --prefixes 8 --system-chars 8000 --zipf 0 \
     --requests "$REQUESTS" --concurrency "$CONCURRENCY" --max-tokens 16 --seed "$seed" \
-    --no-progress --label "$label" --out "$OUT/$label-s$seed.json" "${targets[@]}" \
+    --no-progress --label "$label" --out "$OUT/$label-s$seed-r$pass.json" "${targets[@]}" \
     --direct-affinity round-robin >/dev/null
-  python - "$OUT/$label-s$seed.json" "$label" "$seed" <<'EOF'
+  python - "$OUT/$label-s$seed-r$pass.json" "$label" "$seed" "$pass" <<'EOF'
 import json, sys
 run = json.load(open(sys.argv[1]))
 r = run.get("runs", [run])[0]
 ok = [q for q in r["requests"] if q.get("ok")]
 p = sum(q.get("prompt_tokens") or 0 for q in ok)
 c = sum(q.get("cached_tokens") or 0 for q in ok)
+early = ok[:50]  # the cold start: the first burst reaches every replica before an exchange
+p50 = sum(q.get("prompt_tokens") or 0 for q in early)
+c50 = sum(q.get("cached_tokens") or 0 for q in early)
 t = sorted(q["ttft"] for q in ok if q.get("ttft") is not None)
 pct = lambda f: t[min(len(t) - 1, int(f * len(t)))] * 1000
-print(f"seed {sys.argv[3]}  {sys.argv[2]:<22} ok {len(ok)}/{len(r['requests'])}"
-      f"  hit {c / max(p, 1):6.1%}  TTFT p50 {pct(0.5):6.0f} ms  p99 {pct(0.99):6.0f} ms",
-      end="")
+print(f"seed {sys.argv[3]} run {sys.argv[4]}  {sys.argv[2]:<18} ok {len(ok)}/{len(r['requests'])}"
+      f"  hit {c / max(p, 1):6.1%} (first 50 {c50 / max(p50, 1):5.1%})"
+      f"  TTFT p50 {pct(0.5):6.0f} ms  p99 {pct(0.99):6.0f} ms", end="")
 EOF
   agreement "$count"
 }
 
-agreement() {  # proxy count: do the replicas' placements and learned capacities agree?
+agreement() {  # proxy count: where the hot prompts live; do the replicas' views agree?
   local count=$1 urls=()
-  if ((count < 2)); then echo; return; fi
   for ((r = 0; r < count; r++)); do urls+=("http://127.0.0.1:$((ADMIN_PORT + r))/admin/routing"); done
   python - "${urls[@]}" <<'EOF'
 import json, sys, urllib.request
 infos = [json.load(urllib.request.urlopen(u, timeout=5)) for u in sys.argv[1:]]
 views = [{h["prefix"]: tuple(sorted(h["homes"])) for h in i["cache"]["placement"]["hottest"][:8]}
          for i in infos]
+per = {}
+for homes in views[0].values():
+    for b in homes:
+        per[b] = per.get(b, 0) + 1
+layout = "/".join(map(str, sorted(per.values(), reverse=True)))
+if len(infos) < 2:
+    print(f"  prompts per engine {layout}")
+    sys.exit()
 hot = set(views[0])
 same = sum(1 for k in hot if all(v.get(k) == views[0][k] for v in views[1:]))
 caps = {}
@@ -106,18 +119,20 @@ for i in infos:
     for b, est in i["cache"]["backends"].items():
         caps.setdefault(b, []).append(est["capacity_blocks"])
 spread = max(max(v) / max(min(v), 1) for v in caps.values()) if caps else 1.0
-print(f"  homes agree {same}/{len(hot)}  capacity spread x{spread:.1f}")
+print(f"  prompts per engine {layout}  homes agree {same}/{len(hot)}  capacity spread x{spread:.1f}")
 EOF
 }
 
 run=0
-for seed in $SEEDS; do
-  for setup in "1 redis" "$REPLICAS redis" "$REPLICAS none" "1 none"; do
-    read -r count store <<<"$setup"
-    run=$((run + 1))
-    start_mock
-    start_proxies "$count" "$([[ $store == redis ]] && echo "$REDIS_URL" || true)"
-    bench "${count}-proxy-${store}" "$count"
-    stop_all
+for ((pass = 1; pass <= RUNS; pass++)); do
+  for seed in $SEEDS; do
+    for setup in $SETUPS; do
+      count=${setup%%:*} store=${setup#*:}
+      run=$((run + 1))
+      start_mock
+      start_proxies "$count" "$([[ $store == redis ]] && echo "$REDIS_URL" || true)"
+      bench "${count}-proxy-${store}" "$count"
+      stop_all
+    done
   done
 done

@@ -30,7 +30,9 @@ in between, a prefix seen for the first time is placed at once against the curre
 Replicas that share it (proxy.routing.shared_placement does the I/O) exchange the homes this
 module decided: `take_changes` hands over what changed since the last exchange, `adopt` takes
 another replica's homes, and with `leads` False this replica leaves the periodic
-recomputation to the one that leads (it still places the prefixes it sees first).
+recomputation to the one that leads (it still places the prefixes it sees first). With `alike`
+(other replicas are placing too) a first placement reads only what they all agree on, so a
+prompt new to all of them gets the same homes on each before they exchange.
 
 Placing reads what the placed prefixes add up to per backend (how many, their blocks, their
 traffic) from tallies kept as homes change (proxy.routing.tallies), not from a sum over all
@@ -83,6 +85,10 @@ class Placement:
     # first placement (another replica's, if it has one, wins), and whether it recomputed all.
     dirty: dict[int, bool] = field(default_factory=dict)
     reassigned: bool = False
+    # Replicas sharing the placement make first placements alike (see _first_alike), and
+    # _fresh counts per backend the homes of this replica's first placements not yet exchanged.
+    alike: bool = False
+    _fresh: dict[str, int] = field(default_factory=dict)
     # What the placed prefixes add up to per backend, kept as homes change (tallies.py).
     tallies: Tallies = field(default_factory=Tallies)
 
@@ -165,11 +171,17 @@ class Placement:
         p.share = share_of(key)
         holders = [b for b in backends if warm.get(b, 0) >= warm_blocks]
         previous = p.homes
-        # At first sight the bound is a share of all traffic: the prefix goes to the first
-        # backend in its rendezvous order that stays within it, as it would on any replica.
-        p.homes, p.overflow = self._choose(
-            key, p, backends, weights, loads, room, holders, order, (), 1.0, busy
-        )
+        if first and self.alike:
+            p.homes, p.overflow = self._first_alike(key, p, backends, room, holders, order)
+            fresh = self._fresh
+            for h in p.homes:
+                fresh[h] = fresh.get(h, 0) + 1
+        else:
+            # At first sight the bound is a share of all traffic: the prefix goes to the first
+            # backend in its rendezvous order that stays within it, as it would on any replica.
+            p.homes, p.overflow = self._choose(
+                key, p, backends, weights, loads, room, holders, order, (), 1.0, busy
+            )
         tallies.count(p)
         for h in p.homes:
             room[h] -= p.size
@@ -242,6 +254,7 @@ class Placement:
                 room[h] -= p.size
         self.room = room
         self.reassigned = True
+        self._fresh = {}  # the whole assignment goes out: nothing of it is this replica's alone
 
     # -- sharing with other replicas (the I/O is proxy.routing.shared_placement) --------------
 
@@ -249,14 +262,19 @@ class Placement:
         """What this replica decided since the last call: (whether it recomputed the whole
         assignment, {prefix: whether it was a first placement}); forgotten prefixes left out."""
         full, dirty = self.reassigned, self.dirty
-        self.reassigned, self.dirty = False, {}
+        self.reassigned, self.dirty, self._fresh = False, {}, {}
         return full, {k: first for k, first in dirty.items() if k in self.placed}
 
     def requeue(self, full: bool, changes: Mapping[int, bool]) -> None:
         """Changes taken but not delivered (the exchange failed): hand them over next time."""
         self.reassigned = self.reassigned or full
+        fresh = self._fresh
         for key, first in changes.items():
             self.dirty[key] = self.dirty.get(key, True) and first
+            p = self.placed.get(key)
+            if first and self.alike and p is not None:
+                for h in p.homes:
+                    fresh[h] = fresh.get(h, 0) + 1
 
     def adopt(self, shared: Mapping[int, SharedHomes], capacity: Callable[[str], float]) -> int:
         """Take other replicas' homes; returns how many prefixes changed here.
@@ -401,6 +419,44 @@ class Placement:
             chosen += rest[: need - len(chosen)]
         return tuple(chosen), overflow
 
+    def _first_alike(
+        self,
+        key: int,
+        p: Placed,
+        backends: Sequence[str],
+        room: Mapping[str, float],
+        holders: Sequence[str],
+        order: Callable[[int, Sequence[str]], list[str]],
+    ) -> tuple[tuple[str, ...], bool]:
+        """A first placement that every replica sharing the placement makes alike, without
+        talking: a burst of new prompts reaches all of them before their first exchange, and
+        each placing it its own way gives a prompt a copy per replica. So it reads only what
+        they agree on: the prefix's rendezvous order, the holders in the shared index, and the
+        placements exchanged (the first placements made here since are left out). Balancing
+        the load is left to the leader's recomputation, which every replica adopts."""
+        n = len(backends)
+        share = 0.0 if p.share < 0.0 else p.share
+        need = self._needed(share, n)
+        hrw = order(key, backends)
+        rank = {b: i for i, b in enumerate(hrw)}
+        chosen = [b for b in sorted(holders, key=rank.__getitem__) if room[b] >= p.size][:need]
+        if len(chosen) < need:
+            hosted, fresh = self.tallies.hosted, self._fresh
+            agreed = {b: hosted.get(b, 0) - fresh.get(b, 0) for b in backends}
+            spare = [b for b in hrw if b not in chosen and room[b] >= p.size]
+            # The less crowded of the first two; the least crowded when both are over a fair
+            # count (as _choose does, by exchanged placements only).
+            if len(spare) > 1 and self.choices > 1 and agreed[spare[1]] < agreed[spare[0]]:
+                spare[0], spare[1] = spare[1], spare[0]
+            fair = sum(agreed.values()) / n
+            if spare and agreed[spare[0]] > fair:
+                spare.sort(key=lambda b: (agreed[b] > fair, agreed[b], rank[b]))
+            chosen += spare[: need - len(chosen)]
+        if len(chosen) < need:
+            chosen += [b for b in hrw if b not in chosen][: need - len(chosen)]
+            return tuple(chosen), True
+        return tuple(chosen), False
+
     def note_load(self, inflight: float) -> None:
         """The fleet's requests in flight at a decision: followed at once when it rises (a
         burst needs its copies now), forgotten slowly when it falls (no copy churn)."""
@@ -429,8 +485,13 @@ class Placement:
             coolest = min(self.placed, key=share_of)
         else:
             coolest = tallies.coolest_key(self.placed)
-        tallies.uncount(self.placed.pop(coolest))
-        self.dirty.pop(coolest, None)
+        gone = self.placed.pop(coolest)
+        tallies.uncount(gone)
+        if self.dirty.pop(coolest, False) and self.alike:
+            fresh = self._fresh
+            for h in gone.homes:
+                if fresh.get(h, 0) > 0:
+                    fresh[h] -= 1
 
     def snapshot(self, share_of: Callable[[int], float], top: int = 32) -> dict[str, Any]:
         ranked = sorted(self.placed.items(), key=lambda kv: -share_of(kv[0]))[:top]

@@ -16,6 +16,10 @@ that publishes what this replica decided since the last one and, when anything c
   and otherwise the earlier one is adopted at the next exchange.
 - **Capacities**: an estimate that moved on a replica's evidence is published, and the others
   adopt it: one estimate per backend, moved by every replica's responses, as one proxy's is.
+- **First sightings**: a burst of prompts new to every replica reaches all of them before the
+  next exchange. While other placing replicas are live (they exchanged within three leases),
+  each places such a prompt by what they all agree on (Placement.alike), so they pick the same
+  homes without talking; alone, a replica places by load as one proxy does.
 
 Nothing here is on the hot path; a request reads only the local copies. When Redis stops
 answering, the local copies stay as they were, and after `lease_s` without an exchange this
@@ -28,6 +32,7 @@ Redis layout (one hash tag, so one script touches one slot under Cluster)::
     {key_prefix}:{{key_prefix}:place}:capacity  HASH  backend -> "<version>|<blocks>"
     {key_prefix}:{{key_prefix}:place}:version   STRING  bumped by every change
     {key_prefix}:{{key_prefix}:place}:leader    STRING  the leading replica, with a TTL (lease)
+    {key_prefix}:{{key_prefix}:place}:replicas  ZSET  placing replica -> last exchange (ms)
 """
 
 from __future__ import annotations
@@ -48,18 +53,25 @@ from proxy.routing.placement import Placement, SharedHomes
 
 log = logging.getLogger("warmroute.routing.shared_placement")
 
-# KEYS: homes hash, capacity hash, version, leader. ARGV: replica, lease ms (0: this replica
-# places nothing and must not lead), the version this
-# replica last read, 1 if the homes are a whole assignment (replace), key TTL ms, the number of
-# home entries; then per home entry: mode ("n": only if no replica placed it, "s": set), prefix,
-# body; then backend, blocks pairs. A whole assignment replaces the previous one only from the
-# leader, and removes only entries written at or before the version it had read (an entry
-# written since may be another replica's first placement it has not seen yet); from any other
-# replica its entries count as first placements. Returns the leader, the version and, when
-# something changed or was sent, both hashes.
+# KEYS: homes hash, capacity hash, version, leader, replicas (ZSET: placing replica -> when it
+# last exchanged, Redis's clock). ARGV: replica, lease ms (0: this replica places nothing and
+# must not lead), the version this replica last read, 1 if the homes are a whole assignment
+# (replace), key TTL ms, how long a replica that has not exchanged still counts as live (ms),
+# the number of home entries; then per home entry: mode ("n": only if no replica placed it,
+# "s": set), prefix, body; then backend, blocks pairs. A whole assignment replaces the
+# previous one only from the leader, and removes only entries written at or before the version
+# it had read (an entry written since may be another replica's first placement it has not seen
+# yet); from any other replica its entries count as first placements. Returns the leader, the
+# version, how many placing replicas are live and, when something changed or was sent, both
+# hashes.
 SYNC_LUA = """
 local rep, lease, known = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local full, ttl, n = ARGV[4] == '1', tonumber(ARGV[5]), tonumber(ARGV[6])
+local full, ttl, live, n = ARGV[4] == '1', tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if lease > 0 then redis.call('ZADD', KEYS[5], now, rep) end
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now - live)
+local peers = redis.call('ZCARD', KEYS[5])
 local leader = redis.call('GET', KEYS[4])
 if lease > 0 and not leader then
   redis.call('SET', KEYS[4], rep, 'PX', lease)
@@ -79,7 +91,7 @@ local function split(v)
 end
 if full and lead then
   local keep = {}
-  for i = 0, n - 1 do keep[ARGV[8 + 3 * i]] = true end
+  for i = 0, n - 1 do keep[ARGV[9 + 3 * i]] = true end
   local all = redis.call('HGETALL', KEYS[1])
   for i = 1, #all, 2 do
     if not keep[all[i]] then
@@ -92,7 +104,7 @@ if full and lead then
   end
 end
 for i = 0, n - 1 do
-  local mode, f, b = ARGV[7 + 3 * i], ARGV[8 + 3 * i], ARGV[9 + 3 * i]
+  local mode, f, b = ARGV[8 + 3 * i], ARGV[9 + 3 * i], ARGV[10 + 3 * i]
   local cur = redis.call('HGET', KEYS[1], f)
   local set = not cur or (mode == 's' and (lead or not full))
   if set and (not cur or select(2, split(cur)) ~= b) then
@@ -101,7 +113,7 @@ for i = 0, n - 1 do
   end
 end
 local sent = n > 0
-for i = 7 + 3 * n, #ARGV, 2 do
+for i = 8 + 3 * n, #ARGV, 2 do
   sent = true
   local cur = redis.call('HGET', KEYS[2], ARGV[i])
   if not cur or select(2, split(cur)) ~= ARGV[i + 1] then
@@ -110,13 +122,15 @@ for i = 7 + 3 * n, #ARGV, 2 do
   end
 end
 if changed then ver = redis.call('INCR', KEYS[3]) end
-for k = 1, 3 do redis.call('PEXPIRE', KEYS[k], ttl) end
-if ver == known and not sent then return {leader, ver} end
-return {leader, ver, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2])}
+for _, k in ipairs({1, 2, 3, 5}) do redis.call('PEXPIRE', KEYS[k], ttl) end
+if ver == known and not sent then return {leader, ver, peers} end
+return {leader, ver, peers, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2])}
 """
 
-# KEYS[1]: leader. ARGV[1]: replica. Gives the lease up only if this replica holds it.
+# KEYS: leader, replicas. ARGV[1]: replica. Leaves the live replicas, and gives the lease up
+# only if this replica holds it.
 RESIGN_LUA = """
+redis.call('ZREM', KEYS[2], ARGV[1])
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
@@ -152,9 +166,13 @@ class SharedPlacement:
         self.lease_s = lease_s
         self.timeout_s = timeout_s
         self.ttl_s = ttl_s
+        # A replica that stopped exchanging (gone, or cut off from Redis) stops counting after
+        # a few leases: by then its placements are adopted or forgotten.
+        self.live_s = 3 * lease_s
         self.clock = clock
         self.version = 0  # of the shared state, as last read
         self.leader: str | None = None
+        self.peers = 0  # placing replicas live at the last exchange, this one included
         self.synced_at: float | None = None
         self._republish = False
         self._script = client.register_script(SYNC_LUA)
@@ -175,7 +193,13 @@ class SharedPlacement:
     def keys(self) -> list[str]:
         kp = self.key_prefix
         tag = f"{kp}:{{{kp}:place}}"
-        return [f"{tag}:homes", f"{tag}:capacity", f"{tag}:version", f"{tag}:leader"]
+        return [
+            f"{tag}:homes",
+            f"{tag}:capacity",
+            f"{tag}:version",
+            f"{tag}:leader",
+            f"{tag}:replicas",
+        ]
 
     async def start(self) -> None:
         if self._task is None:
@@ -207,7 +231,7 @@ class SharedPlacement:
         self._republish = False
         self.counters["syncs"] += 1
         self.synced_at = self.clock()
-        leader, version = _text(flat[0]) or None, int(flat[1])
+        leader, version, self.peers = _text(flat[0]) or None, int(flat[1]), int(flat[2])
         if version < self.version:
             # Redis lost the shared state (a restart without persistence): what this replica
             # holds goes out again, as the leader's assignment or as first placements.
@@ -219,8 +243,11 @@ class SharedPlacement:
             if leads and not placement.leads:
                 self._republish = True  # a new leader publishes its whole assignment
             placement.leads = leads
-        if len(flat) > 2:
-            self._adopt(flat[2], flat[3])
+            # With others placing too, a prompt new to all of them may reach each before the
+            # next exchange: they place it alike (by what they agree on). Alone, by load.
+            placement.alike = self.peers > 1
+        if len(flat) > 3:
+            self._adopt(flat[3], flat[4])
 
     async def _exchange(self, full: bool, changes: dict[int, bool], moved: dict[str, float]) -> Any:
         placement = self.placement
@@ -241,6 +268,7 @@ class SharedPlacement:
             self.version,
             int(full),
             int(self.ttl_s * 1000),
+            int(self.live_s * 1000),
             len(entries) // 3,
             *entries,
         ]
@@ -316,6 +344,7 @@ class SharedPlacement:
             "replica": self.replica_id,
             "leads": leads,
             "leader": self.leader,
+            "replicas": self.peers,
             "version": self.version,
             **self.counters,
         }
