@@ -87,6 +87,7 @@ class RawBackend:
 
     def __init__(self, behaviour: str) -> None:
         self.behaviour = behaviour  # may be changed while it serves
+        self.reply: bytes | None = None  # bytes of its own, instead of the behaviour's
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
@@ -132,7 +133,7 @@ class RawBackend:
                 body += conn.recv(65536)
             self.posts += 1
             behaviour = self.behaviour
-            conn.sendall(BEHAVIOURS[behaviour])
+            conn.sendall(BEHAVIOURS[behaviour] if self.reply is None else self.reply)
             if behaviour in HOLD:
                 with contextlib.suppress(OSError):  # a reset, when the proxy left bytes unread
                     while conn.recv(65536):
