@@ -74,11 +74,6 @@ class Edge:
                 write_timeout_s=server.write_timeout_s,
             )
         )
-        log.info(
-            "at most %d client connections (server.max_connections%s)",
-            max_connections,
-            "" if server.max_connections else ": half the open-file limit, less a reserve",
-        )
         self.auth_refused = {"api": 0, "admin": 0}
         self.client_requests: dict[str, int] = {}
         _json_errors(inner)

@@ -17,7 +17,7 @@ from typing import Any, cast
 import uvicorn
 
 from proxy.config import Config, ConfigError, load_config
-from proxy.limits import LimitedHttpToolsProtocol, raise_open_file_limit
+from proxy.limits import LimitedHttpToolsProtocol, default_max_connections, raise_open_file_limit
 from proxy.redact import install_safe_formatter, redacted_config
 
 CONFIG_ENV = "_WARMROUTE_SERVE_CONFIG"  # hands the validated config to worker processes
@@ -340,7 +340,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    logging.getLogger("warmroute").info("listening on %s (OpenAI base URL %s/v1)", url, url)
+    cap = config.server.max_connections or default_max_connections()
+    logging.getLogger("warmroute").info(
+        "listening on %s (OpenAI base URL %s/v1); at most %d client connections%s",
+        url,
+        url,
+        cap,
+        "" if config.server.max_connections else " (half the open-file limit, less a reserve)",
+    )
     if len(sockets) > 1:
         logging.getLogger("warmroute").info(
             "admin on http://%s:%d/admin", config.server.admin_host, config.server.admin_port
