@@ -502,6 +502,30 @@ async def test_sglang_style_bootstrap_room_pairs_prefill_and_decode() -> None:
     assert decode.ttft > 0.06  # it waited for the prefill engine's ~0.12 s (scaled) prefill
 
 
+@pytest.mark.e2e
+async def test_a_decode_leg_whose_client_leaves_stops_waiting_for_its_kv() -> None:
+    # The proxy cancels an SGLang decode leg when its prefill leg failed: the engine must not
+    # hold that request (and the prefill engine its long poll) until the bootstrap timeout.
+    with sim("a10g", time_scale=8, role="prefill", bootstrap_timeout_s=60) as (p_url, _):
+        with sim("a10g", time_scale=8, role="decode", bootstrap_timeout_s=60) as (d_url, _):
+            port = int(p_url.rsplit(":", 1)[1])
+            body = chat(text_of_tokens(500, "gone"), 10, bootstrap_host="127.0.0.1")
+            body |= {"bootstrap_port": port, "bootstrap_room": 77}  # never prefilled
+            async with httpx.AsyncClient() as client:
+
+                async def waits(n: int) -> bool:
+                    return bool((await client.get(d_url + "/sim/stats")).json()["kv_waits"] == n)
+
+                leg = asyncio.create_task(client.post(d_url + "/v1/chat/completions", json=body))
+                await eventually(lambda: waits(1))
+                leg.cancel()  # the client closes its connection
+                with contextlib.suppress(asyncio.CancelledError):
+                    await leg
+                await eventually(lambda: waits(0))
+                health = await client.get(d_url + "/health")
+    assert health.status_code == 200
+
+
 # --- running engines ----------------------------------------------------------------------
 
 

@@ -58,6 +58,7 @@ class Disagg:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.rooms: dict[str, _Room] = {}
+        self.kv_waits = 0  # SGLang decode legs waiting for their prefill's KV now
         self._client: httpx.AsyncClient | None = None
 
     async def close(self) -> None:
@@ -81,7 +82,12 @@ class Disagg:
             blocks = kvp.get("remote_block_ids") or []
             return Leg(external=min(prompt_tokens, len(blocks) * cfg.block_size))
         if sglang and rooms and cfg.role == "decode":
-            return Leg(external=await self._fetch(body, rooms, prompt_tokens), rooms=tuple(rooms))
+            self.kv_waits += 1
+            try:
+                external = await self._fetch(body, rooms, prompt_tokens)
+            finally:
+                self.kv_waits -= 1
+            return Leg(external=external, rooms=tuple(rooms))
         return Leg()
 
     def prefilled(self, rooms: tuple[str, ...]) -> Callable[[int], None]:

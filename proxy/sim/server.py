@@ -17,8 +17,9 @@ import random
 import time
 import uuid
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import xxhash
@@ -46,6 +47,8 @@ from proxy.sim.errors import ERROR_TYPES, HTTPError, StreamCut, error_body
 from proxy.sim.faults import QuietStreamCut, close_idle, protocol_for
 from proxy.sim.pd import Disagg
 from proxy.sim.runner import AsyncEngine, TokenEvent
+
+T = TypeVar("T")
 
 __all__ = ["ERROR_TYPES", "HTTPError", "SimApp", "StreamCut", "create_sim_app", "error_body"]
 
@@ -172,7 +175,9 @@ class SimApp:
             pool = self.engine.scheduler.pool
             await send_json(send, 200, {"block_size": pool.block_size, "hashes": list(pool.cached)})
         elif path.startswith("/sim/bootstrap/"):
-            await send_json(send, 200, await self.pd.wait(path.rsplit("/", 1)[1]))
+            # A decode engine's long poll: it ends with the decode leg that asked.
+            room = await self._until_gone(self.pd.wait(path.rsplit("/", 1)[1]), receive)
+            await send_json(send, 200, room)
         else:
             raise HTTPError(404, f"no route for {method} {path}")
 
@@ -185,6 +190,7 @@ class SimApp:
         out = self.engine.stats()
         out["faults"] = asdict(cfg.faults)
         out["counts"] = dict(self.counts)
+        out["kv_waits"] = self.pd.kv_waits
         kv_events = self.engine.kv_events
         out["kv_events"] = kv_events.stats() if kv_events is not None else None
         out["config"] = {
@@ -296,8 +302,13 @@ class SimApp:
                 400, "Stream options can only be defined when `stream=True`.", "stream_options"
             )
 
-        # Prefill/decode disaggregation: which leg is this, if any?
-        leg = await self.pd.leg(body, longest)
+        # Prefill/decode disaggregation: which leg is this, if any? An SGLang decode leg waits
+        # here for its prefill's KV; a client that leaves meanwhile ends that wait, as the
+        # engine aborts a request whose client is gone (the proxy cancels it on a failed prefill).
+        if body.get("bootstrap_room") is not None and self.cfg.role == "decode":
+            leg = await self._until_gone(self.pd.leg(body, longest), receive)
+        else:
+            leg = await self.pd.leg(body, longest)
         if leg.prefill:
             max_tokens, ignore_eos, n = 1, True, 1
         external = leg.external
@@ -367,6 +378,20 @@ class SimApp:
         finally:
             watcher.cancel()
             ctx.abort_all()
+
+    @staticmethod
+    async def _until_gone(work: Awaitable[T], receive: Receive) -> T:
+        """`work`, cancelled if the client disconnects first."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.create_task(watch_disconnect(receive, task.cancel))
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if watcher.done() and task.cancelled():
+                raise HTTPError(400, "client disconnected") from None
+            raise
+        finally:
+            watcher.cancel()
 
     def _prompts(self, body: dict[str, Any], chat: bool) -> list[list[int]]:
         cpt = self.cfg.chars_per_token
