@@ -511,10 +511,12 @@ class StreamMeter:
         usage = obj.get("usage")
         if isinstance(usage, dict):
             f.usage(usage)
-            if obj.get("choices") == []:
-                return USAGE_ONLY
+        # llama.cpp puts its timings on the usage-only chunk when the client asked for usage:
+        # read them there too, or the doctor loses the engine's prefill time (prompt_ms).
         if "timings" in obj:
             f.timings(obj["timings"])
+        if isinstance(usage, dict) and obj.get("choices") == []:
+            return USAGE_ONLY
         return OTHER
 
     def _responses(self, p: bytes) -> int:

@@ -280,6 +280,7 @@ class StreamResult:
     text: str
     usage: dict[str, Any] | None
     timings: dict[str, Any] | None
+    headers: dict[str, str] = field(default_factory=dict)  # lower-cased names
 
 
 def stream_chat(
@@ -314,6 +315,7 @@ def stream_chat(
     ttft = -1.0
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=60) as resp:
+        headers = {k.lower(): v for k, v in resp.headers.items()}
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data:"):
@@ -331,4 +333,4 @@ def stream_chat(
                     text.append(content)
     usage = next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
     timings = next((c["timings"] for c in reversed(chunks) if c.get("timings")), None)
-    return StreamResult(ttft, chunks, "".join(text), usage, timings)
+    return StreamResult(ttft, chunks, "".join(text), usage, timings, headers)

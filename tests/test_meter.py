@@ -86,7 +86,8 @@ LLAMACPP_CHAT = (
     b"data: [DONE]\n\n"
 )
 
-# llama.cpp (newer server): separate usage-only chunk that also has timings.
+# llama.cpp (newer server, as the pinned build sends it with include_usage): a separate
+# usage-only chunk that also carries the timings, prefill time (prompt_ms) included.
 LLAMACPP_CHAT_NEW = (
     b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hi"}}],'
     b'"created":1,"id":"chatcmpl-9","model":"m","object":"chat.completion.chunk"}\n\n'
@@ -94,7 +95,8 @@ LLAMACPP_CHAT_NEW = (
     b'"created":1,"id":"chatcmpl-9","model":"m","object":"chat.completion.chunk"}\n\n'
     b'data: {"choices":[],"created":1,"id":"chatcmpl-9","model":"m",'
     b'"object":"chat.completion.chunk","usage":{"completion_tokens":1,"prompt_tokens":3,'
-    b'"total_tokens":4},"timings":{"prompt_n":3,"predicted_n":1}}\n\n'
+    b'"total_tokens":4,"prompt_tokens_details":{"cached_tokens":1}},"timings":{"cache_n":1,'
+    b'"prompt_n":2,"prompt_ms":4.938,"predicted_n":1,"predicted_ms":3.471}}\n\n'
     b"data: [DONE]\n\n"
 )
 
@@ -895,6 +897,16 @@ def test_garbage_never_raises_and_strip_mode_loses_no_bytes(
         else:
             assert is_usage_only_event(api, event, nl), (event, client[pos:])
     assert client[pos:] == tail
+
+
+def test_llamacpp_prefill_time_is_read_from_its_usage_only_chunk() -> None:
+    # With include_usage, llama.cpp sends its timings on the usage-only chunk, not on the
+    # finish chunk; the meter returned on usage before reading them, so every client that asked
+    # for usage left the doctor without the engine's prefill (tests/test_llamacpp_doctor.py).
+    for strip in (False, True):
+        _, facts = run_meter("chat", LLAMACPP_CHAT_NEW, [], strip=strip)
+        assert facts.engine_prefill_s == 0.004938
+        assert facts.input_tokens == 3 and facts.cached_tokens == 1  # usage's, as before
 
 
 def test_llamacpp_timings_give_prompt_and_cached_tokens_when_no_usage_does() -> None:
