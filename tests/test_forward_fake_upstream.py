@@ -127,9 +127,16 @@ def _app(
     return app, fake
 
 
-async def _call(
-    app: Any, body: dict[str, Any], headers: tuple[tuple[bytes, bytes], ...] = ()
-) -> tuple[int, bytes, dict[bytes, bytes]]:
+async def _asgi(
+    app: Any,
+    body: dict[str, Any],
+    path: str = "/v1/chat/completions",
+    headers: tuple[tuple[bytes, bytes], ...] = ((b"content-type", b"application/json"),),
+    client: tuple[str, int] = ("127.0.0.1", 50000),
+    leave: asyncio.Event | None = None,
+) -> list[dict[str, Any]]:
+    """One request through the app's ASGI interface; the messages it sent. The client stays
+    connected, or hangs up once `leave` is set."""
     raw = orjson.dumps(body)
     sent: list[dict[str, Any]] = []
     delivered = False
@@ -139,23 +146,28 @@ async def _call(
         if not delivered:
             delivered = True
             return {"type": "http.request", "body": raw, "more_body": False}
-        await asyncio.Event().wait()  # the client stays
-        raise AssertionError
+        await (leave or asyncio.Event()).wait()
+        return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/chat/completions",
-        "headers": [(b"content-type", b"application/json"), *headers],
-        "client": ("127.0.0.1", 50000),
-    }
+    scope: dict[str, Any] = {"type": "http", "method": "POST", "path": path, "client": client}
+    scope["headers"] = list(headers)
     await asyncio.wait_for(app(scope, receive, send), 10)
+    return sent
+
+
+async def _call(
+    app: Any,
+    body: dict[str, Any],
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+    path: str = "/v1/chat/completions",
+) -> tuple[int, bytes, dict[bytes, bytes]]:
+    """Status, body and headers of one request (the client stays connected)."""
+    sent = await _asgi(app, body, path, ((b"content-type", b"application/json"), *headers))
     status = sent[0]["status"]
-    headers = dict(sent[0]["headers"])
-    return status, b"".join(m.get("body", b"") for m in sent[1:]), headers
+    return status, b"".join(m.get("body", b"") for m in sent[1:]), dict(sent[0]["headers"])
 
 
 def _chat(stream: bool = True) -> dict[str, Any]:
@@ -261,25 +273,11 @@ async def test_connect_failures_everywhere_end_in_one_clear_503() -> None:
 
 async def test_the_backend_sees_the_forwarding_chain_and_no_proxy_credentials() -> None:
     app, fake = _app({"127.0.0.1:9101": [_ok], "127.0.0.1:9102": [_ok]})
-    raw = orjson.dumps(_chat())
-    sent: list[dict[str, Any]] = []
-    msgs = [{"type": "http.request", "body": raw, "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        if msgs:
-            return msgs.pop()
-        await asyncio.Event().wait()
-        raise AssertionError
-
-    async def send(m: dict[str, Any]) -> None:
-        sent.append(m)
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/chat/completions",
-        "client": ("10.1.2.3", 4000),
-        "headers": [
+    await _asgi(
+        app,
+        _chat(),
+        client=("10.1.2.3", 4000),
+        headers=(
             (b"api-key", b"secret-a"),
             (b"x-goog-api-key", b"secret-b"),
             (b"expect", b"100-continue"),
@@ -287,9 +285,8 @@ async def test_the_backend_sees_the_forwarding_chain_and_no_proxy_credentials() 
             (b"x-hop", b"private"),
             (b"x-forwarded-for", b"192.0.2.1"),
             (b"x-custom", b"kept"),
-        ],
-    }
-    await asyncio.wait_for(app(scope, receive, send), 10)
+        ),
+    )
     headers = fake.calls[0][2]
     for gone in ("api-key", "x-goog-api-key", "expect", "x-hop", "connection"):
         assert gone not in headers
@@ -360,30 +357,7 @@ def _probing(app: Any) -> Any:
 
 async def _call_and_leave(app: Any, body: dict[str, Any], left: asyncio.Event) -> list[Any]:
     """A request whose client hangs up once `left` is set; the messages it was sent."""
-    raw = orjson.dumps(body)
-    sent: list[dict[str, Any]] = []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await left.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/chat/completions",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 50000),
-    }
-    await asyncio.wait_for(app(scope, receive, send), 10)
-    return sent
+    return await _asgi(app, body, leave=left)
 
 
 def _status(code: int) -> Callable[[], FakeResponse]:

@@ -242,31 +242,6 @@ async def test_disagg_active_is_reported_as_0_when_the_mode_is_off() -> None:
 # --- which APIs take two legs ------------------------------------------------------------
 
 
-async def _post(app: Any, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
-    """One request to `path` of the app, its status and body (the client stays connected)."""
-    sent: list[dict[str, Any]] = []
-    messages = [{"type": "http.request", "body": orjson.dumps(body), "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        if messages:
-            return messages.pop()
-        await asyncio.Event().wait()
-        raise AssertionError
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": path,
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 50000),
-    }
-    await asyncio.wait_for(app(scope, receive, send), 10)
-    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
-
-
 def _json_answer() -> FakeResponse:
     r = FakeResponse(200, [b'{"object":"list","data":[]}'])
     r.headers = [(b"content-type", b"application/json")]
@@ -309,8 +284,8 @@ async def test_an_embedding_goes_whole_to_the_prefill_pool_if_long_else_to_decod
     app, fake = _paths_app(engine)
     long = {"model": "m", "input": LONG_INPUT}
     short = {"model": "m", "input": "a short query"}
-    assert (await _post(app, "/v1/embeddings", long))[0] == 200
-    assert (await _post(app, "/v1/embeddings", short))[0] == 200
+    assert (await _call(app, long, path="/v1/embeddings"))[0] == 200
+    assert (await _call(app, short, path="/v1/embeddings"))[0] == 200
     # The client's bodies as they were: no prefill leg, no KV-transfer or bootstrap fields.
     assert _sent(fake) == [
         (PREFILL, "/v1/embeddings", long),
@@ -329,8 +304,8 @@ async def test_a_responses_request_gets_the_pool_split_by_its_output_cap_never_t
     essay = {"model": "m", "input": "another report. " * 400, "max_output_tokens": 2_000}
     # (The essay first: the fakes' answers carry no usage, so once one has finished the
     # output history expects nothing of that prompt size.)
-    assert (await _post(app, "/v1/responses", essay))[0] == 200
-    assert (await _post(app, "/v1/responses", brief))[0] == 200
+    assert (await _call(app, essay, path="/v1/responses"))[0] == 200
+    assert (await _call(app, brief, path="/v1/responses"))[0] == 200
     assert _sent(fake) == [
         (DECODE, "/v1/responses", essay),  # a long answer: a stream, on the decode pool
         (PREFILL, "/v1/responses", brief),  # long prompt, short answer: the prefill pool

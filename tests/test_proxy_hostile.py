@@ -162,6 +162,17 @@ def _client(proxy: object) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0, timeout=20)  # type: ignore[attr-defined]
 
 
+def _chat_until_api_error(client: openai.OpenAI) -> tuple[list[str], openai.APIError]:
+    """Stream one chat that must end in APIError: the content that came first, and the error."""
+    got: list[str] = []
+    with pytest.raises(openai.APIError) as err:
+        for chunk in client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        ):
+            got.extend(c.delta.content or "" for c in chunk.choices)
+    return got, err.value
+
+
 @pytest.mark.parametrize("behaviour", ["cut_inside_event", "cut_inside_chunk"])
 def test_a_stream_cut_mid_event_raises_api_error_in_the_openai_client(
     behaviour: str, raw_backend: Callable[[str], RawBackend], proxy_server: Callable[..., object]
@@ -170,15 +181,9 @@ def test_a_stream_cut_mid_event_raises_api_error_in_the_openai_client(
     proxy = proxy_server([backend.url])
     client = _client(proxy)
     for _ in range(5):
-        got: list[str] = []
-        with pytest.raises(openai.APIError) as err:
-            for chunk in client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], stream=True
-            ):
-                if chunk.choices:
-                    got.append(chunk.choices[0].delta.content or "")
+        got, err = _chat_until_api_error(client)
         assert got == ["hi"]  # the complete event arrived; the cut one did not
-        assert "broke off" in str(err.value)
+        assert "broke off" in str(err)
 
 
 @pytest.mark.parametrize("behaviour", ["close_delimited_cut", "chunked_without_end"])
@@ -187,15 +192,10 @@ def test_a_stream_the_backend_ends_cleanly_before_its_end_raises_api_error(
 ) -> None:
     backend = raw_backend(behaviour)
     proxy = proxy_server([backend.url])
-    got: list[str] = []
-    with pytest.raises(openai.APIError) as err:
-        for chunk in _client(proxy).chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
-        ):
-            got.extend(c.delta.content or "" for c in chunk.choices)
+    got, err = _chat_until_api_error(_client(proxy))
     assert got == ["hi"]  # the complete event arrived; a cut one did not
-    assert "before it was complete" in str(err.value)
-    assert err.value.code == "incomplete_stream"  # type: ignore[attr-defined]
+    assert "before it was complete" in str(err)
+    assert err.code == "incomplete_stream"
 
 
 def test_an_event_that_never_ends_is_cut_off_with_an_api_error_and_its_upstream_closed(
@@ -203,14 +203,9 @@ def test_an_event_that_never_ends_is_cut_off_with_an_api_error_and_its_upstream_
 ) -> None:
     backend = raw_backend("oversized_event")
     proxy = proxy_server([backend.url])
-    got: list[str] = []
-    with pytest.raises(openai.APIError) as err:
-        for chunk in _client(proxy).chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
-        ):
-            got.extend(c.delta.content or "" for c in chunk.choices)
+    got, err = _chat_until_api_error(_client(proxy))
     assert got == ["hi"]
-    assert err.value.code == "event_too_large"  # type: ignore[attr-defined]
+    assert err.code == "event_too_large"
     assert backend.released.wait(10)  # the proxy let go of the backend's connection
 
 
