@@ -25,13 +25,18 @@ class StackError(RuntimeError):
 
 def free_ports(n: int) -> list[int]:
     """n free consecutive loopback ports (sim --instances needs that), from a random base so
-    that concurrent runs on one machine do not race for the same ones."""
+    that concurrent runs on one machine do not race for the same ones, and below the kernel's
+    ephemeral range where it can: a port found free there can be handed to some process's
+    outgoing connection before the child binds it."""
     import random
     import socket
 
+    low, high = 20000, _ephemeral_start()
+    if high - low < 10 * n:
+        high = 60000
     rng = random.Random()
     for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
+        base = rng.randrange(low, high - n)
         socks = []
         try:
             for i in range(n):
@@ -45,6 +50,15 @@ def free_ports(n: int) -> list[int]:
             for s in socks:
                 s.close()
     raise StackError(f"no {n} consecutive free ports on 127.0.0.1")
+
+
+def _ephemeral_start(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port the kernel hands out for outgoing connections (32768 on Linux)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class Stack:

@@ -16,11 +16,16 @@ import httpx
 import uvicorn
 
 from proxy.asgi import serve_lifespan
+from proxy.stack import free_ports
 
 __all__ = ["ServerThread", "free_port", "process", "serve_lifespan", "serving"]
 
 
-def free_port() -> int:
+def free_port(consecutive: int = 1) -> int:
+    """A free loopback port; with consecutive=n, the first of n free ones in a row (for
+    `--instances n`, which binds --port, --port + 1, ...)."""
+    if consecutive > 1:
+        return free_ports(consecutive)[0]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -311,7 +311,7 @@ def _start_mock(*args: str) -> tuple[subprocess.Popen[str], int, list[str]]:
     process may take port + 1 before the mock binds it: then it exits and we try again."""
     lines: list[str] = []
     for _ in range(3):
-        port = free_port()
+        port = free_port(2)
         proc = subprocess.Popen(
             [sys.executable, "-m", "proxy.bench.mock", "--port", str(port), "--instances", "2",
              *args],

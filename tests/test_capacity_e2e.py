@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -29,24 +28,13 @@ BIG, SMALL = 14000, 8500  # mock tokens per engine: ~5 and ~3 of the eight promp
 
 @contextlib.contextmanager
 def engines(cache_tokens: int) -> Iterator[list[str]]:
-    port = free_port()
-    while any(_taken(port + i) for i in range(1, 4)):
-        port = free_port()
+    port = free_port(4)
     urls = [f"http://127.0.0.1:{port + i}" for i in range(4)]
     args = [sys.executable, "-m", "proxy.bench.mock", "--port", str(port), "--instances", "4",
             "--chunks", "4", "--cache-tokens", str(cache_tokens),
             "--prefill-tokens-per-s", "40000"]  # fmt: skip
     with process(args, ready=[u + "/v1/models" for u in urls]):
         yield urls
-
-
-def _taken(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
 
 
 @contextlib.contextmanager

@@ -282,7 +282,7 @@ def test_each_of_several_engines_publishes_on_its_own_ports() -> None:
 
 @pytest.mark.e2e
 async def test_a_warmroute_sim_process_with_two_instances_publishes_for_each() -> None:
-    port = _consecutive_free_ports(6)  # HTTP, KV events, replay: two engines each
+    port = free_port(6)  # HTTP, KV events, replay: two engines each
     events, replay = port + 2, port + 4
     proc = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "proxy", "sim", "--port", str(port), "--instances", "2"),
@@ -319,16 +319,3 @@ async def test_a_warmroute_sim_process_with_two_instances_publishes_for_each() -
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-
-
-def _consecutive_free_ports(n: int) -> int:
-    for _ in range(50):
-        first = free_port()
-        with contextlib.ExitStack() as stack:
-            try:
-                for p in range(first, first + n):
-                    stack.enter_context(socket.socket()).bind(("127.0.0.1", p))
-            except OSError:
-                continue
-        return first
-    raise RuntimeError(f"no {n} consecutive free ports")

@@ -10,11 +10,13 @@ import itertools
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -578,7 +580,7 @@ def test_cli_options_come_from_flags_and_environment(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.e2e
 def test_cli_serves_instances_on_consecutive_ports_and_stops_on_sigterm() -> None:
-    port = free_port()
+    port = free_port(2)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -640,3 +642,20 @@ def test_hide_kv_pool_comes_from_a_flag_or_the_environment(monkeypatch: pytest.M
     assert config_from_args(args).hide_kv_pool is True
     monkeypatch.setenv("WARMROUTE_SIM_HIDE_KV_POOL", "1")
     assert config_from_args(build_parser().parse_args(["sim"])).hide_kv_pool is True
+
+
+def test_consecutive_free_ports_come_from_below_the_ephemeral_range(tmp_path: Path) -> None:
+    """`--instances n` binds n ports in a row; one found free inside the kernel's ephemeral
+    range can go to some process's outgoing connection before the child binds it."""
+    from proxy.stack import _ephemeral_start, free_ports
+
+    ports = free_ports(4)
+    assert ports == list(range(ports[0], ports[0] + 4))
+    if _ephemeral_start() > 20_040:  # room below it (Linux's default starts at 32768)
+        assert ports[-1] < _ephemeral_start()
+    for p in ports:  # free when handed out
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+    (tmp_path / "range").write_text("40000\t60999\n")
+    assert _ephemeral_start(str(tmp_path / "range")) == 40000
+    assert _ephemeral_start(str(tmp_path / "missing")) == 32768
