@@ -7,7 +7,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.doctor.collector import MAX_GAPS_PER_STREAM, BackendInfo, Collector
+from proxy.doctor.collector import (
+    GAP_BUDGET_BYTES,
+    MAX_GAPS_PER_STREAM,
+    MAX_REQUESTS,
+    MIN_GAPS_PER_STREAM,
+    BackendInfo,
+    Collector,
+)
 from proxy.meter import StreamFacts
 from proxy.routing.types import EngineLoad
 
@@ -87,6 +94,41 @@ def test_a_stream_without_gaps_and_one_past_the_cap_are_kept_as_the_report_expec
     assert list(capped.itl_s) == long[:MAX_GAPS_PER_STREAM]  # the first ones
 
 
+def test_more_windows_keep_fewer_gaps_per_stream_within_the_budget_and_the_true_end() -> None:
+    # 10 requests per window, a budget for 256 gaps per stream in one window
+    c = Collector([BackendInfo(b) for b in "abcd"], max_requests=10, gap_budget_bytes=8 * 10 * 256)
+    long = [1e-3 * (1 + i % 7) for i in range(300)]
+    c.finished("m", "a", facts(long), None, None, 1.0)
+    c.finished("m", "b", facts(long), None, None, 2.0)  # a second window: 128 each from now
+    c.finished("m", "a", facts(long), None, None, 3.0)
+    c.finished("m", "a", facts(long[:100]), None, None, 4.0)  # under the cap: whole
+    w = {x.backend: x for x in c.windows(window_s=1e9)}
+    a1, a2, a3 = w["a"].requests
+    (b1,) = w["b"].requests
+    assert list(a1.itl_s) == long[:256]
+    assert list(b1.itl_s) == long[:128] and list(a2.itl_s) == long[:128]
+    for r in (a1, b1, a2):  # the whole stream's count and end
+        assert r.gap_count == 300 and r.last_at == 10.0 + sum(long)
+    assert (list(a3.itl_s), a3.gap_count, a3.end_at) == (long[:100], 100, None)
+    for b in "cd":  # four windows and more: the floor
+        c.finished("m", b, facts(long), None, None, 5.0)
+    assert c.gaps_per_stream == MIN_GAPS_PER_STREAM
+    # once the windows' requests have been replaced, the gaps they keep fit the budget
+    c2 = Collector([BackendInfo(b) for b in "ab"], max_requests=10, gap_budget_bytes=8 * 10 * 256)
+    kept = []
+    for i in range(20):
+        for b in "ab":
+            c2.finished("m", b, facts(long), None, None, float(i))
+        kept.append(sum(len(r.itl_s) for x in c2.windows(window_s=1e9) for r in x.requests))
+    assert kept[9] == 256 + 19 * 128  # a's first stream came while it was the only window
+    assert kept[-1] * 8 == 8 * 10 * 256
+
+
+def test_one_window_of_the_default_size_keeps_every_stream_up_to_the_cap() -> None:
+    assert GAP_BUDGET_BYTES // (8 * MAX_REQUESTS) >= MAX_GAPS_PER_STREAM
+    assert Collector([BackendInfo("a")]).gaps_per_stream == MAX_GAPS_PER_STREAM
+
+
 def test_errors_count_apart_and_old_requests_leave_the_window() -> None:
     c, _ = collector()
     c.finished("m", "b", None, "timeout", None, 50.0)
@@ -138,3 +180,21 @@ def test_a_report_read_from_another_thread_while_requests_finish_loses_none_and_
     (window,) = c.windows(window_s=1e9)
     assert [r.start for r in window.requests] == [float(i) for i in range(n)]
     assert seen == sorted(seen) and len(seen) >= n // 1_000 and any(0 < s < n for s in seen)
+
+
+def test_a_stream_kept_in_part_still_grows_its_context_to_its_last_chunk() -> None:
+    """The decode context sweep reads a long stream's true end and chunk count, not the part of
+    its gaps the window kept."""
+    from proxy.doctor.model import RequestSample
+    from proxy.doctor.timeline import _context_at
+
+    whole = RequestSample(start=0.0, first_at=10.0, itl_s=[0.01] * 400, input_tokens=1000)
+    kept = RequestSample(
+        start=0.0, first_at=10.0, itl_s=[0.01] * 64, input_tokens=1000, end_at=14.0, gaps=400
+    )
+    times = [10.0, 12.0, 13.999]
+    assert (
+        [round(ctx) for ctx, _ in _context_at([kept], times)]
+        == [round(ctx) for ctx, _ in _context_at([whole], times)]
+        == [1000, 1200, 1400]
+    )

@@ -27,6 +27,11 @@ from proxy.doctor.model import GaugeSample, Hardware, RequestSample, Window
 DEFAULT_WINDOW_S = 300.0
 MAX_REQUESTS = 2000  # per backend and model: enough for an ITL p99 at any traffic
 MAX_GAPS_PER_STREAM = 4096  # a longer stream keeps its first ones (memory stays bounded)
+# Every window's gaps together, once the windows are full. One (backend, model) of 4,096-token
+# streams would hold 2,000 x 4,096 doubles = 66 MB: a fleet of long answers would take the
+# proxy past its memory limit. More windows keep fewer gaps per stream instead (64 at least).
+GAP_BUDGET_BYTES = 64 << 20
+MIN_GAPS_PER_STREAM = 64
 MAX_GAUGES = 1000  # per backend: 2,000 s of scrapes every 2 s
 
 
@@ -87,7 +92,8 @@ def predicted_tokens(
 
 # One finished request as kept in a window: RequestSample's fields in its order (start, ttft_s,
 # upstream_ttft_s, first_at, the gaps packed as doubles, input_tokens, cached_tokens,
-# output_tokens, predicted_tokens, seen_tokens, engine_prefill_s).
+# output_tokens, predicted_tokens, seen_tokens, engine_prefill_s, end_at, gaps); the last two
+# are None unless the stream had more gaps than were kept.
 _Row = tuple[
     float,
     float | None,
@@ -100,14 +106,14 @@ _Row = tuple[
     float | None,
     float | None,
     float | None,
+    float | None,
+    int | None,
 ]
 _PACKERS: dict[int, struct.Struct] = {}  # by gap count (at most MAX_GAPS_PER_STREAM of them)
 
 
 def _pack(gaps: list[float]) -> bytes:
-    """The first MAX_GAPS_PER_STREAM gaps as native doubles (what array("d") holds)."""
-    if len(gaps) > MAX_GAPS_PER_STREAM:
-        gaps = gaps[:MAX_GAPS_PER_STREAM]
+    """The gaps as native doubles (what array("d") holds)."""
     n = len(gaps)
     packer = _PACKERS.get(n)
     if packer is None:
@@ -132,6 +138,8 @@ def _sample(row: _Row) -> RequestSample:
         predicted_tokens=row[8],
         seen_tokens=row[9],
         engine_prefill_s=row[10],
+        end_at=row[11],
+        gaps=row[12],
     )
 
 
@@ -148,6 +156,7 @@ class Collector:
         window_s: float = DEFAULT_WINDOW_S,
         clock: Callable[[], float] = time.perf_counter,
         max_requests: int = MAX_REQUESTS,
+        gap_budget_bytes: int = GAP_BUDGET_BYTES,
     ) -> None:
         self.backends = {b.name: b for b in backends}
         self.loads = loads
@@ -156,6 +165,8 @@ class Collector:
         self.window_s = window_s
         self.clock = clock
         self.max_requests = max_requests
+        self.gap_budget_bytes = gap_budget_bytes
+        self.gaps_per_stream = self._gaps_per_stream(1)
         self.policy: str | None = None
         self.cache: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None
         self.disagg: Callable[[], Mapping[str, Any]] | None = None  # the decider's view
@@ -184,10 +195,18 @@ class Collector:
             errs.append(t0)
         else:
             here, best = predicted_tokens(decision, backend, facts.input_tokens)
-            gaps = facts.itl_s
             window = self._requests.get(key)
             if window is None:
                 window = self._requests[key] = deque(maxlen=self.max_requests)
+                self.gaps_per_stream = self._gaps_per_stream(len(self._requests))
+            gaps = facts.itl_s
+            end_at: float | None = None
+            n_gaps: int | None = None
+            if len(gaps) > self.gaps_per_stream:  # keep the first ones, and where it ended
+                first = facts.first_output_at
+                end_at = None if first is None else first + sum(gaps)
+                n_gaps = len(gaps)
+                gaps = gaps[: self.gaps_per_stream]
             window.append(
                 (
                     t0,
@@ -201,6 +220,8 @@ class Collector:
                     here,
                     best,
                     facts.engine_prefill_s,
+                    end_at,
+                    n_gaps,
                 )
             )
         if self.loads is not None:  # a new scrape is sampled by the next request to see it
@@ -208,6 +229,12 @@ class Collector:
             if load is not None and load.scraped_at:
                 if self._last_scrape.get(backend) != load.scraped_at:
                     self._sample_load(backend, load)
+
+    def _gaps_per_stream(self, windows: int) -> int:
+        """Gaps kept per stream so that `windows` full windows stay within the gap budget
+        (the windows already full keep theirs until their requests are replaced)."""
+        fit = self.gap_budget_bytes // (8 * self.max_requests * max(1, windows))
+        return max(MIN_GAPS_PER_STREAM, min(MAX_GAPS_PER_STREAM, fit))
 
     def _sample_load(self, backend: str, load: Load) -> None:
         self._last_scrape[backend] = load.scraped_at

@@ -65,6 +65,9 @@ class RequestSample:
     engine_prefill_s: float | None = None  # the engine's own prefill time (llama.cpp timings)
     engine_queue_s: float | None = None  # the engine's own queue time for this request
     ok: bool = True
+    # When itl_s keeps only a long stream's first gaps: its last chunk, and how many it had.
+    end_at: float | None = None
+    gaps: int | None = None
 
     @property
     def uncached_tokens(self) -> int | None:
@@ -85,7 +88,14 @@ class RequestSample:
     def last_at(self) -> float | None:
         if self.first_at is None:
             return None
+        if self.end_at is not None:
+            return self.end_at
         return self.first_at + sum(self.itl_s)
+
+    @property
+    def gap_count(self) -> int:
+        """Gaps the stream had (itl_s may keep only the first of them)."""
+        return len(self.itl_s) if self.gaps is None else self.gaps
 
 
 @dataclass(slots=True)

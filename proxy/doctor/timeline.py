@@ -126,7 +126,7 @@ def _context_at(requests: Sequence[RequestSample], times: list[float]) -> list[t
         first, last = r.first_at, r.last_at
         if first is None or last is None:
             continue
-        n = len(r.itl_s)
+        n = r.gap_count
         b = n / (last - first) if last > first else 0.0
         a = float(r.input_tokens or 0) - b * first
         events.append((first, 0, a, b))  # starts before the queries at the same time
