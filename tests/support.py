@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +21,29 @@ import uvicorn
 from proxy.asgi import serve_lifespan
 from proxy.stack import free_ports
 
-__all__ = ["ServerThread", "free_port", "process", "serve_lifespan", "serving"]
+__all__ = [
+    "ServerThread",
+    "free_port",
+    "load_script",
+    "process",
+    "serve_lifespan",
+    "serving",
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(path: str, name: str) -> Any:
+    """A script under deploy/ (not a package) as a module, loaded once by its path. Registered
+    before it runs: dataclasses look their module up in sys.modules while the class body runs."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port(consecutive: int = 1) -> int:

@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import random
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+
+from tests.support import load_script
 
 pytestmark = [
     pytest.mark.e2e,
@@ -35,24 +34,7 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_soak() -> Any:
-    # deploy/ is not a package: load the script by path (registered first, as dataclasses
-    # look their module up in sys.modules while the class body runs).
-    name = "warmroute_soak"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "deploy" / "perf" / "soak.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load_soak()
+soak = load_script("deploy/perf/soak.py", "warmroute_soak")
 MODEL = soak.MODEL
 FIREHOSE_MODEL = "firehose"
 # The sims at an H100's pace (~200 tokens/s per stream): slower than the clients read, so a
