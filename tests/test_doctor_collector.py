@@ -17,6 +17,7 @@ from proxy.doctor.collector import (
 )
 from proxy.meter import StreamFacts
 from proxy.routing.types import EngineLoad
+from tests.support import load_script
 
 
 def facts(gaps: list[float], **over: Any) -> StreamFacts:
@@ -198,3 +199,14 @@ def test_a_stream_kept_in_part_still_grows_its_context_to_its_last_chunk() -> No
         == [round(ctx) for ctx, _ in _context_at([whole], times)]
         == [1000, 1200, 1400]
     )
+
+
+def test_the_windows_of_a_fleet_of_long_answers_stay_near_the_gap_budget_in_memory() -> None:
+    """deploy/perf/memory_bounds.py's measurement (tracemalloc, deterministic): four windows
+    full of 4,096-token streams held 4 x 66 MB before the budget."""
+    bounds = load_script("deploy/perf/memory_bounds.py", "warmroute_memory_bounds")
+    one, _ = bounds.heap_mb(lambda: bounds.full_windows(1, 4096))
+    four, c = bounds.heap_mb(lambda: bounds.full_windows(4, 4096))
+    assert c.gaps_per_stream < MAX_GAPS_PER_STREAM
+    budget_mb = GAP_BUDGET_BYTES / 1e6
+    assert 0.9 * budget_mb < one < four < 1.15 * budget_mb
