@@ -19,6 +19,7 @@ import pytest
 from proxy.bench.mock import MockBackend
 from proxy.pdflow import PREFILL_DRAIN_S
 from tests.support import ServerThread
+from tests.test_disagg_legs import VLLM_PREFILL_KV
 from tests.test_sim_http import sim, text_of_tokens
 
 pytestmark = pytest.mark.e2e
@@ -192,14 +193,7 @@ def test_vllm_legs_arrive_at_the_engines_exactly_as_the_flow_says(proxy_server: 
             **{k: v for k, v in client.items() if k not in ("stream_options", "min_tokens")},
             "stream": False,
             "max_tokens": 1,
-            "kv_transfer_params": {
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "remote_engine_id": None,
-                "remote_block_ids": None,
-                "remote_host": None,
-                "remote_port": None,
-            },
+            "kv_transfer_params": VLLM_PREFILL_KV,
         },
     }
     params = decode["body"]["kv_transfer_params"]

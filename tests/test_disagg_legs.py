@@ -9,6 +9,17 @@ import pytest
 
 from proxy.disagg import legs
 
+# What a vLLM prefill leg must carry, spelled out here rather than read from proxy.disagg.legs:
+# the wire format is the specification the code is checked against (other tests import it).
+VLLM_PREFILL_KV = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
 CHAT: dict[str, Any] = {
     "model": "m",
     "messages": [{"role": "user", "content": "summarise this"}],
@@ -27,14 +38,7 @@ def test_vllm_prefill_leg_is_a_one_token_non_streaming_kv_producer() -> None:
         "temperature": 0.2,
         "stream": False,
         "max_tokens": 1,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
+        "kv_transfer_params": VLLM_PREFILL_KV,
     }
     assert CHAT["stream"] is True and "kv_transfer_params" not in CHAT  # the client's is intact
 

@@ -14,6 +14,7 @@ import pytest
 from proxy.app import create_app
 from proxy.config import load_config
 from proxy.upstream import UpstreamConnectError
+from tests.test_disagg_legs import VLLM_PREFILL_KV
 from tests.test_forward_fake_upstream import CHUNK, DONE, FakeResponse, FakeUpstream, _call
 
 PREFILL, DECODE = "127.0.0.1:9201", "127.0.0.1:9202"
@@ -91,14 +92,7 @@ async def test_vllm_flow_sends_the_exact_prefill_and_decode_bodies() -> None:
         stream=False,
         max_tokens=1,
         max_completion_tokens=1,
-        kv_transfer_params={
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
+        kv_transfer_params=VLLM_PREFILL_KV,
     )
     assert prefill == expected_prefill  # no stream_options, min_tokens held back
     assert decode == {
