@@ -143,6 +143,9 @@ class Upstream:
         self._open: set[Connection] = set()
         self._busy: dict[tuple[str, int, bool], int] = {}
         self._slot_waiters: dict[tuple[str, int, bool], deque[asyncio.Future[None]]] = {}
+        # Hosts whose backend left while connections to it were in use: those are closed when
+        # their request ends instead of pooled (see forget_backend).
+        self._retired: set[tuple[str, int, bool]] = set()
         self._ssl = ssl_context
         self._started = False
 
@@ -239,7 +242,42 @@ class Upstream:
             if not w.done():
                 w.set_result(None)  # the slot moves to the waiter; the count stays
                 return
-        self._busy[key] = max(0, self._busy.get(key, 0) - 1)
+        n = self._busy.get(key, 0) - 1
+        if n > 0:
+            self._busy[key] = n
+        else:  # none in use: no entry, so hosts that come and go leave nothing behind
+            self._busy.pop(key, None)
+            if waiters is not None:
+                del self._slot_waiters[key]
+            if self._retired:
+                self._retired.discard(key)
+
+    def forget_backend(self, backend: str) -> int:
+        """The backend left the fleet: its idle pooled connections are closed now and its
+        parsed targets and slot state dropped; connections in use finish their requests
+        normally and are closed, not pooled, when they end. Returns how many idle connections
+        were closed. `backend` is its base URL (as the forwarder passes it to `url()`) or its
+        name when that is its host:port (BackendConfig.key without a configured name).
+
+        Connections are pooled per host, port and TLS, so this applies to every backend at that
+        address (one engine per address: BackendConfig.key)."""
+        if "://" in backend:
+            keys = {Target(backend).key}
+        else:
+            host, _, port = backend.rpartition(":")
+            host = host.removeprefix("[").removesuffix("]")
+            keys = {(host, int(port), tls) for tls in (False, True)} if port.isdigit() else set()
+        for target_key in [k for k, t in self._targets.items() if t.key in keys]:
+            del self._targets[target_key]
+        closed = 0
+        for key in keys:
+            idle = self._idle.pop(key, ())
+            for c in idle:
+                c.abort()
+            closed += len(idle)
+            if self._busy.get(key, 0) > 0:
+                self._retired.add(key)
+        return closed
 
     def forget(self, conn: Connection) -> None:
         """The connection is no longer in use by a request (pooled, closed or failed)."""
@@ -269,6 +307,8 @@ class Upstream:
                 c.reused = True
                 self._open.add(c)
                 return c
+        if self._retired:  # the address serves again: its connections may be pooled again
+            self._retired.discard(target.key)
         loop = asyncio.get_running_loop()
         conn = Connection(loop, target.key)
         ssl_ctx = None
@@ -299,7 +339,12 @@ class Upstream:
         return conn
 
     def keep(self, conn: Connection) -> None:
+        # Read before forget(): the last connection in use of a retired host un-retires it.
+        retired = bool(self._retired) and conn.key in self._retired
         self.forget(conn)
+        if retired:
+            conn.abort()
+            return
         if not self._started:
             conn.abort()
             return

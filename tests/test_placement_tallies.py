@@ -159,3 +159,51 @@ async def test_a_first_sighting_asks_for_one_share_not_one_per_placed_prefix() -
             per_request.append(len(asked))
     assert len(r.placement.placed) == r.placement.max_keys  # full of one-off prompts
     assert max(per_request[-100:]) <= 2
+
+
+def test_forgetting_a_backend_keeps_the_tallies_what_counting_the_placed_prefixes_gives() -> None:
+    """A backend leaves mid-run (Placement.forget): the tallied and the summed placement move
+    the same prefixes to the same homes, go on deciding alike without it, and the tallies are
+    what counting the placed prefixes gives, with nothing left for the departed backend."""
+    rng = random.Random(11)
+    pop = PrefixPopularity(max_keys=40)
+    tallied = Placement(max_keys=24, rebalance_every=50)
+    tallied.attach(pop)
+    summed = Placement(max_keys=24, rebalance_every=50)
+    caps = dict.fromkeys(NAMES, 400.0)
+    weights = dict.fromkeys(NAMES, 1.0)
+    hot = [rng.getrandbits(40) for _ in range(10)]
+    names = list(NAMES)
+    for step in range(1500):
+        key = hot[0] if rng.random() < 0.3 else rng.choice(hot)
+        blocks = list(range(key, key + 20))
+        if step == 700:
+            names = [n for n in NAMES if n != "b"]
+            moved = [p.forget("b", order, names) for p in (tallied, summed)]
+            assert moved[0] == moved[1] > 0
+            assert {k: p.homes for k, p in tallied.placed.items()} == {
+                k: p.homes for k, p in summed.placed.items()
+            }
+            assert "b" not in tallied.tallies.hosted and "b" not in tallied.room
+        pop.observe(key)
+        seen = []
+        for p in (tallied, summed):
+            p.note_load(8.0)
+            p.observe(key, blocks)
+            if p.due():
+                p.rebalance(names, weights, caps.__getitem__, pop.current, order)
+            homes = p.homes(
+                key, blocks, names, weights, caps.__getitem__, pop.current, {}, order, 4,
+            )  # fmt: skip
+            seen.append(homes)
+        assert seen[0] == seen[1]
+        assert step < 700 or "b" not in seen[0]
+    tallied.tallies.current(tallied.placed)
+    assert "b" not in tallied.tallies.hosted
+    for name in NAMES:
+        on = [(k, p) for k, p in tallied.placed.items() if name in p.homes]
+        assert tallied.tallies.hosted.get(name, 0) == len(on)
+        assert tallied.tallies.sizes.get(name, 0) == sum(int(ldexp(p.size, 128)) for _, p in on)
+        assert tallied.tallies.weights.get(name, 0) == sum(
+            int(ldexp(pop.weight(k), 128)) // len(p.homes) for k, p in on
+        )

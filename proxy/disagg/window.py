@@ -296,9 +296,14 @@ class Window:
         # A stream that finishes now may have decoded for longer than the window: intervals
         # are kept for two windows so its overlap is still seen.
         keep_from = now - 2 * self.window_s
-        for iv in self._intervals.values():
+        empty = []
+        for backend, iv in self._intervals.items():
             while iv.closed and iv.closed[0][1] < keep_from:
                 iv.closed.popleft()
+            if not iv.closed and not iv.open:
+                empty.append(backend)
+        for backend in empty:  # a backend that left (or went quiet) leaves no entry behind
+            del self._intervals[backend]
         stale = now - OPEN_TTL_FACTOR * self.window_s
         for rid in [r for r, o in self._open.items() if o.at < stale]:
             gone = self._open.pop(rid)

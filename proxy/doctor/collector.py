@@ -252,6 +252,22 @@ class Collector:
             )
         )
 
+    # -- the fleet changes ----------------------------------------------------------------
+    def add(self, info: BackendInfo) -> None:
+        """A backend joined: it gets a window (empty until it serves) like a configured one."""
+        self.backends[info.name] = info
+
+    def forget(self, backend: str) -> None:
+        """`backend` left the fleet: its windows (every model's), its errors and its sampled
+        gauges go, and the gap budget is shared among the windows left."""
+        self.backends.pop(backend, None)
+        for windows in (self._requests, self._errors):
+            for key in [k for k in windows if k[0] == backend]:
+                del windows[key]
+        self._gauges.pop(backend, None)
+        self._last_scrape.pop(backend, None)
+        self.gaps_per_stream = self._gaps_per_stream(len(self._requests))
+
     # -- read when a report is asked for --------------------------------------------------
     def windows(self, window_s: float | None = None) -> list[Window]:
         """A Window per (backend, model) seen in the last `window_s` seconds, plus one (empty)

@@ -61,6 +61,11 @@ class EngineCache:
     async def close(self) -> None:
         await self.subscriber.close()
 
+    def reset(self) -> None:
+        """The engine restarted (a new, cold one at the same endpoint): forget what the view
+        held; it is rebuilt from the new engine's events (KvEventSubscriber.reset)."""
+        self.subscriber.reset()
+
     @property
     def live(self) -> bool:
         sub = self.subscriber

@@ -280,16 +280,22 @@ class KvEventSubscriber:
         if any(isinstance(e, wire.AllBlocksCleared) for e in batch.events):
             self.exact = True  # everything from here on is known
 
+    def reset(self) -> None:
+        """Another engine answers at the endpoint (the caller knows it restarted): the view
+        is cleared and rebuilt from the new engine's replay, as when a restart is seen here
+        first. The subscription stays; until the view is whole again it is not live."""
+        self.sink.clear()
+        self.last_seq = None
+        self.exact = False
+        self._recent.clear()
+
     def _restarted(self, seq: int | None) -> None:
         self.counts["restarts"] += 1
         log.warning(
             "KV events from %s: batch %s after %s is another engine's; it restarted",
             self.endpoint, seq, self.last_seq,
         )  # fmt: skip
-        self.sink.clear()
-        self.last_seq = None
-        self.exact = False
-        self._recent.clear()
+        self.reset()
 
     async def _catch_up(self, upto: int | None = None) -> None:
         """Replay the engine from seq 0 (up to `upto`, exclusive): what it did before us."""

@@ -38,6 +38,10 @@ class PrefillBacklog:
         added = 0.0 if tokens < 0.0 else tokens
         self._level[backend] = (self.level(backend, tokens_per_s) + added, now)
 
+    def forget(self, backend: str) -> None:
+        """`backend` left the fleet: nothing is queued there any more."""
+        self._level.pop(backend, None)
+
     def snapshot(self, rate_of: Callable[[str], float]) -> dict[str, int]:
         """Every backend's level now, for /admin/routing."""
         return {b: round(self.level(b, rate_of(b))) for b in sorted(self._level)}

@@ -139,6 +139,13 @@ class CapacityLearner:
         est.last_change = f"adopted from another replica: {value:.0f} blocks"
         return True
 
+    def forget(self, backend: str) -> None:
+        """`backend` left the fleet, or a new engine took its address: its estimate and any
+        move not yet handed to the other replicas go (a new engine starts at the default,
+        as any backend does before its first report)."""
+        self.estimates.pop(backend, None)
+        self.moved.discard(backend)
+
     def set_upper(self, backend: str, blocks: int) -> None:
         """The engine published its pool size: a bound on the estimate, not the estimate.
 

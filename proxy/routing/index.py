@@ -20,6 +20,9 @@ script touches one slot)::
 
     {key_prefix}:{{key_prefix}:pfx}:{backend}   ZSET  member = 8-byte block hash,
                                                        score = last seen (s since SCORE_EPOCH)
+    {key_prefix}:{{key_prefix}:pfx}!departed:{departure}:{backend}   STRING  a departure's guard:
+                                                       the first replica to forget the backend
+                                                       deleted its ZSET (departures.py)
 """
 
 from __future__ import annotations

@@ -44,6 +44,13 @@ class PrefixIndex(Protocol):
         """Bound the blocks kept for `backend` (learned from the engine's reports)."""
         ...
 
+    def forget(self, backend: str, departure: str = "") -> None:
+        """Drop everything held for `backend`: it left the fleet, or a new (cold) engine took
+        its address. Lookups answer 0 for it from now on. A store shared by replicas deletes
+        the shared copy once for all of them; `departure`, when every replica knows the same
+        token for this change (a pod's UID), tells one change from the next."""
+        ...
+
     def probe(self, backend: str, blocks: Sequence[int], matched: int) -> Probe:
         """Before `blocks` are recorded on `backend`: when its matched prefix was last seen
         there, and how far the prompt reaches into what the index holds or recently trimmed."""
@@ -178,6 +185,13 @@ class MemoryPrefixIndex:
 
     def capacity(self, backend: str) -> int:
         return self._capacity.get(backend, self.default_capacity)
+
+    def forget(self, backend: str, departure: str = "") -> None:
+        # Blocks, ghosts and the learned bound alike: a new engine at the address starts at
+        # the default capacity, as every backend does before its engine reports.
+        self._lru.pop(backend, None)
+        self._ghost.pop(backend, None)
+        self._capacity.pop(backend, None)
 
     def probe(self, backend: str, blocks: Sequence[int], matched: int) -> Probe:
         lru = self._lru.get(backend)

@@ -18,6 +18,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis import exceptions as redis_errors
 
+from proxy.routing.departures import DELETE_ONCE_LUA, Departures, guard_key
 from proxy.routing.index_memory import (
     DEFAULT_CAPACITY_BLOCKS,
     DEFAULT_TTL_S,
@@ -217,6 +218,9 @@ class RedisPrefixIndex:
         self._pending: deque[tuple[str, Sequence[int], float, int]] = deque(maxlen=max_pending)
         self._script = client.register_script(LOOKUP_LUA)
         self._record_script = client.register_script(RECORD_LUA)
+        self._delete_once = client.register_script(DELETE_ONCE_LUA)
+        # Backends forgotten here whose shared keys are still to be deleted (departures.py).
+        self.departures = Departures()
         self._timeouts = TimeoutStreak(timeouts_to_outage)
         self._up = True
         self._up_event = asyncio.Event()
@@ -336,6 +340,43 @@ class RedisPrefixIndex:
         self._capacity[backend] = max(1, int(blocks))
         self.local.set_capacity(backend, blocks)
 
+    def forget(self, backend: str, departure: str = "") -> None:
+        """Forget `backend` here at once (the local copy, its capacity, its records not yet
+        written); its shared key is deleted by the background writer, once across replicas
+        (`departure`: a token every replica shares for this change, see departures.py)."""
+        self.local.forget(backend)
+        self._capacity.pop(backend, None)
+        if any(r[0] == backend for r in self._pending):
+            kept = [r for r in self._pending if r[0] != backend]
+            self._pending.clear()
+            self._pending.extend(kept)
+        self.departures.add(backend, departure)
+        self._wake.set()
+
+    async def purge(self) -> None:
+        """Delete the shared keys of the backends forgotten so far (the writer does it in the
+        background; for the reconciler and tests). Redis down: they wait for the reconnect."""
+        with contextlib.suppress(*REDIS_DOWN_ERRORS):
+            await self._purge()
+
+    async def _purge(self) -> None:
+        if not self.departures or not self._up:
+            return
+        tag = f"{self.key_prefix}:{{{self.key_prefix}:pfx}}"
+        ttl_ms = int(self.departures.guard_s * 1000)
+
+        async def delete(backend: str, departure: str) -> bool:
+            keys = [guard_key(tag, backend, departure), self.key(backend)]
+            return int(await self._delete_once(keys=keys, args=[ttl_ms])) >= 0
+
+        try:
+            async with asyncio.timeout(self._slow_s):
+                await self.departures.run(delete)
+        except REDIS_DOWN_ERRORS as e:
+            _reraise_if_cancelled()
+            self._went_down(e)
+            raise
+
     def probe(self, backend: str, blocks: Sequence[int], matched: int) -> Probe:
         # The local copy holds what this replica recorded (wall-clock times, as Redis does).
         return self.local.probe(backend, blocks, matched)
@@ -362,6 +403,9 @@ class RedisPrefixIndex:
                     _reraise_if_cancelled()
 
     async def _flush(self) -> None:
+        # Departed backends' keys first: a record made after the forget (the address rejoined)
+        # must survive the deletion.
+        await self._purge()
         if not self._pending or not self._up:
             return
         batch = list(self._pending)
@@ -463,6 +507,7 @@ class RedisPrefixIndex:
             "mode": self.mode,
             "pending": len(self._pending),
             **self.counters,
+            "departures": self.departures.info(),
             # Learned from the engines' KV pools (see set_capacity); others use the default.
             "capacity": dict(self._capacity),
             "default_capacity": self.default_capacity,

@@ -37,15 +37,17 @@ from proxy.routing.index import (
 
 log = logging.getLogger("warmroute.routing.inflight")
 
-# KEYS[1]: counts hash, KEYS[2]: heartbeat zset. ARGV: replica, now_ms, ttl_ms, then
-# backend/count pairs of this replica. Returns the other live replicas' totals, flattened.
+# KEYS[1]: counts hash, KEYS[2]: heartbeat zset. ARGV: replica, now_ms, ttl_ms, the number of
+# backends this replica forgot (their fields go first), those backends, then backend/count
+# pairs of this replica. Returns the other live replicas' totals, flattened.
 SYNC_LUA = """
-local rep, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local rep, now, ttl, gone = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 redis.call('ZADD', KEYS[2], now, rep)
 local dead = {}
 for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - ttl)) do dead[r] = true end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - ttl)
-for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], rep .. '|' .. ARGV[i], ARGV[i + 1]) end
+for i = 5, 4 + gone do redis.call('HDEL', KEYS[1], rep .. '|' .. ARGV[i]) end
+for i = 5 + gone, #ARGV, 2 do redis.call('HSET', KEYS[1], rep .. '|' .. ARGV[i], ARGV[i + 1]) end
 local all = redis.call('HGETALL', KEYS[1])
 local totals = {}
 for i = 1, #all, 2 do
@@ -88,6 +90,9 @@ class InflightBoard:
         self.timeout_s = timeout_s
         self.local: Counter[str] = Counter()
         self.peers: dict[str, int] = {}
+        # Backends forgotten here whose field in the shared hash the next sync deletes (each
+        # replica writes only its own fields, so each deletes only its own: once).
+        self.forgotten: set[str] = set()
         self._script = client.register_script(SYNC_LUA) if client is not None else None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -116,6 +121,15 @@ class InflightBoard:
         """Requests open on `backend` across all live replicas (peers as of the last sync)."""
         return self.local[backend] + self.peers.get(backend, 0)
 
+    def forget(self, backend: str) -> None:
+        """`backend` left the fleet: its count goes here at once (a request still open there
+        releases into nothing), and this replica's field for it from Redis at the next sync.
+        The peers' counts for it go too; each peer deletes its own field when it forgets."""
+        self.local.pop(backend, None)
+        self.peers.pop(backend, None)
+        if self.client is not None:
+            self.forgotten.add(backend)
+
     def snapshot(self) -> dict[str, int]:
         names = set(self.local) | set(self.peers)
         return {b: self.get(b) for b in sorted(names)}
@@ -133,22 +147,37 @@ class InflightBoard:
             self._task = None
         if self.client is not None:
             # Leave at once rather than after ttl_s: peers stop counting our requests.
-            fields = [f"{self.replica_id}|{b}" for b in self.local]
+            fields = [f"{self.replica_id}|{b}" for b in {*self.local, *self.forgotten}]
             with contextlib.suppress(*REDIS_DOWN_ERRORS):
                 async with asyncio.timeout(self.timeout_s):
                     await self.client.zrem(self.keys[1], self.replica_id)
                     if fields:
                         await self.client.hdel(self.keys[0], *fields)
 
+    async def purge(self) -> None:
+        """Delete this replica's fields of the forgotten backends now. The next sync deletes
+        them again before it forgets them: a sync that was under way when the backend was
+        forgotten may have written its count back. Redis down: they wait for a sync that
+        works, which logs the outage."""
+        if self.client is None or not self.forgotten:
+            return
+        fields = [f"{self.replica_id}|{b}" for b in self.forgotten]
+        with contextlib.suppress(*REDIS_DOWN_ERRORS):
+            async with asyncio.timeout(self.timeout_s):
+                await self.client.hdel(self.keys[0], *fields)
+
     async def sync(self) -> None:
         """Publish this replica's counts and read the peers' (one round trip)."""
         if self._script is None:
             return
+        gone = list(self.forgotten)
         args: list[Any] = [self.replica_id, int(self.clock() * 1000), int(self.ttl_s * 1000)]
+        args += [len(gone), *gone]
         for backend, n in self.local.items():
             args += [backend, n]
         async with asyncio.timeout(self.timeout_s):
             flat = await self._script(keys=self.keys, args=args)
+        self.forgotten.difference_update(gone)
         self.peers = {
             (k.decode() if isinstance(k, bytes) else str(k)): int(v)
             for k, v in zip(flat[::2], flat[1::2], strict=True)

@@ -130,6 +130,11 @@ class PrefillLearner:
             return None
         return est.predict(est.tokens_ewma)
 
+    def forget(self, backend: str) -> None:
+        """`backend` left the fleet: its fit goes. (A restarted engine keeps it: the same
+        hardware prefills at the same speed, whatever its cache lost.)"""
+        self.rates.pop(backend, None)
+
     def snapshot(self) -> dict[str, dict[str, float | None]]:
         return {
             b: {"tokens_per_s": e.rate, "overhead_s": e.overhead_s, "samples": float(e.n)}

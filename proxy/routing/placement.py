@@ -256,6 +256,59 @@ class Placement:
         self.reassigned = True
         self._fresh = {}  # the whole assignment goes out: nothing of it is this replica's alone
 
+    def forget(
+        self,
+        backend: str,
+        order: Callable[[int, Sequence[str]], list[str]],
+        backends: Sequence[str] | None = None,
+    ) -> int:
+        """`backend` left the fleet: each prefix homed there takes, in its place, the next
+        backend of its rendezvous `order` among the rest (`backends`; None: every backend this
+        placement knows of but `backend`) that is not a home yet and has room for it (with no
+        room anywhere, the next one, marked overflow). Every other prefix keeps its homes, so
+        the caches that stay warm stay used; balancing is the next rebalance's, by its usual
+        rules. A prefix left with no backend at all is forgotten. Returns how many moved.
+
+        Rendezvous order is what every replica computes alike, so replicas forgetting the same
+        backend move its prefixes to the same places without talking."""
+        if backends is None:
+            known = set(self.room) | set(self.tallies.hosted)
+            known |= {h for p in self.placed.values() for h in p.homes}
+            rest = sorted(known - {backend})
+        else:
+            rest = [b for b in backends if b != backend]
+        tallies = self.tallies
+        tallies.current(self.placed)
+        room = self.room
+        room.pop(backend, None)
+        self._fresh.pop(backend, None)
+        moved = 0
+        for key, p in list(self.placed.items()):
+            if backend not in p.homes:
+                continue
+            tallies.uncount(p)
+            kept = [h for h in p.homes if h != backend]
+            spare = [b for b in order(key, rest) if b not in kept]
+            if not spare and not kept:  # nowhere to go: placed again when next seen
+                del self.placed[key]
+                self.dirty.pop(key, None)
+                continue
+            if spare:
+                fits = [b for b in spare if room.get(b, math.inf) >= p.size]
+                home = (fits or spare)[0]
+                # In the departed home's place: the homes keep their order.
+                kept.insert(p.homes.index(backend), home)
+                p.overflow = p.overflow or not fits
+                if home in room:
+                    room[home] -= p.size
+            p.homes = tuple(kept)
+            tallies.count(p)
+            p.moves += 1
+            self.moves += 1
+            moved += 1
+            self.dirty[key] = self.dirty.get(key, False)
+        return moved
+
     # -- sharing with other replicas (the I/O is proxy.routing.shared_placement) --------------
 
     def take_changes(self) -> tuple[bool, dict[int, bool]]:

@@ -262,6 +262,39 @@ class Router:
         if self.index is not None:
             self.index.set_capacity(backend, self.capacity.capacity(backend))
 
+    def forget(
+        self, backend: str, remaining: Sequence[str] | None = None, departure: str = ""
+    ) -> int:
+        """`backend` left the fleet: everything routing learned about it goes (its prefix
+        index entries, learned cache, prefill rate, backlog, KV-event view), and the prefixes
+        placed on it move to their next rendezvous choice among `remaining` (None: the other
+        backends the placement knows). Returns how many placed prefixes moved. The KV-event
+        view is only unregistered here: its owner closes it."""
+        if self.index is not None:
+            self.index.forget(backend, departure)
+        self.capacity.forget(backend)
+        self.exact.pop(backend, None)
+        self.learner.forget(backend)
+        self.backlog.forget(backend)
+        if self.placement is None:
+            return 0
+        return self.placement.forget(backend, hrw_names, remaining)
+
+    def reset_cache(self, backend: str, departure: str = "") -> None:
+        """A new engine answers at `backend`'s address (a restart): its cache is cold, so the
+        index entries, the learned cache size and the KV-event view's contents go. What
+        belongs to the address stays: the placed prefixes' homes (they warm again where every
+        replica expects them) and the prefill rate (the same hardware and model)."""
+        if self.index is not None:
+            self.index.forget(backend, departure)
+        self.capacity.forget(backend)
+        view = self.exact.get(backend)
+        reset = getattr(view, "reset", None)
+        if callable(reset):
+            reset()  # the subscription stays: the same endpoint, a new engine behind it
+        else:
+            self.exact.pop(backend, None)
+
     def cache_info(self) -> dict[str, Any]:
         """Per backend, the learned cache and how well the index predicts it; the placement of
         the hottest prefixes (for /admin/routing)."""

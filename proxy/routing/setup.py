@@ -14,7 +14,7 @@ await routing.close()                  # in lifespan shutdown
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,39 @@ class Routing:
         if self.redis is not None:
             with contextlib.suppress(*REDIS_DOWN_ERRORS):
                 await self.redis.aclose()
+
+    async def forget(
+        self, backend: str, remaining: Sequence[str] | None = None, departure: str = ""
+    ) -> int:
+        """`backend` left the fleet: the router forgets it (Router.forget: index, learned
+        cache and prefill rate, backlog, KV-event view; its placed prefixes move to their next
+        rendezvous choice among `remaining`), and so do the in-flight board and the shared
+        placement. With Redis, its shared keys are deleted before this returns, once across
+        replicas (`departure`: a token all of them share for this change, if there is one);
+        Redis down, that waits for the background tasks' next round, and nothing raises.
+        Returns how many placed prefixes moved."""
+        moved = self.router.forget(backend, remaining, departure)
+        self.board.forget(backend)
+        if self.shared is not None:
+            self.shared.forget(backend, departure)
+        await self._purge()
+        return moved
+
+    async def reset_cache(self, backend: str, departure: str = "") -> None:
+        """A new (cold) engine took `backend`'s address: what routing knew of its cache goes
+        (Router.reset_cache), here and in Redis (once); placement and prefill rate stay."""
+        self.router.reset_cache(backend, departure)
+        if self.shared is not None:
+            self.shared.forget(backend, departure, homes=False)
+        await self._purge()
+
+    async def _purge(self) -> None:
+        purge = getattr(self.index, "purge", None)  # a shared index (RedisPrefixIndex)
+        if purge is not None:
+            await purge()
+        await self.board.purge()
+        if self.shared is not None:
+            await self.shared.purge()
 
     def info(self) -> dict[str, Any]:
         return {

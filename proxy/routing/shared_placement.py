@@ -33,6 +33,8 @@ Redis layout (one hash tag, so one script touches one slot under Cluster)::
     {key_prefix}:{{key_prefix}:place}:version   STRING  bumped by every change
     {key_prefix}:{{key_prefix}:place}:leader    STRING  the leading replica, with a TTL (lease)
     {key_prefix}:{{key_prefix}:place}:replicas  ZSET  placing replica -> last exchange (ms)
+    {key_prefix}:{{key_prefix}:place}!departed:{departure}:{backend}   STRING  a departure's
+                                                guard: its entries were deleted (departures.py)
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import Any
 import orjson
 
 from proxy.routing.capacity import CapacityLearner
+from proxy.routing.departures import Departures, guard_key
 from proxy.routing.index import REDIS_DOWN_ERRORS, _reraise_if_cancelled, stop_task
 from proxy.routing.placement import Placement, SharedHomes
 
@@ -136,6 +139,38 @@ return 0
 """
 
 
+# KEYS: homes hash, capacity hash, version, the departure's guard (departures.py). ARGV: the
+# departed backend, guard TTL ms, 1 if its homes go too (it left; 0: a restart, only its
+# learned capacity goes). Deletes the backend's capacity and every home entry naming it, and
+# bumps the version so that the others read again; returns how many entries went, or -1 when
+# another replica already did it for this departure. The replicas' own placements publish
+# where those prefixes moved (each moves them alike: Placement.forget).
+FORGET_LUA = """
+if not redis.call('SET', KEYS[4], '1', 'NX', 'PX', ARGV[2]) then return -1 end
+local backend = ARGV[1]
+local n = redis.call('HDEL', KEYS[2], backend)
+if ARGV[3] == '1' then
+  local all = redis.call('HGETALL', KEYS[1])
+  for i = 1, #all, 2 do
+    local v = all[i + 1]
+    local bar = string.find(v, '|', 1, true)
+    local ok, entry = false, nil
+    if bar then ok, entry = pcall(cjson.decode, string.sub(v, bar + 1)) end
+    if ok and type(entry) == 'table' and type(entry[1]) == 'table' then
+      for _, h in ipairs(entry[1]) do
+        if h == backend then
+          n = n + redis.call('HDEL', KEYS[1], all[i])
+          break
+        end
+      end
+    end
+  end
+end
+if n > 0 then redis.call('INCR', KEYS[3]) end
+return n
+"""
+
+
 class SharedPlacement:
     """Exchanges this replica's placement decisions and learned capacities with the others."""
 
@@ -177,6 +212,13 @@ class SharedPlacement:
         self._republish = False
         self._script = client.register_script(SYNC_LUA)
         self._resign = client.register_script(RESIGN_LUA)
+        self._forget = client.register_script(FORGET_LUA)
+        # Departed backends whose shared entries are still to be deleted (once, by whichever
+        # replica gets there first), and since when each is gone: until the guard lapses, an
+        # entry another replica published before it forgot is not adopted back.
+        self.departures = Departures()
+        self._homes_gone: dict[str, str] = {}  # backend -> departure, whose homes go too
+        self._gone: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._up = True
@@ -215,8 +257,62 @@ class SharedPlacement:
             async with asyncio.timeout(self.timeout_s):
                 await self._resign(keys=self.keys[3:], args=[self.replica_id])
 
+    def forget(self, backend: str, departure: str = "", *, homes: bool = True) -> None:
+        """`backend` left the fleet (`homes`) or restarted as a new engine (not `homes`): its
+        shared capacity and, when it left, the shared home entries naming it are deleted at
+        the next exchange, once across replicas. The local placement moves its prefixes itself
+        (Router.forget); from now until the departure's guard lapses, homes and capacities
+        read back for it are not adopted."""
+        self.departures.add(backend, departure)
+        if homes:
+            self._homes_gone[backend] = departure
+            self._gone[backend] = self.clock()
+        else:
+            self._homes_gone.pop(backend, None)
+
+    def joined(self, backend: str) -> None:
+        """`backend` is in the fleet again: homes and capacities naming it are adopted again
+        at once, not only once its departure's guard lapses."""
+        self._gone.pop(backend, None)
+
+    async def purge(self) -> None:
+        """Delete the departed backends' shared entries now (the exchange does it otherwise);
+        Redis down: they wait for the next exchange that works."""
+        with contextlib.suppress(*REDIS_DOWN_ERRORS):
+            await self._purge()
+
+    async def _purge(self) -> None:
+        if not self.departures:
+            return
+        tag = f"{self.key_prefix}:{{{self.key_prefix}:place}}"
+        ttl_ms = int(self.departures.guard_s * 1000)
+        keys = self.keys
+
+        async def delete(backend: str, departure: str) -> bool:
+            homes = self._homes_gone.get(backend) == departure
+            guard = guard_key(tag, backend, departure)
+            args = [backend, ttl_ms, int(homes)]
+            n = await self._forget(keys=[keys[0], keys[1], keys[2], guard], args=args)
+            if backend not in self.departures.pending:  # not departed again meanwhile
+                self._homes_gone.pop(backend, None)
+            return int(n) >= 0
+
+        async with asyncio.timeout(self.timeout_s):
+            await self.departures.run(delete)
+
+    def _departed(self) -> set[str]:
+        """Backends gone lately (see forget), the lapsed ones dropped."""
+        gone = self._gone
+        if gone:
+            since = self.clock() - self.departures.guard_s
+            for backend in [b for b, at in gone.items() if at < since]:
+                del gone[backend]
+        return set(gone)
+
     async def sync(self) -> None:
         """One exchange: publish what this replica decided, adopt what the others did."""
+        # Departures first: the exchange below then reads the entries that are left.
+        await self._purge()
         placement, capacity = self.placement, self.capacity
         full, changes = placement.take_changes() if placement is not None else (False, {})
         moved = capacity.take_moved() if self.share_capacity else {}
@@ -282,9 +378,10 @@ class SharedPlacement:
 
     def _adopt(self, homes_flat: Sequence[Any], caps_flat: Sequence[Any]) -> None:
         capacity = self.capacity
+        gone = self._departed()
         if self.share_capacity:
             for backend, value in _pairs(caps_flat):
-                if capacity.adopt(backend, float(value)):
+                if backend not in gone and capacity.adopt(backend, float(value)):
                     self.counters["adopted_capacities"] += 1
                     if self.apply_capacity is not None:
                         self.apply_capacity(backend, capacity.capacity(backend))
@@ -295,8 +392,9 @@ class SharedPlacement:
         for field, body in _pairs(homes_flat):
             try:
                 homes, size, overflow = orjson.loads(body)
-                entry = SharedHomes(tuple(map(str, homes)), float(size), bool(overflow))
-                shared[int(field)] = entry
+                kept = tuple(h for h in map(str, homes) if h not in gone)
+                if kept:
+                    shared[int(field)] = SharedHomes(kept, float(size), bool(overflow))
             except (ValueError, TypeError) as e:
                 # Another version's format, or a hand edit: skipped, never fatal.
                 log.debug("shared placement: unreadable entry %r: %s", field, e)
@@ -347,6 +445,7 @@ class SharedPlacement:
             "replicas": self.peers,
             "version": self.version,
             **self.counters,
+            "departures": self.departures.info(),
         }
 
 

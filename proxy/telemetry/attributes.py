@@ -1,6 +1,6 @@
 """The span attribute model: every attribute the proxy writes, defined once.
 
-Each group (`request`, `attempt`, `decision`, `finish`, `events`) is one function written
+Each group (`request`, `attempt`, `decision`, `finish`, `fleet`, `events`) is one function written
 against render.Writer. render.DictWriter renders it as the attribute dict the SDK's span
 processors get; render.compile_fields renders it straight into OTLP protobuf fields for the
 OTLP/HTTP path, without a dict (`*_fields` below). Both follow the same calls in the same
@@ -91,6 +91,9 @@ ITL_P50 = AttrKey("warmroute.itl.p50_s")
 ITL_P99 = AttrKey("warmroute.itl.p99_s")
 ITL_MAX = AttrKey("warmroute.itl.max_s")
 CANCELLED = AttrKey("warmroute.cancelled")
+# the fleet as the request found it: its membership version, and whether a change was under way
+FLEET_EPOCH = AttrKey("warmroute.fleet.epoch")
+FLEET_CHANGING = AttrKey("warmroute.fleet.changing")
 # span events' attributes (Event.attributes is field 3)
 EVENT_TTFC = AttrKey("gen_ai.response.time_to_first_chunk", b"\x1a")
 CHUNK_INDEX = AttrKey("warmroute.chunk.index", b"\x1a")
@@ -296,6 +299,13 @@ def finish(
         w.value(CANCELLED, True)
 
 
+def fleet(w: Writer, epoch: int, changing: bool) -> None:
+    """The fleet the request was routed in: its epoch (bumped by every membership change) and
+    whether backends were joining or draining then, to tell a change's requests apart."""
+    w.count(FLEET_EPOCH, epoch)
+    w.value(FLEET_CHANGING, changing)
+
+
 # -- span events ------------------------------------------------------------------------------
 def epoch_ns(t: float, anchor: tuple[int, float]) -> int:
     """perf_counter seconds -> wall-clock ns, through a (time_ns, perf_counter) pair."""
@@ -339,4 +349,5 @@ request_fields = compile_fields(request)
 attempt_fields = compile_fields(attempt)
 decision_fields = compile_fields(decision)
 finish_fields = compile_fields(finish)
+fleet_fields = compile_fields(fleet)
 event_fields = compile_fields(events, events=True)

@@ -65,6 +65,12 @@ CACHE_GAUGES = (
 
 _DIGITS = re.compile(r"\d+")
 
+# The fleet's changes (warmroute.fleet.change) and a backend's membership states, as the
+# reconciler names them; the counter's source label keeps at most FLEET_SOURCES values.
+FLEET_CHANGES = frozenset({"join", "leave", "drain", "restart", "update"})
+FLEET_STATES = ("joining", "serving", "draining", "drained")
+FLEET_SOURCES = 64
+
 
 class RequestMetrics:
     """The histograms and counts, the series cache, and the batch waiting to be folded."""
@@ -155,6 +161,10 @@ class RequestMetrics:
         self.c_decisions = Counts(("warmroute.route.policy", "warmroute.route.reason"))
         self.c_errors = Counts(("warmroute.backend", "error.type"))
         self.c_retries = Counts(("warmroute.backend",))
+        self.c_fleet = Counts(("warmroute.fleet.change", "warmroute.fleet.source"))
+        self._fleet_sources: set[str] = set()
+        # backends per membership state (the reconciler's), or None before one is registered
+        self.fleet: Callable[[], Mapping[str, int]] | None = None
         # this proxy's open requests per backend: the routing board's count, read when collected
         self.inflight: Callable[[], Mapping[str, int]] = dict
         # per backend: the learned prefix cache and how well the index predicts it
@@ -228,6 +238,20 @@ class RequestMetrics:
             [self._observe_disagg_inputs],
             description="The disaggregation decider's window inputs, by warmroute.disagg.input.",
         )
+        meter.create_observable_counter(
+            "warmroute.fleet.changes",
+            [self.c_fleet.observe],
+            unit="{change}",
+            description="Changes to the backend fleet, by warmroute.fleet.change (join, leave, "
+            "drain, restart, update) and warmroute.fleet.source (config, admin, dns:NAME, ...).",
+        )
+        meter.create_observable_gauge(
+            "warmroute.fleet.backends",
+            [self._observe_fleet],
+            unit="{backend}",
+            description="Backends by membership state (warmroute.fleet.state: joining, "
+            "serving, draining, drained).",
+        )
         meter.create_observable_gauge(
             "warmroute.doctor.findings",
             [self._observe_findings],
@@ -271,6 +295,58 @@ class RequestMetrics:
         if state is not None:
             for name, value in dict(state[1]).items():
                 yield Observation(value, {"warmroute.disagg.input": name})
+
+    def _observe_fleet(self, _options: CallbackOptions) -> Iterable[Observation]:
+        if self.fleet is None:
+            return
+        counts = dict(self.fleet())
+        # Every state, 0 included: a dashboard's "draining" line drops to 0, not out of sight.
+        for state in (*FLEET_STATES, *sorted(set(counts) - set(FLEET_STATES))):
+            yield Observation(counts.get(state, 0), {"warmroute.fleet.state": state})
+
+    def fleet_change(self, change: str, source: str) -> None:
+        """Count one change to the fleet. Sources come from configuration and discovery (a
+        DNS name, a Service): the first FLEET_SOURCES distinct ones are labels, the rest
+        "other", so that the series stay few whatever is configured."""
+        if change not in FLEET_CHANGES:
+            change = "other"
+        sources = self._fleet_sources
+        if source not in sources:
+            if len(sources) >= FLEET_SOURCES:
+                source = "other"
+            else:
+                sources.add(source)
+        with self.lock:
+            self.c_fleet.add((change, source))
+
+    def forget_backend(self, name: str, addresses: Iterable[tuple[str, int]] = ()) -> int:
+        """Drop every series of backend `name`: the points labelled warmroute.backend=name and
+        the server.address/server.port series of its address (from its series, and
+        `addresses`), so that a fleet that churns does not grow /metrics by a dead series
+        per departed engine. Returns how many points went. A request still finishing there
+        starts its series again."""
+        with self.lock:
+            self.fold()  # a pending row would bring a dropped point's counts back
+            gone = {k for k, series in self._series.items() if k[4] == name}
+            servers = {(k[2], k[3]) for k in gone} | set(addresses)
+            for key in gone:
+                del self._series[key]
+            # An address another backend's series still uses keeps its series (two backends
+            # behind one host and port, told apart by path or name).
+            servers -= {(k[2], k[3]) for k in self._series}
+            dropped = 0
+            for h in self.histograms:
+                for key, point in list(h.points.items()):
+                    a = point.attributes
+                    server = (a.get("server.address"), a.get("server.port"))
+                    if a.get("warmroute.backend") == name or server in servers:
+                        del h.points[key]
+                        dropped += 1
+            for counts in (self.c_errors, self.c_retries):
+                for key in [k for k in counts.values if k[0] == name]:
+                    del counts.values[key]
+                    dropped += 1
+            return dropped
 
     def _observe_inflight(self, _options: CallbackOptions) -> Iterable[Observation]:
         # dict() copies in one C call: the event loop thread may be changing the counts

@@ -215,6 +215,28 @@ class Telemetry:
         doctor) as the warmroute.doctor.findings gauge, so an alert can fire on it."""
         self.metrics.findings = source
 
+    def forget_backend(
+        self, name: str, address: str | None = None, port: int | None = None
+    ) -> None:
+        """`name` left the fleet: every metric series labelled with it (warmroute.backend) or
+        with its server.address and server.port goes from /metrics and the exporters. The
+        gauges read from routing and health (in flight, learned cache, ejected, findings)
+        follow their sources, which forget the backend themselves."""
+        addresses = [(address, port)] if address and port is not None else []
+        self.metrics.forget_backend(name, addresses)
+
+    def fleet_change(self, change: str, source: str) -> None:
+        """Count one change to the backend fleet as warmroute.fleet.changes: `change` is
+        join, leave, drain, restart or update; `source` says who asked ("config", "admin",
+        "dns:NAME", "kubernetes:NS/SVC"; at most 64 distinct ones are kept as labels)."""
+        if self.enabled:
+            self.metrics.fleet_change(change, source)
+
+    def read_fleet(self, source: Callable[[], Mapping[str, int]]) -> None:
+        """Report `source()` (membership state -> backends in it: joining, serving, draining,
+        drained) as the warmroute.fleet.backends gauge."""
+        self.metrics.fleet = source
+
     def on_finish(self, callback: Callable[..., None]) -> None:
         """Call `callback(model, backend, facts, error, decision, t0)` once per finished
         request (StreamFacts or None, error.type or None, the routing Decision or None)."""

@@ -115,6 +115,7 @@ class RequestRecord:
         "attempts",
         "backend",
         "decision",
+        "fleet",
         "model",
         "name",
         "op",
@@ -146,6 +147,7 @@ class RequestRecord:
         self.attempts: list[AttemptRecord] = []
         self.backend: tuple[str, str, int] | None = None  # name, address, port
         self.decision: Decision | None = None
+        self.fleet: tuple[int, bool] | None = None  # (epoch, changing) of an encoded span
         # (request id, params) of an encoded span: its request and decision attributes are
         # written when it ends, off the way to the first byte
         self.request: tuple[str, Mapping[str, Any]] | None = None
@@ -201,6 +203,17 @@ class RequestRecord:
                 span.enc.append(span_attrs.decision_fields(decision))
         else:
             span_attrs.decision(DictWriter(span.attrs), decision)
+
+    def set_fleet(self, epoch: int, changing: bool) -> None:
+        """The fleet the request is routed in, on the SERVER span: warmroute.fleet.epoch and
+        warmroute.fleet.changing (a join or drain under way)."""
+        span = self.span
+        if not span.recording:
+            return
+        if span.enc is not None:
+            self.fleet = (epoch, changing)  # encoded when the span ends, as the decision is
+        else:
+            span_attrs.fleet(DictWriter(span.attrs), epoch, changing)
 
     def set_attribute(self, key: str, value: str | int | float | bool) -> None:
         """One more attribute on the request's SERVER span."""
@@ -317,6 +330,8 @@ class RequestRecord:
                     span.enc.append(span_attrs.request_fields(*self._request_args(*self.request)))
                     if self.decision is not None:
                         span.enc.append(span_attrs.decision_fields(self.decision))
+                if self.fleet is not None:
+                    span.enc.append(span_attrs.fleet_fields(*self.fleet))
                 span.enc.append(span_attrs.finish_fields(*finished))
                 if facts is not None:
                     mode, cap = cfg.chunk_events, cfg.chunk_events_cap
@@ -388,6 +403,9 @@ class _DisabledRecord(RequestRecord):
         pass
 
     def set_decision(self, decision: Decision) -> None:
+        pass
+
+    def set_fleet(self, epoch: int, changing: bool) -> None:
         pass
 
     def set_attribute(self, key: str, value: str | int | float | bool) -> None:
