@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -15,9 +16,14 @@ from starlette.routing import Mount, Route
 import plugins
 from proxy import handlers
 from proxy.backends import Backend, BackendRegistry
-from proxy.config import Config, ConfigError
+from proxy.config import BackendConfig, Config, ConfigError
+from proxy.doctor.http import backend_info
+from proxy.doctor.http import install as install_doctor
 from proxy.doctor.http import routes as doctor_routes
 from proxy.edge import Edge
+from proxy.fleet.http import routes as fleet_routes
+from proxy.fleet.reconciler import Reconciler
+from proxy.fleet.reload import ConfigReloader
 from proxy.forward import API_PATHS, Forwarding, ProxyEndpoint
 from proxy.retry import RetryPolicy
 from proxy.routing.index import capacity_blocks_from_tokens
@@ -32,6 +38,8 @@ log = logging.getLogger("warmroute")
 def check_config(config: Config) -> None:
     """The checks that need more than the schema (no I/O)."""
     for i, b in enumerate(config.backends):
+        if not isinstance(b, BackendConfig):
+            continue
         ev = b.kv_events
         if ev is not None and not ev.model and len(b.models or ()) != 1:
             raise ConfigError(
@@ -41,7 +49,8 @@ def check_config(config: Config) -> None:
     if not config.backends:
         raise ConfigError(
             "backends: none configured; pass --backend URL (repeatable), set "
-            "WARMROUTE_BACKENDS=url1,url2, or list them under `backends:` in the config file"
+            "WARMROUTE_BACKENDS=url1,url2, or list them under `backends:` in the config file "
+            "(a URL each, or `dns:` / `kubernetes:` to follow a fleet)"
         )
     if config.routing.policy not in plugins.policy_names():
         raise ConfigError(
@@ -54,8 +63,15 @@ def check_config(config: Config) -> None:
         raise ConfigError(f"routing.plugins: {e}") from None
 
 
-def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteApp:
-    """The proxy app; `telemetry` lets tests pass one with in-memory exporters."""
+def create_app(
+    config: Config,
+    telemetry: Telemetry | None = None,
+    reload: Callable[[], Config] | None = None,
+    config_path: str | None = None,
+) -> WarmrouteApp:
+    """The proxy app; `telemetry` lets tests pass one with in-memory exporters. `reload`
+    re-reads the configuration (serve passes it): SIGHUP, and changes of `config_path` when
+    fleet.watch_config_s is set, apply its `backends:` while running."""
     check_config(config)
     tls = client_ssl_context(config.upstream)
     # Backends are addressed directly: HTTP(S)_PROXY from the environment is not used, by
@@ -87,6 +103,21 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
     state.registry.on_kv_capacity = kv_capacity
     engine_caches = kv_event_caches(config, state.registry, hasher.kv_block_tokens)
     state.routing.router.exact.update(engine_caches)
+    lifecycle = AppLifecycle(state, engine_caches, hasher.kv_block_tokens)
+    fleet = Reconciler(config, state.registry, lifecycle, state.telemetry)
+    state.fleet = fleet
+    state.telemetry.read_fleet(state.registry.counts)
+    reloader = None
+    if reload is not None:
+
+        def load_checked() -> Config:
+            new = reload()
+            check_config(new)
+            return new
+
+        reloader = ConfigReloader(
+            load_checked, fleet.reload, config_path, config.fleet.watch_config_s
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -95,6 +126,10 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
         await state.registry.start()
         for cache in engine_caches.values():
             await cache.start()
+        await fleet.start()
+        if reloader is not None:
+            reloader.install_signal()
+            await reloader.start()
         healthy = sum(b.healthy for b in state.registry.backends.values())
         log.log(
             logging.INFO if healthy else logging.WARNING,
@@ -111,6 +146,9 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
         try:
             yield
         finally:
+            if reloader is not None:
+                await reloader.close()
+            await fleet.close()
             for cache in engine_caches.values():
                 await cache.close()
             await state.registry.close()
@@ -127,6 +165,7 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
         recorder=state.telemetry,
         retry=RetryPolicy(config.retries),
         pd=pd_flows(config, state),
+        membership=fleet,
     )
     state.forwarding = forwarding
     registry = state.registry
@@ -142,7 +181,9 @@ def create_app(config: Config, telemetry: Telemetry | None = None) -> WarmrouteA
     endpoints = {path: ProxyEndpoint(forwarding, api) for api, path in API_PATHS.items()}
     routes: list[Route | Mount] = [Route(p, ep, methods=["POST"]) for p, ep in endpoints.items()]
     routes += handlers.routes(state)
-    routes += doctor_routes(state)  # GET /admin/doctor, the findings gauge
+    routes += fleet_routes(fleet)  # POST/DELETE /admin/backends...: add, drain, resume, remove
+    state.doctor = install_doctor(state)
+    routes += doctor_routes(state, state.doctor)  # GET /admin/doctor, the findings gauge
     inner = Starlette(routes=routes, lifespan=lifespan)
     inner.state.warmroute = state
     return WarmrouteApp(inner, endpoints, state)
@@ -168,27 +209,84 @@ def kv_event_caches(
     config: Config, registry: BackendRegistry, default_block_tokens: int
 ) -> dict[str, Any]:
     """An EngineCache per backend that publishes KV events (pyzmq loads only if one does)."""
-    wanted = [b for b in config.backends if b.kv_events is not None]
-    if not wanted:
-        return {}
+    caches: dict[str, Any] = {}
+    for b in config.listed:
+        cache = kv_event_cache(registry.backends[b.key], default_block_tokens)
+        if cache is not None:
+            caches[b.key] = cache
+    return caches
+
+
+def kv_event_cache(backend: Backend, default_block_tokens: int) -> Any:
+    """The backend's EngineCache when its config names a KV-event endpoint, else None."""
+    b = backend.cfg
+    ev = b.kv_events
+    if ev is None:
+        return None
     from proxy.kvevents.source import EngineCache
 
-    caches: dict[str, Any] = {}
-    for b in wanted:
-        ev = b.kv_events
-        assert ev is not None
-        backend = registry.backends[b.key]
-        caches[b.key] = EngineCache(
-            b.key,
-            ev.model or (b.models or [""])[0],
-            ev.block_tokens or default_block_tokens,
-            ev.endpoint,
-            replay_endpoint=ev.replay_endpoint,
-            topic=ev.topic,
-            silent_after_s=ev.silent_after_s,
-            healthy=_up_now(backend),
-        )
-    return caches
+    return EngineCache(
+        b.key,
+        ev.model or (b.models or [""])[0],
+        ev.block_tokens or default_block_tokens,
+        ev.endpoint,
+        replay_endpoint=ev.replay_endpoint,
+        topic=ev.topic,
+        silent_after_s=ev.silent_after_s,
+        healthy=_up_now(backend),
+    )
+
+
+class AppLifecycle:
+    """What a join and a leave do to the app's per-backend resources (the reconciler's
+    Lifecycle): everything kept per backend is released here, so none outlives it."""
+
+    def __init__(self, state: AppState, caches: dict[str, Any], block_tokens: int) -> None:
+        self.state = state
+        self.caches = caches  # shared with the router's exact views
+        self.block_tokens = block_tokens
+        self._starting: set[asyncio.Task[None]] = set()
+
+    def joined(self, backend: Backend) -> None:
+        shared = self.state.routing.shared
+        if shared is not None:
+            shared.joined(backend.name)  # adopt its shared entries again, if it was here before
+        doctor = self.state.doctor
+        if doctor is not None:
+            doctor.collector.backends[backend.name] = backend_info(backend.cfg)
+        if backend.name in self.caches:
+            return
+        cache = kv_event_cache(backend, self.block_tokens)
+        if cache is not None:
+            self.caches[backend.name] = cache
+            self.state.routing.router.exact[backend.name] = cache
+            task = asyncio.create_task(cache.start(), name=f"kv events {backend.name}")
+            self._starting.add(task)
+            task.add_done_callback(self._starting.discard)
+
+    async def forget(self, backend: Backend) -> None:
+        state, name = self.state, backend.name
+        cache = self.caches.pop(name, None)
+        if cache is not None:
+            await cache.close()
+        remaining = [b.name for b in state.registry.routable()]
+        moved = await state.routing.forget(name, remaining)
+        if moved:
+            log.info(
+                "backend %s left: %d placed prefix(es) moved to their next choice", name, moved
+            )
+        state.telemetry.forget_backend(name, backend.host, backend.port)
+        state.upstream.forget_backend(backend.url)
+        if state.doctor is not None:
+            state.doctor.collector.forget(name)
+
+    def reset(self, name: str) -> None:
+        task = asyncio.create_task(self.state.routing.reset_cache(name), name=f"reset {name}")
+        self._starting.add(task)
+        task.add_done_callback(self._starting.discard)
+        cache = self.caches.get(name)
+        if cache is not None:
+            cache.reset()  # its view is of the engine that was there
 
 
 def _up_now(backend: Backend) -> Callable[[], bool]:

@@ -10,9 +10,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
@@ -106,6 +107,16 @@ def parse_load(engine: str, text: str, now: float) -> EngineLoad | None:
     )
 
 
+def counters_reset(before: Mapping[str, float], after: Mapping[str, float]) -> str | None:
+    """The cumulative counter that went back between two scrapes (the engine restarted: its
+    cache is cold), or None."""
+    for name, value in after.items():
+        was = before.get(name)
+        if was is not None and value < was:
+            return name
+    return None
+
+
 def _per_line(lines: list[str]) -> list[Any]:
     out: list[Any] = []
     for line in lines:
@@ -122,6 +133,12 @@ def _kv_pool_tokens(labels: dict[str, str]) -> int | None:
         return None
 
 
+# joining: added, not yet answered its health check and model list (gets no request);
+# serving; draining: no new requests, its streams finish; drained: drained and kept listed
+# (an admin drain, a terminating pod); gone: removed (kept a while for /admin/backends).
+State = Literal["joining", "serving", "draining", "drained", "gone"]
+
+
 @dataclass
 class Backend:
     cfg: BackendConfig
@@ -131,6 +148,11 @@ class Backend:
     failures: int = 0  # failed attempts since the last success
     last_error: str | None = None
     breaker: Breaker | None = None  # passive health (outlier ejection), set by the registry
+    source: str = "config"  # who listed it (proxy/fleet/members.py)
+    state: State = "serving"
+    # The requests on it now (forward.py attaches each attempt): a drain waits for them.
+    streams: set[Any] = field(default_factory=set)
+    since: float = field(default_factory=time.monotonic)  # in this state since
 
     def __post_init__(self) -> None:
         self.name = self.cfg.key
@@ -141,9 +163,40 @@ class Backend:
         self.api_key = self.cfg.api_key()
         if self.cfg.models:
             self.models = frozenset(self.cfg.models)
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def is_up(self, now: float) -> bool:
-        return self.healthy and (self.breaker is None or self.breaker.allows(now))
+        return (
+            self.state == "serving"
+            and self.healthy
+            and (self.breaker is None or self.breaker.allows(now))
+        )
+
+    def attach(self, request: Any) -> None:
+        self.streams.add(request)
+        self._idle.clear()
+
+    def detach(self, request: Any) -> None:
+        self.streams.discard(request)
+        if not self.streams:
+            self._idle.set()
+
+    async def idle(self) -> None:
+        """Returns once no request is on this backend."""
+        await self._idle.wait()
+
+    def set_state(self, state: State) -> None:
+        if state != self.state:
+            self.state = state
+            self.since = time.monotonic()
+
+    def reconfigure(self, cfg: BackendConfig) -> None:
+        """The same address listed with other keys (role, weight, models, ...)."""
+        self.cfg = cfg
+        self.api_key = cfg.api_key()
+        if cfg.models:
+            self.models = frozenset(cfg.models)
 
     def view(
         self,
@@ -170,18 +223,31 @@ class Backend:
         )
 
 
+GONE_KEPT = 64  # departed backends /admin/backends still shows
+
+
 class BackendRegistry:
     def __init__(self, config: Config, http: httpx.AsyncClient) -> None:
         self.config = config
         self.http = http
         self.backends: dict[str, Backend] = {}
-        for b in config.backends:
-            self.backends[b.key] = Backend(
-                b, breaker=Breaker(config.outlier, config.retries.unhealthy_cooldown_s, name=b.key)
-            )
+        for b in config.listed:
+            self.backends[b.key] = self._new(b, "config", "serving")
+        self.gone: deque[Backend] = deque(maxlen=GONE_KEPT)
         # Called with (backend name, KV pool tokens) when an engine reports its pool size.
         self.on_kv_capacity: Callable[[str, int], None] | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        # Called with a joining backend's name once it answered: it serves from now on.
+        self.on_serving: Callable[[Backend], None] | None = None
+        # Called with (name, what changed) when the engine at an address is not the one it was.
+        self.on_restart: Callable[[Backend, str], None] | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._started = False
+
+    def _new(self, cfg: BackendConfig, source: str, state: State) -> Backend:
+        breaker = Breaker(
+            self.config.outlier, self.config.retries.unhealthy_cooldown_s, name=cfg.key
+        )
+        return Backend(cfg, breaker=breaker, source=source, state=state)
 
     def __iter__(self) -> Iterable[Backend]:
         return iter(self.backends.values())
@@ -189,9 +255,48 @@ class BackendRegistry:
     def __getitem__(self, name: str) -> Backend:
         return self.backends[name]
 
+    def get(self, name: str) -> Backend | None:
+        return self.backends.get(name)
+
+    def routable(self) -> list[Backend]:
+        """The backends routing may choose from: serving ones (healthy or not: the filters
+        say why one is left out); joining, draining and drained ones get no new request."""
+        return [b for b in self.backends.values() if b.state == "serving"]
+
+    # -- membership (proxy/fleet/reconciler.py decides; this keeps the records) -------------
+    def add(self, cfg: BackendConfig, source: str) -> Backend:
+        """A new engine: joining until its health check and model list answered."""
+        b = self._new(cfg, source, "joining")
+        b.healthy = False  # no request before it answered
+        self.backends[cfg.key] = b
+        if self._started:
+            self._tasks[b.name] = asyncio.create_task(self._poll(b), name=f"poll {b.name}")
+        return b
+
+    def remove(self, name: str) -> Backend | None:
+        """Forget the record (its requests already ended: the reconciler drained it)."""
+        b = self.backends.pop(name, None)
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+        if b is not None:
+            b.set_state("gone")
+            self.gone.append(b)
+        return b
+
+    def counts(self) -> dict[str, int]:
+        """Backends per state (the fleet gauge)."""
+        out = {"joining": 0, "serving": 0, "draining": 0, "drained": 0}
+        for b in self.backends.values():
+            out[b.state] = out.get(b.state, 0) + 1
+        return out
+
     # -- what the request path asks -------------------------------------------------------
     def may_serve(self, model: str) -> bool:
-        return any(b.models is None or model in b.models for b in self.backends.values())
+        return any(
+            (b.models is None or model in b.models) and b.state in ("serving", "joining")
+            for b in self.backends.values()
+        )
 
     def model_list(self) -> list[dict[str, object]]:
         seen: dict[str, dict[str, object]] = {}
@@ -245,12 +350,14 @@ class BackendRegistry:
                 timeout,
             )
         for b in self.backends.values():
-            self._tasks.append(asyncio.create_task(self._poll(b), name=f"poll {b.name}"))
+            self._tasks[b.name] = asyncio.create_task(self._poll(b), name=f"poll {b.name}")
+        self._started = True
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = list(self._tasks.values())
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
@@ -270,6 +377,8 @@ class BackendRegistry:
                 ids = frozenset(m["id"] for m in r.json().get("data", []) if "id" in m)
                 if ids != b.models:
                     log.info("backend %s serves %s", b.name, ", ".join(sorted(ids)) or "no models")
+                    if b.models is not None and b.state != "joining" and self.on_restart:
+                        self.on_restart(b, "its model list changed")
                 b.models = ids
             fetched_models = discover and b.cfg.models is None
             if not (fetched_models and HEALTH_PATH[b.cfg.engine] == "/v1/models"):
@@ -305,13 +414,31 @@ class BackendRegistry:
             return
         load = parse_load(b.cfg.engine, r.text, time.monotonic())
         if load is not None:
+            went_back = counters_reset(b.load.counters, load.counters)
+            if went_back and self.on_restart is not None:
+                self.on_restart(b, f"its counter {went_back} went back")
             if load.kv_tokens and load.kv_tokens != b.load.kv_tokens and self.on_kv_capacity:
                 log.info("backend %s has a KV pool of %d tokens", b.name, load.kv_tokens)
                 self.on_kv_capacity(b.name, load.kv_tokens)
             b.load = load
 
+    async def _join(self, b: Backend) -> None:
+        """Health and the model list first, at the health interval until both answered."""
+        h = self.config.health
+        while True:
+            await self._check(b, discover=True)
+            if b.healthy and b.state == "joining":
+                b.set_state("serving")
+                if self.on_serving is not None:
+                    self.on_serving(b)
+                return
+            await asyncio.sleep(min(h.interval_s, 1.0))
+
     async def _poll(self, b: Backend) -> None:
         h = self.config.health
+        if b.state == "joining":
+            await self._join(b)
+            await self._scrape(b)
         next_health = time.monotonic() + h.interval_s
         next_models = time.monotonic() + h.models_refresh_s
         while True:

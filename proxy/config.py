@@ -1,6 +1,9 @@
 """One typed configuration tree: YAML file < environment (WARMROUTE_*) < command-line flags.
 
 Errors name the key, what was wrong and how to fix it (ConfigError), never a bare traceback.
+
+Size: one tree on purpose (a newcomer finds every key and its check in one file); the fleet's
+discovery entries added ~100 lines.
 """
 
 from __future__ import annotations
@@ -8,11 +11,20 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from proxy import engines, otel_env
 
@@ -53,7 +65,40 @@ class KvEventsConfig(_Model):
         return v
 
 
-class BackendConfig(_Model):
+class _BackendTemplate(_Model):
+    """What a backend runs and serves: the keys a listed backend and a discovered fleet share."""
+
+    models: list[str] | None = None  # None: discovered from GET {url}/v1/models
+    engine: Engine = "auto"  # or in the URL: http://h:8000#engine=vllm,role=prefill
+    role: Role = "mixed"
+    api_key_env: str | None = None  # name of the env var holding the upstream key
+    weight: float = Field(1.0, gt=0)
+    # Requests open on it at once (all replicas, with Redis); beyond it the backend is skipped,
+    # and when every backend is at its bound the client gets 429 with Retry-After. None: no bound.
+    max_inflight: int | None = Field(None, ge=1)
+    # SGLang prefill engines: their --disaggregation-bootstrap-port (None: the engine's default)
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    # Declared hardware, optional: the doctor checks decode against its bandwidth ceiling
+    # (docs/doctor.md). device: h100 | a100 | l40s | a10g | rtx4090 | cpu-ddr5; params: the
+    # model size (8b, 70b, 1.5b...); dtype: its weights' (bf16, fp16, fp8, int8, int4).
+    device: str | None = None
+    params: str | None = None
+    dtype: str = "bf16"
+
+    @model_validator(mode="after")
+    def _hardware(self) -> Any:
+        from proxy.doctor.hardware import check  # the simulator's device tables, on demand
+
+        check(self.device, self.params, self.dtype)
+        return self
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+class BackendConfig(_BackendTemplate):
+    """One backend at a fixed address."""
+
     @model_validator(mode="before")
     @classmethod
     def _url_options(cls, data: Any) -> Any:
@@ -68,30 +113,7 @@ class BackendConfig(_Model):
 
     url: str
     name: str | None = None
-    models: list[str] | None = None  # None: discovered from GET {url}/v1/models
-    engine: Engine = "auto"  # or in the URL: http://h:8000#engine=vllm,role=prefill
-    role: Role = "mixed"
-    api_key_env: str | None = None  # name of the env var holding the upstream key
-    weight: float = Field(1.0, gt=0)
-    # Requests open on it at once (all replicas, with Redis); beyond it the backend is skipped,
-    # and when every backend is at its bound the client gets 429 with Retry-After. None: no bound.
-    max_inflight: int | None = Field(None, ge=1)
-    # SGLang prefill engines: their --disaggregation-bootstrap-port (None: the engine's default)
-    bootstrap_port: int | None = Field(None, ge=1, le=65535)
     kv_events: KvEventsConfig | None = None  # listen to its KV events: an exact cache view
-    # Declared hardware, optional: the doctor checks decode against its bandwidth ceiling
-    # (docs/doctor.md). device: h100 | a100 | l40s | a10g | rtx4090 | cpu-ddr5; params: the
-    # model size (8b, 70b, 1.5b...); dtype: its weights' (bf16, fp16, fp8, int8, int4).
-    device: str | None = None
-    params: str | None = None
-    dtype: str = "bf16"
-
-    @model_validator(mode="after")
-    def _hardware(self) -> BackendConfig:
-        from proxy.doctor.hardware import check  # the simulator's device tables, on demand
-
-        check(self.device, self.params, self.dtype)
-        return self
 
     @field_validator("url")
     @classmethod
@@ -108,8 +130,145 @@ class BackendConfig(_Model):
         parts = urlsplit(self.url)
         return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
 
-    def api_key(self) -> str | None:
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+class KubernetesConfig(_Model):
+    """The ready endpoints of a Service, from its EndpointSlices (docs/deployment.md)."""
+
+    namespace: str | None = None  # default: the pod's own (its service account's namespace)
+    service: str | None = None  # the Service whose EndpointSlices list the engines
+    selector: str | None = None  # or a label selector on the EndpointSlices
+    port_name: str | None = None  # the slice port to use (default: its only, or first, port)
+    # Default: in-cluster (the pod's service account), else $KUBECONFIG or ~/.kube/config.
+    kubeconfig: str | None = None
+    api_server: str | None = None  # overrides the API server's URL from either
+
+    @model_validator(mode="after")
+    def _one_target(self) -> KubernetesConfig:
+        if (self.service is None) == (self.selector is None):
+            raise ValueError(
+                "name the engines' Service (service: vllm) or a label selector on its "
+                "EndpointSlices (selector: app=vllm), one of the two"
+            )
+        return self
+
+
+class DiscoveryConfig(_BackendTemplate):
+    """A fleet whose members come and go: every address a name resolves to, or every ready
+    endpoint of a Kubernetes Service, is one backend with these keys (proxy/fleet/)."""
+
+    dns: str | None = None  # a name whose A/AAAA records (or SRV records, srv: true) are engines
+    srv: bool = False
+    port: int | None = Field(None, ge=1, le=65535)  # the engines' port (SRV records carry theirs)
+    kubernetes: KubernetesConfig | None = None
+    scheme: Literal["http", "https"] = "http"
+    # The name is asked again when its records' TTL runs out, within these bounds.
+    min_ttl_s: float = Field(5.0, gt=0)
+    max_ttl_s: float = Field(300.0, gt=0)
+
+    @field_validator("dns")
+    @classmethod
+    def _dns_name(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        import dns.name  # dnspython, loaded only where a fleet is followed by DNS
+
+        try:
+            dns.name.from_text(v)
+        except dns.exception.DNSException as e:
+            raise ValueError(f"{v!r} is not a DNS name ({e})") from None
+        if "." not in v.strip("."):
+            raise ValueError(
+                f"write the name in full, e.g. vllm.llm.svc.cluster.local (got {v!r}: names are "
+                "asked as written, without the resolver's search list)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DiscoveryConfig:
+        if (self.dns is None) == (self.kubernetes is None):
+            raise ValueError("a discovered fleet has either `dns:` or `kubernetes:`, not both")
+        if self.dns is not None and not self.srv and self.port is None:
+            raise ValueError(
+                f"port: which port do the engines behind {self.dns} listen on? (or srv: true "
+                "for SRV records, which carry it)"
+            )
+        if self.min_ttl_s > self.max_ttl_s:
+            raise ValueError("min_ttl_s: must not exceed max_ttl_s")
+        return self
+
+    @property
+    def source(self) -> str:
+        """The source's name, on /admin/backends, in logs and on the fleet metric."""
+        if self.dns is not None:
+            return f"dns:{self.dns}"
+        k = self.kubernetes
+        assert k is not None
+        return f"kubernetes:{k.namespace or '-'}/{k.service or k.selector}"
+
+    def member(self, host: str, port: int, **overrides: Any) -> BackendConfig:
+        """The backend at `host`:`port` that this fleet reports; `overrides` (role, engine,
+        weight from the engine's own labels) replace the template's keys."""
+        address = f"[{host}]" if ":" in host else host
+        keys = self.model_dump(include=set(_BackendTemplate.model_fields))
+        return BackendConfig.model_validate(
+            {**keys, **overrides, "url": f"{self.scheme}://{address}:{port}"}
+        )
+
+
+def _entry_kind(v: Any) -> str:
+    if isinstance(v, DiscoveryConfig) or (
+        isinstance(v, dict) and ("dns" in v or "kubernetes" in v)
+    ):
+        return "discovered"
+    return "listed"
+
+
+# A backend entry: a URL, or a name to follow (dns: / kubernetes:).
+BackendEntry = Annotated[
+    Annotated[BackendConfig, Tag("listed")] | Annotated[DiscoveryConfig, Tag("discovered")],
+    Discriminator(_entry_kind),
+]
+_ENTRY_TAGS = ("listed", "discovered")
+
+
+def parse_nameserver(text: str) -> tuple[str, int]:
+    """A `fleet.nameservers` entry as (host, port): "10.0.0.2", "10.0.0.2:5353", "dns.local",
+    "dns.local:5353", "::1" or "[::1]:5353" (an IPv6 address with a port needs the brackets)."""
+    s = text.strip()
+    port = "53"
+    if s.startswith("["):
+        host, closed, rest = s[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            raise ValueError(f"nameserver {text!r}: write an IPv6 address as [::1] or [::1]:53")
+        if rest:
+            port = rest[1:]
+    elif s.count(":") == 1:
+        host, port = s.split(":")
+    else:
+        host = s  # a name, an IPv4 address, or an IPv6 address without a port
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"nameserver {text!r}: expected host or host:port (port 1-65535)")
+    return host, int(port)
+
+
+class FleetConfig(_Model):
+    """How the fleet follows its sources (docs/deployment.md, Elastic fleets)."""
+
+    # A leaving backend's streams may finish for this long; then each gets an error event.
+    drain_grace_s: float = Field(30.0, ge=0)
+    # DNS servers to ask (host or host:port); default: the system's (/etc/resolv.conf).
+    nameservers: list[str] = Field(default_factory=list)
+    # Re-read the config file when it changes (as on SIGHUP), checked this often; 0: off.
+    watch_config_s: float = Field(0.0, ge=0)
+    # Requests routed this soon after a membership change are marked on their span.
+    change_window_s: float = Field(30.0, ge=0)
+
+    @field_validator("nameservers")
+    @classmethod
+    def _nameservers(cls, v: list[str]) -> list[str]:
+        for entry in v:
+            parse_nameserver(entry)
+        return v
 
 
 class ApiKeyConfig(_Model):
@@ -312,7 +471,7 @@ class TelemetryConfig(_Model):
 
 class Config(_Model):
     server: ServerConfig = ServerConfig()
-    backends: list[BackendConfig] = Field(default_factory=list)
+    backends: list[BackendEntry] = Field(default_factory=list)
     timeouts: TimeoutsConfig = TimeoutsConfig()
     retries: RetryConfig = RetryConfig()
     outlier: OutlierConfig = OutlierConfig()
@@ -322,16 +481,28 @@ class Config(_Model):
     redis: RedisConfig = RedisConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     disagg: DisaggConfig = DisaggConfig()
+    fleet: FleetConfig = FleetConfig()
 
     @field_validator("backends")
     @classmethod
-    def _unique_names(cls, v: list[BackendConfig]) -> list[BackendConfig]:
+    def _unique_names(cls, v: list[BackendConfig | DiscoveryConfig]) -> list[Any]:
         seen: set[str] = set()
         for b in v:
-            if b.key in seen:
-                raise ValueError(f"two backends are named {b.key!r}; give each a unique name")
-            seen.add(b.key)
+            key = b.key if isinstance(b, BackendConfig) else b.source
+            if key in seen:
+                raise ValueError(f"two backends are named {key!r}; give each a unique name")
+            seen.add(key)
         return v
+
+    @property
+    def listed(self) -> list[BackendConfig]:
+        """The backends at fixed addresses."""
+        return [b for b in self.backends if isinstance(b, BackendConfig)]
+
+    @property
+    def discovered(self) -> list[DiscoveryConfig]:
+        """The fleets followed through DNS or Kubernetes."""
+        return [b for b in self.backends if isinstance(b, DiscoveryConfig)]
 
 
 # Flat option name -> dotted key. The same names work as flags and as WARMROUTE_<NAME> env vars.
@@ -421,17 +592,27 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def describe_errors(err: ValidationError) -> str:
+    """A validation error as `key: what to fix` clauses on one line."""
+    return "; ".join(line.strip() for line in _lines(err))
+
+
 def _describe(err: ValidationError) -> str:
+    return "invalid configuration:\n" + "\n".join(_lines(err))
+
+
+def _lines(err: ValidationError) -> list[str]:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = [p for p in e["loc"] if p not in _ENTRY_TAGS]  # the backend entry's kind
+        key = ".".join(str(p) for p in loc) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key; check its spelling against `warmroute serve --help`"
         elif "input" in e and not isinstance(e["input"], dict | list):
             msg += f" (got {e['input']!r})"
         lines.append(f"  {key}: {msg}")
-    return "invalid configuration:\n" + "\n".join(lines)
+    return lines
 
 
 def load_config(

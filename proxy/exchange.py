@@ -6,6 +6,7 @@ relay streams its response; none of them needs more than this module to share it
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ API_PATHS = {
 STREAMABLE = frozenset({"chat", "completions", "responses"})
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: a backend keeps the set of those on it (drains wait)
 class Exchange:
     """Everything about one client request as it moves through the proxy."""
 
@@ -42,3 +43,12 @@ class Exchange:
     ctx: RouteContext | None = None
     started_response: bool = False
     client: tuple[str, int] | None = None  # the client's address, for X-Forwarded-For
+    task: asyncio.Task[Any] | None = None  # the task serving it (cut() cancels it)
+    cut_reason: tuple[str, str] | None = None  # (code, reason) when cut by the proxy
+
+    def cut(self, code: str, reason: str) -> None:
+        """End this request with a clean error: its backend left the fleet (a stream gets an
+        error event; one still waiting for its response head is retried elsewhere)."""
+        if self.cut_reason is None and self.task is not None and not self.client_gone:
+            self.cut_reason = (code, reason)
+            self.task.cancel()

@@ -53,6 +53,7 @@ from proxy.upstream import CONNECT_ERRORS, UpstreamProtocolError
 
 if TYPE_CHECKING:
     from proxy.backends import Backend
+    from proxy.fleet.reconciler import Reconciler as Membership
     from proxy.meter import StreamFacts
     from proxy.pdflow import PdFlows
     from proxy.ports import UpstreamResponseLike
@@ -77,6 +78,9 @@ class Forwarding:
     retry: RetryPolicy
     pd: PdFlows | None = None  # disagg.mode on or auto
     open_requests: int = 0
+    # The fleet's membership (proxy/fleet/reconciler.py): its epoch, and whether it is
+    # changing now, go on every request's span.
+    membership: Membership | None = None
 
 
 class ProxyEndpoint:
@@ -154,6 +158,8 @@ class ProxyEndpoint:
         fw.retry.budget.request()
         record = start_record(fw.recorder, ex)
         record.set_decision(decision)
+        if fw.membership is not None:
+            record.set_fleet(fw.membership.epoch, fw.membership.changing(ctx.now))
         ranking = fw.retry.candidates(decision.ranking)
         if not ranking:
             reasons = decision.filtered_out
@@ -184,6 +190,7 @@ class ProxyEndpoint:
         # an engine must hear of the abort even while it is still queueing or prefilling.
         task = asyncio.current_task()
         assert task is not None
+        ex.task = task
         left = functools.partial(_client_left, ex, task)
         watcher = task.get_loop().create_task(watch_disconnect(receive, left))
         try:
@@ -251,23 +258,33 @@ class ProxyEndpoint:
             name = await self._resumed(ex, resume, first, ranking, deadline, failures)
         fresh = False
         while name is not None:
-            backend = fw.fleet[name]
+            backend = fw.fleet.get(name)
             try:
+                if backend is None:  # ranked before it left the fleet
+                    ex.attempts.append(name)  # tried, as far as where-next is concerned
+                    raise Retry("it left the fleet", "backend_gone", "gone")
                 return name, await self._attempt(ex, backend, record, send, fresh, body)
             except Retry as r:
-                failures.append(f"{backend.name}: {r.reason}")
+                failures.append(f"{name}: {r.reason}")
                 kind = "overloaded" if r.status == 429 else r.kind
-                fw.fleet.mark_failure(backend, r.reason, kind=kind)
+                if backend is not None:
+                    fw.fleet.mark_failure(backend, r.reason, kind=kind)
                 if ex.client_gone:
                     break
                 nxt, why_not = policy.next(
                     r, name, ranking, ex.attempts, time.perf_counter(), deadline
                 )
+                if nxt is None and r.kind == "gone" and ex.ctx is not None:
+                    # Its ranking was made for a fleet that has changed since: rank again.
+                    ranking = [*ex.attempts, *await self._reranked(ex)]
+                    nxt, why_not = policy.next(
+                        r, name, ranking, ex.attempts, time.perf_counter(), deadline
+                    )
                 log.warning(
                     "request %s attempt %d on %s failed before the first byte: %s; %s",
                     ex.request_id,
                     len(ex.attempts),
-                    backend.name,
+                    name,
                     r.reason,
                     f"retrying on {nxt.backend}"
                     + (" over a new connection" if nxt.fresh else "")
@@ -294,6 +311,12 @@ class ProxyEndpoint:
             "backends_unavailable",
         )
         return None
+
+    async def _reranked(self, ex: Exchange) -> list[str]:
+        """The backends not tried yet, ranked for the fleet as it is now."""
+        assert ex.ctx is not None
+        decision = await self.fw.steering.route(ex.ctx, record=False)
+        return [n for n in decision.ranking if n not in ex.attempts]
 
     async def _resumed(
         self,
@@ -394,6 +417,7 @@ class ProxyEndpoint:
         ex.attempts.append(backend.name)
         fw.fleet.mark_attempt(backend)
         fw.steering.inflight(backend.name, +1)
+        backend.attach(ex)
         try:
             t_sent = time.perf_counter()
             strip = ex.strip_usage and not _keeps_own_usage(backend)
@@ -415,6 +439,20 @@ class ProxyEndpoint:
         except Retry as r:
             attempt.fail(r.error_type, r.status)
             raise
+        except asyncio.CancelledError:
+            cut = ex.cut_reason
+            if cut is None or ex.started_response or ex.client_gone:
+                if not ex.started_response:
+                    fw.fleet.mark_failure(backend, "attempt cut before an answer", kind="cancelled")
+                raise
+            # Its backend left the fleet before answering: nothing reached the client, so the
+            # request goes on elsewhere, as after any failure before the first byte.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            ex.cut_reason = None
+            attempt.fail(cut[0], None)
+            raise Retry(cut[1], cut[0], "gone") from None
         except BaseException as e:
             if not ex.started_response:
                 # Cut before any verdict (the client left, shutdown, a bug): none to give, but
@@ -423,6 +461,7 @@ class ProxyEndpoint:
                 fw.fleet.mark_failure(backend, reason, kind="cancelled")
             raise
         finally:
+            backend.detach(ex)
             fw.steering.inflight(backend.name, -1)
 
 

@@ -45,12 +45,20 @@ def routes(state: AppState) -> list[Route]:
         return _json({"ready": ok, "backends": up}, 200 if ok else 503)
 
     def _backends() -> list[dict[str, object]]:
+        now = time.monotonic()
         return [
             {
                 "name": b.name,
                 "url": redact_url(b.url),
+                # who listed it (config, admin, dns:NAME, kubernetes:NS/SVC) and its place in
+                # the fleet's lifecycle: joining, serving, draining, drained
+                "source": b.source,
+                "state": b.state,
+                "state_for_s": round(now - b.since, 1),
+                "requests_here": len(b.streams),  # on this replica, now
                 "engine": b.cfg.engine,
                 "role": b.cfg.role,
+                "weight": b.cfg.weight,
                 "healthy": b.healthy,
                 "up": b.is_up(time.monotonic()),
                 "inflight": state.routing.board.get(b.name),  # all replicas' open requests
@@ -134,7 +142,26 @@ def routes(state: AppState) -> list[Route]:
         return _json(pd.state())
 
     async def backends(request: Request) -> Response:
-        return _json({"backends": _backends(), "policy": state.router.policy.name})
+        now = time.monotonic()
+        gone = [
+            {
+                "name": b.name,
+                "url": redact_url(b.url),
+                "source": b.source,
+                "state": "gone",
+                "gone_for_s": round(now - b.since, 1),
+            }
+            for b in reversed(state.registry.gone)
+        ]
+        fleet = state.fleet.info() if state.fleet is not None else None
+        return _json(
+            {
+                "backends": _backends(),
+                "gone": gone,  # the last departures, newest first
+                "fleet": fleet,
+                "policy": state.router.policy.name,
+            }
+        )
 
     return [
         Route("/v1/models", models, methods=["GET"]),

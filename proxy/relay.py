@@ -273,12 +273,21 @@ class Relay:
         except asyncio.CancelledError:
             if ex.client_gone:
                 raise
-            # The server is shutting down past its grace period: end the stream cleanly.
-            error, reason = "shutdown", "the proxy is shutting down; the stream was cut"
+            # The server is shutting down past its grace period, or the backend left the
+            # fleet past its drain grace (Exchange.cut): end the stream cleanly.
+            error, reason = ex.cut_reason or (
+                "shutdown",
+                "the proxy is shutting down; the stream was cut",
+            )
             carry = b""
             tail, facts = meter.finish(perf(), error=error, cancelled=False)
             record.finish(facts, status=upstream.status, error_type=error, backend=backend.name)
-            log.warning("request %s: stream cut at shutdown on %s", ex.request_id, backend.name)
+            log.warning(
+                "request %s: stream cut %s on %s",
+                ex.request_id,
+                "at shutdown" if ex.cut_reason is None else f"({error})",
+                backend.name,
+            )
             with contextlib.suppress(Exception):  # the connection may be gone as well
                 await send(
                     {

@@ -53,7 +53,8 @@ class Retry(Exception):
     kind: connect (refused/unreachable), connect_timeout, reused (a pooled connection the
     backend had closed), timeout (no response head or first byte in time), status (a
     retryable HTTP status), protocol (not valid HTTP), stream (the body broke off or was
-    empty before its first byte).
+    empty before its first byte), gone (the backend left the fleet before it answered:
+    proxy/fleet/, nothing said of its health).
     """
 
     def __init__(self, reason: str, error_type: str, kind: str, status: int | None = None):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
+import functools
 import gc
 import inspect
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import Any, cast
@@ -21,6 +24,7 @@ from proxy.limits import LimitedHttpToolsProtocol, default_max_connections, rais
 from proxy.redact import install_safe_formatter, redacted_config
 
 CONFIG_ENV = "_WARMROUTE_SERVE_CONFIG"  # hands the validated config to worker processes
+RELOAD_ENV = "_WARMROUTE_SERVE_RELOAD"  # and how to read it again (file and flags), for SIGHUP
 
 EPILOG = """\
 examples:
@@ -183,7 +187,11 @@ def register(sub: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    flags = {
+    return load_config(args.config, serve_flags(args))
+
+
+def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {
         k: getattr(args, k, None)
         for k in (
             "host",
@@ -201,7 +209,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "disagg",
         )
     }
-    return load_config(args.config, flags)
 
 
 def setup_logging(level: str) -> None:
@@ -253,7 +260,8 @@ def app_factory() -> Any:
 
     config = Config.model_validate_json(os.environ[CONFIG_ENV])
     setup_logging(config.server.log_level)
-    app = create_app(config)
+    file, flags = json.loads(os.environ[RELOAD_ENV])
+    app = create_app(config, reload=functools.partial(load_config, file, flags), config_path=file)
     freeze_startup_heap()
     return app
 
@@ -299,6 +307,24 @@ def uvicorn_config(config: Config, app: Any, **overrides: Any) -> uvicorn.Config
     return uvicorn.Config(app, **kwargs)
 
 
+def supervisor_class() -> Any:
+    """uvicorn's worker supervisor, but SIGHUP re-reads the fleet in every worker instead of
+    replacing the workers (which would cut their streams and forget what they learned)."""
+    from uvicorn.supervisors import Multiprocess
+
+    class FleetReloadingSupervisor(Multiprocess):
+        def handle_hup(self) -> None:
+            logging.getLogger("warmroute").info(
+                "SIGHUP: re-reading the config's backends in %d worker(s)", len(self.processes)
+            )
+            for p in self.processes:
+                if p.pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGHUP)
+
+    return FleetReloadingSupervisor
+
+
 def _has(module: str) -> bool:
     import importlib.util
 
@@ -322,13 +348,19 @@ def run(args: argparse.Namespace) -> int:
             logging.getLogger("warmroute").debug(
                 "open-file limit raised from %d to %d", before, after
             )
+        # SIGHUP re-reads the same file with the same flags (proxy/fleet/reload.py).
+        file = args.config or os.environ.get("WARMROUTE_CONFIG")
+        flags = serve_flags(args)
         if config.server.workers > 1:
             os.environ[CONFIG_ENV] = config.model_dump_json()
+            os.environ[RELOAD_ENV] = json.dumps([file, flags])
             server_config = uvicorn_config(
                 config, "proxy.serve:app_factory", factory=True, workers=config.server.workers
             )
         else:
-            server_config = uvicorn_config(config, create_app(config))
+            reload = functools.partial(load_config, file, flags)
+            app = create_app(config, reload=reload, config_path=file)
+            server_config = uvicorn_config(config, app)
             freeze_startup_heap()
         sock = listen_socket(config.server.host, config.server.port)
         sockets = [sock, *admin_sockets(config)]
@@ -353,15 +385,13 @@ def run(args: argparse.Namespace) -> int:
             "admin on http://%s:%d/admin", config.server.admin_host, config.server.admin_port
         )
     if config.server.workers > 1:
-        from uvicorn.supervisors import Multiprocess
-
-        if "target" in inspect.signature(Multiprocess.__init__).parameters:  # uvicorn < 0.36
-            supervisor: Any = Multiprocess  # its signature depends on the uvicorn version
+        supervisor = supervisor_class()
+        if "target" in inspect.signature(supervisor.__init__).parameters:  # uvicorn < 0.36
             supervisor(
                 server_config, target=uvicorn.Server(server_config).run, sockets=sockets
             ).run()
         else:  # the supervisor builds each worker's Server itself
-            Multiprocess(server_config, sockets=sockets).run()
+            supervisor(server_config, sockets=sockets).run()
         return 0
     server = uvicorn.Server(server_config)
     server.run(sockets=sockets)

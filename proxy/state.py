@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from proxy.backends import BackendRegistry
     from proxy.config import Config
     from proxy.exchange import Exchange
+    from proxy.fleet.reconciler import Reconciler
     from proxy.meter import StreamFacts
     from proxy.routing.router import Router
     from proxy.routing.setup import Routing
@@ -67,7 +68,7 @@ class RequestRouting:
                 learner.mean_prefill_s(b.name),
                 router.backlog_tokens(b.name),
             )
-            for b in self._registry.backends.values()
+            for b in self._registry.routable()
         ]
 
     async def route(self, ctx: RouteContext, *, record: bool = True) -> Decision:
@@ -129,6 +130,8 @@ class AppState:
     telemetry: Telemetry
     steering: RequestRouting
     forwarding: Any = None  # proxy.forward.Forwarding, set by create_app
+    fleet: Reconciler | None = None  # membership changes (proxy/fleet/), set by create_app
+    doctor: Any = None  # proxy.doctor.http.Doctor, set by create_app
 
     @property
     def open_requests(self) -> int:

@@ -24,7 +24,7 @@ from tests.support import ServerThread, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy/kubernetes"
-OVERLAYS = [KUBE / "base", KUBE / "overlays/example"]
+OVERLAYS = [KUBE / "base", KUBE / "overlays/example", KUBE / "overlays/discover-vllm"]
 K8S_VERSION = "1.31.0"  # schemas shipped with kubernetes-validate
 CRDS = {"ServiceMonitor"}  # no schema offline: checked by hand below
 
@@ -135,8 +135,9 @@ def test_selectors_and_references_find_the_proxy_pods(directory: Path) -> None:
     assert selects(service["spec"]["selector"])
     [pdb] = by_kind(docs, "PodDisruptionBudget")
     assert selects(pdb["spec"]["selector"]["matchLabels"])
-    [policy] = by_kind(docs, "NetworkPolicy")
-    assert selects(policy["spec"]["podSelector"]["matchLabels"])
+    for p in by_kind(docs, "NetworkPolicy"):  # the base's, and any an overlay adds
+        assert selects(p["spec"]["podSelector"]["matchLabels"]), p["metadata"]["name"]
+    [policy] = [p for p in by_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == "warmroute"]
     [hpa] = by_kind(docs, "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     assert hpa["spec"]["minReplicas"] >= 2
@@ -190,3 +191,103 @@ def test_probes_point_at_endpoints_the_proxy_serves(fake_backends: Any) -> None:
             assert httpx.get(proxy.url + path, timeout=5).status_code == 200, kind
         metrics = httpx.get(proxy.url + "/metrics", timeout=5)  # what the ServiceMonitor reads
         assert metrics.status_code == 200 and "# TYPE" in metrics.text
+
+
+def _config(docs: list[dict[str, Any]]) -> str:
+    """The proxy's config file, as the pod mounts it."""
+    _, pod, container = _proxy(docs)
+    args = build_parser("serve").parse_args(container["args"])
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == "config"]
+    [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == "config"]
+    [cm] = [
+        c
+        for c in by_kind(docs, "ConfigMap")
+        if c["metadata"]["name"] == volume["configMap"]["name"]
+    ]
+    return str(cm["data"][str(Path(args.config).relative_to(mount["mountPath"]))])
+
+
+def _granted(docs: list[dict[str, Any]], account: str, namespace: str) -> list[dict[str, Any]]:
+    """The rules of every Role bound to the service account (namespace/account)."""
+    roles = {r["metadata"]["name"]: r for r in by_kind(docs, "Role")}
+    rules = []
+    for binding in by_kind(docs, "RoleBinding"):
+        bound = any(
+            s["kind"] == "ServiceAccount"
+            and s["name"] == account
+            and s.get("namespace") == namespace
+            for s in binding["subjects"]
+        )
+        if not bound:
+            continue
+        ref = binding["roleRef"]
+        assert ref["apiGroup"] == "rbac.authorization.k8s.io" and ref["kind"] == "Role", ref
+        role = roles[ref["name"]]  # a binding to a Role that is not there grants nothing
+        assert role["metadata"].get("namespace") == binding["metadata"].get("namespace")
+        rules += role["rules"]
+    assert not by_kind(docs, "ClusterRoleBinding")  # nothing beyond the namespace
+    return rules
+
+
+@pytest.mark.parametrize("directory", OVERLAYS, ids=lambda p: p.name)
+def test_rbac_is_what_discovery_needs_bound_to_the_proxys_account(
+    directory: Path, tmp_path: Path
+) -> None:
+    """An overlay whose config follows `kubernetes:` binds the Deployment's service account
+    to exactly get/list/watch on EndpointSlices in its namespace, mounts the token and lets
+    the pods reach the API server; one that does not binds nothing."""
+    docs = render(directory)
+    deployment, pod, _ = _proxy(docs)
+    namespace = deployment["metadata"].get("namespace")
+    account = pod["spec"]["serviceAccountName"]
+    assert [a["metadata"]["name"] for a in by_kind(docs, "ServiceAccount")] == [account]
+    (tmp_path / "warmroute.yaml").write_text(_config(docs))
+    config = load_config(tmp_path / "warmroute.yaml", env={})  # as `serve --config` reads it
+    following = [d.kubernetes for d in config.discovered if d.kubernetes is not None]
+    rules = _granted(docs, account, namespace) if namespace else []
+    if not following:
+        assert rules == [], "least privilege: no discovery, no Role"
+        return
+    assert pod["spec"]["automountServiceAccountToken"] is True  # the pod needs its token
+    assert rules == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    for k in following:
+        assert k.namespace in (None, namespace), "the Role is in the proxy's own namespace"
+    egress = [
+        p["port"]
+        for policy in by_kind(docs, "NetworkPolicy")
+        for rule in policy["spec"].get("egress", [])
+        for p in rule.get("ports", [])
+    ]
+    assert {443, 6443} <= set(egress), "the pods must reach the API server"
+
+
+def test_the_discovery_overlay_follows_a_service_it_deploys() -> None:
+    """discover-vllm: its `kubernetes:` entry names a Service of the overlay, by a port that
+    Service has, and the warmroute.io/ labels the slices inherit are ones the proxy takes."""
+    docs = render(KUBE / "overlays/discover-vllm")
+    config = Config.model_validate(yaml.safe_load(_config(docs)))
+    assert not config.listed, "discovered, not listed"
+    [entry] = config.discovered
+    assert entry.kubernetes is not None and entry.dns is None
+    assert entry.source == "kubernetes:-/vllm"
+    [service] = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "vllm"]
+    assert entry.kubernetes.service == service["metadata"]["name"]
+    assert entry.kubernetes.port_name in {p["name"] for p in service["spec"]["ports"]}
+    assert service["spec"]["clusterIP"] == "None"  # headless: its DNS name lists the pods too
+    labels = service["metadata"]["labels"]
+    overrides = {
+        key: labels[f"warmroute.io/{key}"]
+        for key in ("role", "engine", "weight")
+        if f"warmroute.io/{key}" in labels
+    }
+    assert overrides, "the example shows the labels"
+    entry.member("10.0.0.1", 8000, **overrides)  # valid values: raises otherwise
+    _, pod, _ = _proxy(docs)
+    selector = service["spec"]["selector"].items()
+    assert not selector <= pod["metadata"]["labels"].items(), "it must not select the proxy"

@@ -33,7 +33,7 @@ FINDINGS_STALE_S = 15.0  # the metric's findings are recomputed at most this oft
 class DoctorState(Protocol):
     """What the doctor reads of the app's state."""
 
-    config: Any  # .backends (BackendConfig: key, engine, device, params, dtype), .routing
+    config: Any  # .listed (BackendConfig: key, engine, device, params, dtype), .routing
     registry: Any  # .backends: name -> Backend (its scraped .load)
     telemetry: Any  # Telemetry: on_finish(), read_findings()
     routing: Any  # Routing: .router.capacity.snapshot()
@@ -47,13 +47,16 @@ def engine_counters(load: Load) -> Mapping[str, float]:
 
 
 def backend_infos(config: Any) -> list[BackendInfo]:
-    out = []
-    for b in config.backends:
-        hw = hardware.declared(
-            getattr(b, "device", None), getattr(b, "params", None), getattr(b, "dtype", "bf16")
-        )
-        out.append(BackendInfo(b.key, b.engine, hw))
-    return out
+    # Backends that join later are added as they join (backend_info, app.AppLifecycle).
+    return [backend_info(b) for b in config.listed]
+
+
+def backend_info(b: Any) -> BackendInfo:
+    """What the doctor knows of a backend's config (BackendConfig): engine, declared hardware."""
+    hw = hardware.declared(
+        getattr(b, "device", None), getattr(b, "params", None), getattr(b, "dtype", "bf16")
+    )
+    return BackendInfo(b.key, b.engine, hw)
 
 
 class Doctor:
@@ -144,9 +147,9 @@ def _window_param(request: Request) -> float | None:
     return value
 
 
-def routes(state: DoctorState) -> list[Route]:
+def routes(state: DoctorState, doctor: Doctor | None = None) -> list[Route]:
     """GET /admin/doctor (the report's JSON; ?window_s= picks the span, default 300 s)."""
-    doctor = install(state)
+    doctor = doctor or install(state)
 
     async def endpoint(request: Request) -> Response:
         try:

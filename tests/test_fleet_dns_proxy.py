@@ -1,0 +1,125 @@
+"""The whole proxy following a fleet through DNS: a real dnsmasq on loopback answering for a
+name whose A records the test rewrites, mock engines on 127.0.0.11-13 (one port), and the real
+proxy under uvicorn routing to whatever the name lists."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from proxy.app import create_app
+from proxy.bench.mock import MockBackend
+from proxy.config import Config
+from tests.dnsmasq import DOMAIN, Dnsmasq, dnsmasq
+from tests.support import ServerThread, free_port
+
+pytestmark = pytest.mark.e2e
+MODEL = "test-model"
+NAME = f"vllm.{DOMAIN}"
+ENGINES = ("127.0.0.11", "127.0.0.12", "127.0.0.13")
+
+
+class HostServer(ServerThread):
+    """ServerThread on another loopback address than 127.0.0.1."""
+
+    def __init__(self, app: Any, host: str, port: int) -> None:
+        super().__init__(app, port=port)
+        self.config = uvicorn.Config(app, host=host, port=port, log_level="warning", loop="asyncio")
+        self.server = uvicorn.Server(self.config)
+        self.url = f"http://{host}:{port}"
+
+
+@pytest.fixture
+def engines() -> Iterator[tuple[int, dict[str, MockBackend]]]:
+    port = free_port()
+    apps = {ip: MockBackend(chunks=3, models=(MODEL,), name=ip, record=True) for ip in ENGINES}
+    servers = [HostServer(app, ip, port).start() for ip, app in apps.items()]
+    yield port, apps
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture
+def resolver(tmp_path: Path) -> Iterator[Dnsmasq]:
+    with dnsmasq(tmp_path) as d:
+        yield d
+
+
+def until(predicate: Callable[[], bool], what: str, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_the_proxy_follows_the_names_records_and_keeps_its_fleet_when_it_stops_resolving(
+    engines: tuple[int, dict[str, MockBackend]],
+    resolver: Dnsmasq,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    port, apps = engines
+    resolver.hosts("fleet", [(ENGINES[0], NAME), (ENGINES[1], NAME)])
+    cfg = Config.model_validate(
+        {
+            "server": {"port": free_port()},
+            "backends": [
+                {"dns": NAME, "port": port, "models": [MODEL], "min_ttl_s": 0.05, "max_ttl_s": 0.2}
+            ],
+            "fleet": {"nameservers": [resolver.nameserver]},
+            "routing": {"policy": "round_robin"},
+        }
+    )
+    cfg = cfg.model_copy(
+        update={"server": cfg.server.model_copy(update={"admin_port": cfg.server.port})}
+    )
+    app = create_app(cfg)
+    caplog.set_level(logging.INFO, logger="warmroute.fleet")
+    with ServerThread(app, port=cfg.server.port) as proxy:
+
+        def fleet() -> dict[str, tuple[str, str]]:
+            view = httpx.get(proxy.url + "/admin/backends").json()["backends"]
+            return {b["name"]: (b["state"], b["source"]) for b in view}
+
+        def serving() -> set[str]:
+            return {n for n, (state, _) in fleet().items() if state == "serving"}
+
+        a, b, c = (f"{ip}:{port}" for ip in ENGINES)
+        until(lambda: serving() == {a, b}, "the two listed engines")
+        assert fleet()[a][1] == f"dns:{NAME}"
+        for _ in range(4):
+            r = httpx.post(
+                proxy.url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            )
+            assert r.status_code == 200
+        assert len(apps[ENGINES[0]].rec.requests) == len(apps[ENGINES[1]].rec.requests) == 2
+
+        resolver.hosts("fleet", [(ip, NAME) for ip in ENGINES])  # scale out
+        until(lambda: serving() == {a, b, c}, "the third engine to join")
+        resolver.hosts("fleet", [(ENGINES[1], NAME), (ENGINES[2], NAME)])  # a pod goes
+        until(lambda: set(fleet()) == {b, c}, "the first engine to leave")
+
+        resolver.drop("fleet")  # the name stops resolving: NXDOMAIN
+        until(
+            lambda: any("keeping the 2 engines" in r.getMessage() for r in caplog.records),
+            "the warning",
+        )
+        assert serving() == {b, c}  # the fleet is kept
+        resolver.hosts("fleet", [(ENGINES[1], NAME), (ENGINES[2], NAME)])
+        until(
+            lambda: any("resolves again" in r.getMessage() for r in caplog.records),
+            "the recovery line",
+        )
+        warnings = [
+            r for r in caplog.records if r.levelno == logging.WARNING and NAME in r.getMessage()
+        ]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        assert serving() == {b, c}
