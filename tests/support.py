@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import inspect
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,13 @@ from proxy.stack import free_ports
 
 __all__ = [
     "ServerThread",
+    "eventually",
     "free_port",
     "load_script",
     "process",
     "serve_lifespan",
     "serving",
+    "until",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +47,36 @@ def load_script(path: str, name: str) -> Any:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def until(
+    predicate: Callable[[], object], what: str = "the condition", within_s: float = 15.0
+) -> None:
+    """Poll state that another thread or process owns and nothing announces (a server's
+    view, read over HTTP), bounded: AssertionError naming `what` after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within_s:g} s waiting for {what}")
+        time.sleep(0.02)
+
+
+async def eventually(
+    check: Callable[[], object | Awaitable[object]],
+    what: str = "the condition",
+    within_s: float = 15.0,
+) -> Any:
+    """until() on an event loop: `check` may be sync or async; returns its first truthy value."""
+    deadline = time.monotonic() + within_s
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within_s:g} s waiting for {what}")
+        await asyncio.sleep(0.02)
 
 
 def free_port(consecutive: int = 1) -> int:

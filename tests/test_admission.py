@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.admission import QUEUE_FULL, QUEUE_TIMEOUT, Admission
-from tests.support import ServerThread
+from tests.support import ServerThread, until
 
 MODEL = "test-model"
 
@@ -246,14 +245,6 @@ def test_past_the_inflight_bound_the_official_client_gets_503_overloaded_with_re
     assert reply.choices[0].message.content
     metrics = admission_metrics(proxy.url)
     assert (metrics["rejected.queue_full"], metrics["rejected.queue_timeout"]) == (1, 1)
-
-
-def until(predicate: Callable[[], bool], within_s: float = 10.0) -> None:
-    """Wait for the server thread's state (read through /metrics; nothing announces it)."""
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met"
-        time.sleep(0.01)
 
 
 @pytest.mark.e2e

@@ -11,7 +11,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,17 +32,9 @@ from proxy.bench.mock import (
     resize_on_schedule,
     tokenize,
 )
-from tests.support import ServerThread, free_port
+from tests.support import ServerThread, eventually, free_port
 
 SYSTEM = "You are a careful assistant who answers briefly and cites its sources. " * 12
-
-
-async def eventually(check: Callable[[], bool], within: float = 10.0) -> None:
-    """Wait for a condition on the engine (it runs in the server's thread)."""
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 # --- the pure cache model ------------------------------------------------------------------

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from proxy.bench.mock import MockBackend, Reply
-from tests.support import ServerThread
+from tests.support import ServerThread, until
 
 pytestmark = pytest.mark.e2e
 MODEL = "test-model"
@@ -33,16 +33,9 @@ def backends_view(proxy: ServerThread) -> dict[str, dict[str, Any]]:
     }
 
 
-def wait_state(proxy: ServerThread, name: str, state: str, within_s: float = 10.0) -> None:
-    """The proxy's view changes on its own loop: poll it, bounded (no event crosses over)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        seen = backends_view(proxy).get(name, {}).get("state")
-        if seen == state:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{name} is {seen}, not {state}")
-        time.sleep(0.02)
+def wait_state(proxy: ServerThread, name: str, state: str) -> None:
+    """The proxy's view changes on its own loop: poll it (no event crosses over)."""
+    until(lambda: backends_view(proxy).get(name, {}).get("state") == state, f"{name} {state}")
 
 
 def name_of(server: ServerThread) -> str:

@@ -5,8 +5,7 @@ proxy under uvicorn routing to whatever the name lists."""
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from proxy.app import create_app
 from proxy.bench.mock import MockBackend
 from proxy.config import Config
 from tests.dnsmasq import DOMAIN, Dnsmasq, dnsmasq
-from tests.support import ServerThread, free_port
+from tests.support import ServerThread, free_port, until
 
 pytestmark = pytest.mark.e2e
 MODEL = "test-model"
@@ -50,14 +49,6 @@ def engines() -> Iterator[tuple[int, dict[str, MockBackend]]]:
 def resolver(tmp_path: Path) -> Iterator[Dnsmasq]:
     with dnsmasq(tmp_path) as d:
         yield d
-
-
-def until(predicate: Callable[[], bool], what: str, within_s: float = 10.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_the_proxy_follows_the_names_records_and_keeps_its_fleet_when_it_stops_resolving(

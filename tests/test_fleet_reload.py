@@ -7,7 +7,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.support import free_port
+from tests.support import free_port, until
 
 pytestmark = pytest.mark.e2e
 MODEL = "test-model"
@@ -25,15 +24,6 @@ MODEL = "test-model"
 
 def write(path: Path, backends: list[Any], **more: Any) -> None:
     path.write_text(yaml.safe_dump({"backends": backends, **more}))
-
-
-def until(predicate: Callable[[], bool], what: str, within_s: float = 15.0) -> None:
-    """Another process's state: poll it, bounded."""
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @contextmanager

@@ -3,7 +3,6 @@ index where they do not (or their event stream is not current)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import sys
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ import pytest
 import yaml
 
 from proxy.sim import SimConfig, create_sim_app
-from tests.support import ServerThread, free_port, process
+from tests.support import ServerThread, eventually, free_port, process
 from tests.test_kvevents_sim import SYSTEM, endpoints
 
 pytestmark = pytest.mark.e2e
@@ -54,16 +53,6 @@ def body(tail: int) -> dict[str, Any]:
     return {"model": MODEL, "prompt": ids, "max_tokens": 2}
 
 
-async def until(check: Any, within: float = 15.0) -> Any:
-    """Poll `check` (an HTTP view of another process: there is no event to wait on)."""
-    async with asyncio.timeout(within):
-        while True:
-            value = await check()
-            if value:
-                return value
-            await asyncio.sleep(0.05)
-
-
 async def test_routing_reads_publishing_engines_from_their_events_and_others_from_the_index(
     tmp_path: Path,
 ) -> None:
@@ -87,7 +76,7 @@ async def test_routing_reads_publishing_engines_from_their_events_and_others_fro
                     names = {k for k, v in events.items() if v["live"]}
                     return events if len(names) == 2 else None
 
-                events = await until(live)
+                events = await eventually(live, "live events")
                 assert not events["silent"]["live"]
                 served = []
                 for i in range(6):
@@ -105,7 +94,7 @@ async def test_routing_reads_publishing_engines_from_their_events_and_others_fro
                     held = [v for n, v in d["matched_blocks"].items() if n != "silent"]
                     return d if max(held) >= len(SYSTEM) // 16 else None
 
-                d = await until(explained)
+                d = await eventually(explained, "an explained decision")
                 sources = d["match_source"]
                 assert sources["silent"] == "index", sources
                 assert all(v == "kv_events" for n, v in sources.items() if n != "silent"), sources

@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import orjson
 import pytest
 
 from proxy.sim import SimApp, SimConfig, SimFleet, create_sim_app, serve
-from tests.support import ServerThread, free_port
+from tests.support import ServerThread, eventually, free_port
 
 SYSTEM = "You are a meticulous assistant who answers with care and cites sources. "
 
@@ -96,13 +96,6 @@ async def stream(
                     (time.perf_counter(), data if data == "[DONE]" else orjson.loads(data))
                 )
     return Stream(start, events, r.status_code)
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def metric(text: str, name: str) -> float:
