@@ -33,7 +33,7 @@ from proxy.app import create_app
 from proxy.bench.mock import MockBackend, Reply, prompt_tokens
 from proxy.config import Config
 from proxy.telemetry import Telemetry
-from tests.support import ServerThread
+from tests.support import ServerThread, free_port, until
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +54,8 @@ class Captured:
         self.spans = InMemorySpanExporter()
         self.reader = InMemoryMetricReader()
         self.tel = Telemetry(cfg.telemetry, span_exporter=self.spans, metric_readers=[self.reader])
-        self.server = ServerThread(create_app(cfg, telemetry=self.tel)).start()
+        port = config.get("server", {}).get("port")  # set when /admin shares the serving port
+        self.server = ServerThread(create_app(cfg, telemetry=self.tel), port=port).start()
         self.url = self.server.url
 
     def request_spans(
@@ -423,6 +424,52 @@ def test_ttft_itl_usage_and_overhead_match_what_the_client_saw(
 
 # ---------------------------------------------------------------------------------------------
 # 3. Failures are recorded as failures
+
+
+def test_the_server_span_names_the_fleet_epoch_and_a_drain_under_way(
+    fake_backends: Any, captured: Callable[[dict[str, Any]], Captured]
+) -> None:
+    """warmroute.fleet.epoch and .changing on a live request's SERVER span: an SRE filtering
+    Jaeger for requests routed while the fleet changed finds exactly those."""
+    [(_, a)], [(_, b)] = fake_backends(1), fake_backends(1)
+    port = free_port()
+    proxy = captured(
+        {
+            "backends": [{"url": a.url}],
+            "server": {"port": port, "admin_port": port},
+            "fleet": {"change_window_s": 0},  # changing only while a drain is under way
+        }
+    )
+
+    def state(name: str) -> str | None:
+        view = httpx.get(proxy.url + "/admin/backends").json()["backends"]
+        return next((x["state"] for x in view if x["name"] == name), None)
+
+    def fleet_of(request_id: str) -> tuple[int, bool]:
+        r = httpx.post(proxy.url + CHAT, json=chat("hi"), headers={"x-request-id": request_id})
+        assert r.status_code == 200, r.text
+        a = attrs_of(proxy.request_spans(request_id)[0])
+        return a["warmroute.fleet.epoch"], a["warmroute.fleet.changing"]
+
+    epoch, changing = fleet_of("steady")
+    assert not changing
+    assert httpx.post(proxy.url + "/admin/backends", json={"url": b.url}).status_code == 201
+    name_b = f"127.0.0.1:{b.port}"
+    until(lambda: state(name_b) == "serving", "b to serve")
+    with httpx.stream(
+        "POST", proxy.url + CHAT, json=chat("chunks:400 delay:0.02", stream=True)
+    ) as held:
+        lines = held.iter_lines()
+        next(lines)  # mid-stream on one backend
+        draining = held.headers["x-warmroute-backend"]
+        r = httpx.post(proxy.url + f"/admin/backends/{draining}/drain")
+        assert r.status_code == 202, r.text
+        assert state(draining) == "draining"
+        during = fleet_of("during-drain")
+    assert during[0] > epoch and during[1] is True
+    until(lambda: state(draining) == "drained", "the drain to end with its stream")
+    after = fleet_of("after-drain")
+    assert after[0] >= during[0] and after[1] is False
 
 
 def test_backend_cut_mid_stream_is_an_error(

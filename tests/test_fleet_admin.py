@@ -4,6 +4,7 @@ sockets: the mock engines of proxy.bench.mock and the real proxy under uvicorn."
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -178,8 +179,6 @@ def test_a_request_waiting_for_its_head_on_a_drained_backend_goes_on_elsewhere(
         proxy = proxy_server([s.url], config={"fleet": {"drain_grace_s": 0.2}})
         [(app_b, b)] = fake_backends(1)
         with httpx.Client(timeout=20) as client:
-            import threading
-
             answer: dict[str, Any] = {}
 
             def call() -> None:
@@ -191,10 +190,7 @@ def test_a_request_waiting_for_its_head_on_a_drained_backend_goes_on_elsewhere(
 
             t = threading.Thread(target=call)
             t.start()
-            deadline = time.monotonic() + 10
-            while backends_view(proxy)[name_of(s)]["requests_here"] == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            until(lambda: backends_view(proxy)[name_of(s)]["requests_here"] > 0, "the request")
             httpx.post(proxy.url + "/admin/backends", json={"url": b.url})
             wait_state(proxy, name_of(b), "serving")
             httpx.post(proxy.url + f"/admin/backends/{name_of(s)}/drain")

@@ -11,12 +11,14 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 import uvicorn
 
 from proxy.app import create_app
 from proxy.bench.mock import MockBackend
 from proxy.config import Config
 from tests.dnsmasq import DOMAIN, Dnsmasq, dnsmasq
+from tests.routing_support import SHARED_URL, delete_prefix, unique_prefix
 from tests.support import ServerThread, free_port, until
 
 pytestmark = pytest.mark.e2e
@@ -114,3 +116,76 @@ def test_the_proxy_follows_the_names_records_and_keeps_its_fleet_when_it_stops_r
         ]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         assert serving() == {b, c}
+
+
+@pytest.mark.redis
+def test_two_replicas_sharing_redis_follow_one_name_and_delete_a_departed_engines_keys_once(
+    engines: tuple[int, dict[str, MockBackend]], resolver: Dnsmasq
+) -> None:
+    """Both replicas watch the same name and see the same leave; the engine's shared index keys
+    are deleted by one of them (the other finds the departure's guard and skips)."""
+    port, apps = engines
+    resolver.hosts("fleet", [(ENGINES[0], NAME), (ENGINES[1], NAME)])
+    kp = unique_prefix("dnsreplicas")
+    a, b, _ = (f"{ip}:{port}" for ip in ENGINES)
+
+    def replica() -> ServerThread:
+        own = free_port()
+        cfg = Config.model_validate(
+            {
+                "server": {"port": own, "admin_port": own},
+                "backends": [
+                    {
+                        "dns": NAME,
+                        "port": port,
+                        "models": [MODEL],
+                        "min_ttl_s": 0.05,
+                        "max_ttl_s": 0.2,
+                    }
+                ],
+                "fleet": {"nameservers": [resolver.nameserver]},
+                "redis": {"url": SHARED_URL, "key_prefix": kp},
+            }
+        )
+        return ServerThread(create_app(cfg), port=own)
+
+    def serving(proxy: ServerThread) -> set[str]:
+        view = httpx.get(proxy.url + "/admin/backends").json()["backends"]
+        return {x["name"] for x in view if x["state"] == "serving"}
+
+    def keys_for(name: str) -> list[str]:
+        client = redis.Redis.from_url(SHARED_URL)
+        try:
+            found = (k.decode() for k in client.scan_iter(match=f"*{kp}*", count=1000))
+            return [k for k in found if k.endswith(f":{name}") and "!departed" not in k]
+        finally:
+            client.close()
+
+    def departures(proxies: list[ServerThread]) -> list[dict[str, int]]:
+        return [httpx.get(p.url + "/admin/routing").json()["index"]["departures"] for p in proxies]
+
+    try:
+        with replica() as one, replica() as two:
+            for proxy in (one, two):
+                until(lambda proxy=proxy: serving(proxy) == {a, b}, "both engines on both")
+            for i in range(16):  # distinct prompts through each replica: homes on both engines
+                r = httpx.post(
+                    (one, two)[i % 2].url + "/v1/chat/completions",
+                    json={"model": MODEL, "messages": [{"role": "user", "content": f"q{i} " * 80}]},
+                )
+                assert r.status_code == 200, r.text
+            until(lambda: keys_for(a) and keys_for(b), "both engines' index keys in Redis")
+            assert apps[ENGINES[0]].rec.requests and apps[ENGINES[1]].rec.requests
+
+            resolver.hosts("fleet", [(ENGINES[1], NAME)])  # a's pod goes
+            for proxy in (one, two):
+                until(lambda proxy=proxy: serving(proxy) == {b}, "the leave on both replicas")
+            until(
+                lambda: sum(d["deleted"] + d["skipped"] for d in departures([one, two])) == 2,
+                "both replicas to settle the departure",
+            )
+            assert sorted(d["deleted"] for d in departures([one, two])) == [0, 1]
+            assert keys_for(a) == []
+            assert keys_for(b)  # the engine that stays keeps what the fleet knows of it
+    finally:
+        delete_prefix(kp)
