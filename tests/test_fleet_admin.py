@@ -4,6 +4,7 @@ sockets: the mock engines of proxy.bench.mock and the real proxy under uvicorn."
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,10 +14,11 @@ import httpx
 import pytest
 
 from proxy.bench.mock import MockBackend, Reply
-from tests.support import ServerThread, until
+from tests.support import ServerThread, load_script, until
 
 pytestmark = pytest.mark.e2e
 MODEL = "test-model"
+ELASTIC = load_script("deploy/perf/elastic.py", "warmroute_elastic")
 
 
 def chat(words: str = "hello", stream: bool = True) -> dict[str, Any]:
@@ -143,8 +145,11 @@ def test_a_removed_backend_finishes_its_stream_then_leaves_and_is_forgotten(
 
 
 def test_a_stream_still_open_after_the_drain_grace_gets_a_clean_error_event(
-    fake_backends: Callable[..., Any], proxy_server: Callable[..., ServerThread]
+    fake_backends: Callable[..., Any],
+    proxy_server: Callable[..., ServerThread],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="warmroute.fleet")
     [(_, a)] = fake_backends(1)
     [(_, b)] = fake_backends(1)
     proxy = proxy_server([a.url], config={"fleet": {"drain_grace_s": 0.2}})
@@ -165,6 +170,11 @@ def test_a_stream_still_open_after_the_drain_grace_gets_a_clean_error_event(
     assert error["code"] == "backend_drained" and "left the fleet" in error["message"]
     assert len(got) < 400  # cut, not finished
     wait_state(proxy, name_of(b), "gone")
+    # deploy/perf/elastic.py reads the drain from these log lines
+    log = ELASTIC.parse_proxy_log("\n".join(r.getMessage() for r in caplog.records))
+    assert log["leaves"] == [{"name": name_of(b), "inflight": 1}]
+    assert log["cuts"] == [{"name": name_of(b), "cut": 1}]
+    assert [x["name"] for x in log["lefts"]] == [name_of(b)]
     # a drained backend is still listed and comes back on resume
     assert httpx.post(proxy.url + f"/admin/backends/{name_of(a)}/resume").status_code == 202
     wait_state(proxy, name_of(a), "serving")
