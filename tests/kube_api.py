@@ -47,6 +47,7 @@ class Reply:
 
     body: Any
     status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)  # more response headers
     hook: Callable[[], None] | None = None  # run as it is answered (before the response)
     down: bool = False  # then stop listening, as an API server going away
 
@@ -134,8 +135,9 @@ class KubeAPI:
     async def _reply(writer: asyncio.StreamWriter, step: Reply) -> None:
         body = json.dumps(step.body).encode()
         reason = HTTPStatus(step.status).phrase
+        more = "".join(f"{k}: {v}\r\n" for k, v in step.headers.items())
         writer.write(
-            f"HTTP/1.1 {step.status} {reason}\r\nContent-Type: application/json\r\n"
+            f"HTTP/1.1 {step.status} {reason}\r\nContent-Type: application/json\r\n{more}"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
             + body
         )

@@ -24,10 +24,12 @@ import yaml
 
 from proxy.config import DiscoveryConfig
 from proxy.fleet.kube import (
+    RETRY_AFTER_MAX_S,
     KubeError,
     KubernetesSource,
     load_credentials,
     members_of,
+    retry_after_s,
 )
 from proxy.fleet.members import Member
 from tests.kube_api import KubeAPI, Reply, Step, Watch, recorded
@@ -225,6 +227,42 @@ def test_connections_refused_keep_the_fleet_and_warn_once(probe: Probe, account:
         assert [r.query.get("watch") for r in api.requests].count(None) == 1
 
     asyncio.run(following(probe, script, lambda api: source(api, account), scenario))
+
+
+@pytest.mark.e2e
+def test_a_429_is_retried_no_sooner_than_its_retry_after(probe: Probe, account: Path) -> None:
+    """API Priority and Fairness sheds load with 429 and Retry-After (whole seconds; 1 here, as
+    its recorded Status says): the backoff never retries sooner, whatever its own delay."""
+    throttled = Reply(recorded("status-429"), status=429, headers={"Retry-After": "1"})
+    script: list[Step] = [Reply(recorded("list-initial")), throttled, Watch(end="hold")]
+
+    def delays() -> list[str]:
+        return [r.getMessage() for r in probe.logs if "retrying in" in r.getMessage()]
+
+    async def scenario(api: KubeAPI) -> None:
+        await probe.until(lambda: len(api.requests) == 3)
+        assert delays() == ["kubernetes:llm/vllm: retrying in 1.000s"]  # the backoff's is 0.001
+        [warning] = probe.lines(logging.WARNING)
+        assert "429" in warning and "keeping" in warning
+        assert api.requests[-1].query == watching("48213")  # resumed, not relisted
+        assert probe.reports == [INITIAL]
+
+    asyncio.run(
+        following(probe, script, lambda api: source(api, account, namespace="llm"), scenario)
+    )
+
+
+def test_retry_after_is_read_as_seconds_and_bounded() -> None:
+    assert [retry_after_s(v) for v in ("1", "2.5", None, "", "-3", "soon")] == [
+        1.0,
+        2.5,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+    ]
+    assert retry_after_s("Wed, 21 Oct 2026 07:28:00 GMT") == 0.0  # a date: not what k8s sends
+    assert retry_after_s("86400") == RETRY_AFTER_MAX_S
 
 
 @pytest.mark.e2e

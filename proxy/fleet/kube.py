@@ -21,9 +21,11 @@ ends the watch every few minutes; every event (bookmarks too) moves the resource
 a watch that ends (timeout, a dropped connection) is opened again from it. 410 Gone (the
 answer, or an ERROR event with code 410) means that version is compacted away: LIST again. The
 API server away (connect errors, 5xx, 429): retry with jittered exponential backoff (0.5 s
-doubling to 30 s), report nothing (the fleet keeps its last set), one warning when it starts
-and one info line when it is back. 401/403: an error naming the RBAC the service account
-needs, and a slow retry (deploy/kubernetes/overlays/discover-vllm has the Role).
+doubling to 30 s; never sooner than a 429's or 503's Retry-After, which API Priority and
+Fairness sends when it sheds load, up to RETRY_AFTER_MAX_S), report nothing (the fleet keeps
+its last set), one warning when it starts and one info line when it is back. 401/403: an
+error naming the RBAC the service account needs, and a slow retry
+(deploy/kubernetes/overlays/discover-vllm has the Role).
 
 Credentials: in-cluster (KUBERNETES_SERVICE_HOST/PORT, the service account's token re-read for
 every request, as projected tokens rotate, its ca.crt and namespace), else a kubeconfig
@@ -81,7 +83,23 @@ class _Gone(Exception):
 
 
 class _Unavailable(Exception):
-    """The API server is away or overloaded (connect errors, 5xx, 429): back off."""
+    """The API server is away or overloaded (connect errors, 5xx, 429): back off, for at
+    least its Retry-After when it sent one."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+RETRY_AFTER_MAX_S = 60.0  # a Retry-After past this is read as this
+
+
+def retry_after_s(value: str | None) -> float:
+    """A Retry-After header's delay in seconds (delta-seconds; an HTTP date or junk: 0)."""
+    try:
+        return min(RETRY_AFTER_MAX_S, max(0.0, float(value))) if value else 0.0
+    except ValueError:
+        return 0.0
 
 
 class _Refused(Exception):
@@ -415,6 +433,8 @@ class KubernetesSource:
                     self._fail("unavailable", f"the Kubernetes API server is unavailable ({why})")
                     self._attempt += 1
                     delay = self._delay(self._attempt)
+                    if isinstance(e, _Unavailable):
+                        delay = max(delay, e.retry_after_s)
                 except _Refused as e:
                     self._fail(f"refused {e.status}", self._refused_message(e, namespace))
                     delay = self._refused_retry_s
@@ -454,7 +474,7 @@ class KubernetesSource:
         params = {"labelSelector": self.selector, "limit": str(LIST_PAGE)}
         while True:
             r = await http.get(url, params=params, headers=creds.headers(), timeout=30.0)
-            self._check(r.status_code, r.content)
+            self._check(r.status_code, r.content, r.headers.get("retry-after"))
             try:
                 body = r.json()
                 items = {i["metadata"]["name"]: i for i in body.get("items") or []}
@@ -491,7 +511,7 @@ class KubernetesSource:
             raise _Unavailable(repr(e)) from e
         try:
             if r.status_code != 200:
-                self._check(r.status_code, await r.aread())
+                self._check(r.status_code, await r.aread(), r.headers.get("retry-after"))
             self._recovered()
             async for line in r.aiter_lines():
                 if line.strip():
@@ -534,7 +554,7 @@ class KubernetesSource:
             log.debug("%s: %d engines", self.name, len(members))
             report(members)
 
-    def _check(self, status: int, body: bytes) -> None:
+    def _check(self, status: int, body: bytes, retry_after: str | None = None) -> None:
         if status == 200:
             return
         try:
@@ -544,7 +564,7 @@ class KubernetesSource:
         if status == 410:
             raise _Gone(message)
         if status == 429 or status >= 500:
-            raise _Unavailable(f"{status} {message}".strip())
+            raise _Unavailable(f"{status} {message}".strip(), retry_after_s(retry_after))
         raise _Refused(status, f"{status} {message}".strip())
 
     def _refused_message(self, e: _Refused, namespace: str) -> str:
