@@ -82,7 +82,12 @@ def create_app(
     state = AppState(
         config=config,
         registry=registry,
-        upstream=Upstream(config.timeouts, config.upstream.max_connections_per_backend, tls),
+        upstream=Upstream(
+            config.timeouts,
+            config.upstream.max_connections_per_backend,
+            tls,
+            max_response_bytes=config.upstream.max_response_bytes,
+        ),
         routing=routing,
         http=http,
         telemetry=telemetry or Telemetry(config.telemetry),

@@ -370,9 +370,8 @@ class BackendRegistry:
         was = b.healthy
         try:
             if discover and b.cfg.models is None:
-                r = await self.http.get(
-                    f"{b.url}/v1/models", headers=self._headers(b), timeout=timeout
-                )
+                url = engines.backend_url(b.url, "/v1/models")
+                r = await self.http.get(url, headers=self._headers(b), timeout=timeout)
                 r.raise_for_status()
                 ids = frozenset(m["id"] for m in r.json().get("data", []) if "id" in m)
                 if ids != b.models:
@@ -383,7 +382,9 @@ class BackendRegistry:
             fetched_models = discover and b.cfg.models is None
             if not (fetched_models and HEALTH_PATH[b.cfg.engine] == "/v1/models"):
                 r = await self.http.get(
-                    b.url + HEALTH_PATH[b.cfg.engine], headers=self._headers(b), timeout=timeout
+                    engines.backend_url(b.url, HEALTH_PATH[b.cfg.engine]),
+                    headers=self._headers(b),
+                    timeout=timeout,
                 )
                 r.raise_for_status()
             b.healthy = True
@@ -407,7 +408,8 @@ class BackendRegistry:
         if b.cfg.engine not in LOAD_METRICS:
             return
         try:
-            r = await self.http.get(f"{b.url}/metrics", timeout=self.config.timeouts.health_s)
+            url = engines.backend_url(b.url, "/metrics")
+            r = await self.http.get(url, timeout=self.config.timeouts.health_s)
             r.raise_for_status()
         except httpx.HTTPError as e:
             log.debug("metrics scrape of %s failed: %s", b.name, e)

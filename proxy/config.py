@@ -366,6 +366,11 @@ class UpstreamConfig(_Model):
     """The connections to the backends (the forwarder's and the health checks')."""
 
     max_connections_per_backend: int = Field(1024, ge=1)  # in use at once; more wait
+    # The most bytes of a non-streamed answer the proxy reads (it holds the whole answer to
+    # meter it): past it, or a Content-Length over it, the client gets a 502
+    # (upstream_response_too_large) and the connection is closed. Streams are bounded per
+    # event instead (meter.MAX_EVENT_BYTES).
+    max_response_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     tls_verify: bool = True  # verify https backends' certificates
     tls_ca_file: str | None = None  # a CA bundle for them (default: the system's)
     tls_cert_file: str | None = None  # a client certificate (mutual TLS)

@@ -21,15 +21,10 @@ from starlette.responses import Response
 
 from proxy.access import CLIENT, TENANT, AdminAccess, KeyRing, bearer
 from proxy.admission import Admission
-from proxy.asgi import JSON, ASGIApp, Message, Receive, Scope, Send, respond
+from proxy.asgi import JSON, ASGIApp, Message, Receive, Scope, Send, header, respond
 from proxy.errors import error_body
-from proxy.limits import (
-    APP_STATE_KEY,
-    Connections,
-    ConnLimits,
-    default_max_connections,
-    request_id_of,
-)
+from proxy.limits import APP_STATE_KEY, Connections, ConnLimits, default_max_connections
+from proxy.redact import quote, sane_request_id
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -189,7 +184,7 @@ class Edge:
 
 
 def _request_id(scope: Scope) -> str:
-    return request_id_of(scope["headers"])
+    return sane_request_id(header(scope, b"x-request-id"))  # the API endpoints' rule too
 
 
 def _with_request_id(send: Send, request_id: str) -> Send:
@@ -240,10 +235,11 @@ def _json_errors(inner: Starlette) -> None:
         assert isinstance(exc, HTTPException)
         status = exc.status_code
         if status == 405:
-            message = f"Method {request.method} is not allowed for {request.url.path}."
+            message = f"Method {request.method} is not allowed for {quote(request.url.path)}."
             code = "method_not_allowed"
         elif status == 404:
-            message = f"Unknown path {request.url.path}: this proxy serves the OpenAI API at /v1."
+            path = quote(request.url.path)
+            message = f"Unknown path {path}: this proxy serves the OpenAI API at /v1."
             code = "not_found"
         else:
             message, code = str(exc.detail), None

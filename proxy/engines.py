@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import re
 from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -88,6 +89,23 @@ def _port(url: str, value: str) -> int:
     return port
 
 
+def backend_url(base: str, path: str) -> str:
+    """The URL of `path` (an API path, which may carry a query) on the backend at `base`.
+
+    `base` may have a path prefix and a query (`http://h:8000/llm?token=X`: a gateway's): the
+    prefix goes before `path` and the query after it, merged with `path`'s own
+    (`http://h:8000/llm/v1/models?token=X`). A trailing `/v1` before a query is dropped as
+    BackendConfig drops it from a URL without one.
+    """
+    parts = urlsplit(base)
+    if not parts.query:
+        return base.rstrip("/") + path
+    path, _, own = path.partition("?")
+    prefix = parts.path.rstrip("/").removesuffix("/v1")
+    query = f"{own}&{parts.query}" if own else parts.query
+    return f"{parts.scheme}://{parts.netloc}{prefix}{path}?{query}"
+
+
 def engine_from_metrics(text: str) -> str | None:
     """The engine whose metric names appear in a Prometheus exposition, or None."""
     for line in text.splitlines():
@@ -106,7 +124,7 @@ async def detect(http: httpx.AsyncClient, cfg: _B, headers: dict[str, str], time
     reached or answers 5xx stays `auto` and is asked again at the next scrape.
     """
     try:
-        r = await http.get(f"{cfg.url}/metrics", headers=headers, timeout=timeout_s)
+        r = await http.get(backend_url(cfg.url, "/metrics"), headers=headers, timeout=timeout_s)
     except httpx.HTTPError as e:
         log.debug("backend %s: /metrics unreachable, engine still unknown: %s", cfg.key, e)
         return cfg

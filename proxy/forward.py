@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,8 +45,9 @@ from proxy.config import Config
 from proxy.errors import RequestError, error_body
 from proxy.exchange import API_PATHS, Exchange
 from proxy.intake import parse, too_large, with_include_usage
+from proxy.redact import quote, sane_request_id
 from proxy.relay import Relay, internal_error, respond, upstream_headers
-from proxy.retry import RETRYABLE_STATUS, Resume, Retry, RetryPolicy, classify
+from proxy.retry import RETRYABLE_STATUS, Resume, Retry, RetryPolicy, classify, retry_after_s
 from proxy.routing.types import RouteContext
 from proxy.state import Fleet, Recorder, RequestRouting, UpstreamClient, start_record
 from proxy.upstream import CONNECT_ERRORS, UpstreamProtocolError
@@ -99,7 +100,8 @@ class ProxyEndpoint:
         if scope["type"] != "http":
             return
         headers = headers_of(scope)
-        request_id = headers.get("x-request-id") or os.urandom(16).hex()  # uuid4().hex: 3x the CPU
+        # sanitised once, here: the response, logs, spans and the backend get this one
+        request_id = sane_request_id(headers.get("x-request-id"))
         fw = self.fw
         fw.open_requests += 1
         try:
@@ -111,6 +113,10 @@ class ProxyEndpoint:
                     request_id,
                     ((b"allow", b"POST"),),
                 )
+                return
+            coding = headers.get("content-encoding")
+            if coding and coding.strip().lower() != "identity":
+                await _refuse_coded(send, request_id, coding)
                 return
             limit = fw.config.server.max_body_bytes
             try:
@@ -143,11 +149,12 @@ class ProxyEndpoint:
             decision = await fw.steering.route(ctx)
         except (ValueError, TypeError, OverflowError, RecursionError) as e:
             # Routing reads the prompt (hashing, tokens): what it cannot read is the client's.
-            log.info("request %s rejected (400): routing could not read it: %s", ex.request_id, e)
+            why = quote(str(e))
+            log.info("request %s rejected (400): routing could not read it: %s", ex.request_id, why)
             await respond(
                 send,
                 400,
-                error_body(f"The request could not be read: {e}.", code="invalid_request"),
+                error_body(f"The request could not be read: {why}.", code="invalid_request"),
                 ex.request_id,
             )
             return
@@ -163,7 +170,8 @@ class ProxyEndpoint:
         ranking = fw.retry.candidates(decision.ranking)
         if not ranking:
             reasons = decision.filtered_out
-            why = "; ".join(f"{k}: {v}" for k, v in reasons.items()) or "none configured"
+            # a filter's reason may quote the client's model (plugins/model_filter.py)
+            why = "; ".join(f"{k}: {quote(v)}" for k, v in reasons.items()) or "none configured"
             if reasons and all(v.startswith("at its in-flight bound") for v in reasons.values()):
                 # Overload, not an outage: the client may come back in a moment.
                 await self._fail(
@@ -171,8 +179,8 @@ class ProxyEndpoint:
                     send,
                     record,
                     429,
-                    f"Every backend for model `{ex.body['model']}` is at its in-flight bound "
-                    f"({why}); retry after a short wait.",
+                    f"Every backend for model `{quote(ex.body['model'])}` is at its in-flight "
+                    f"bound ({why}); retry after a short wait.",
                     "backends_at_capacity",
                     ((b"retry-after", b"1"),),
                 )
@@ -182,7 +190,7 @@ class ProxyEndpoint:
                 send,
                 record,
                 503,
-                f"No backend can serve model `{ex.body['model']}` right now ({why}).",
+                f"No backend can serve model `{quote(ex.body['model'])}` right now ({why}).",
                 "no_backend",
             )
             return
@@ -253,6 +261,8 @@ class ProxyEndpoint:
         policy = fw.retry
         deadline = policy.deadline(ex.t0)
         failures: list[str] = []
+        waits: list[float] = []  # the Retry-After of each attempt answered 429 (0: none given)
+        other = resume is not None  # a failure that was not a 429 (a failed leg's included)
         name: str | None = first
         if resume is not None:
             name = await self._resumed(ex, resume, first, ranking, deadline, failures)
@@ -266,6 +276,10 @@ class ProxyEndpoint:
                 return name, await self._attempt(ex, backend, record, send, fresh, body)
             except Retry as r:
                 failures.append(f"{name}: {r.reason}")
+                if r.status == 429:
+                    waits.append(r.retry_after_s)
+                else:
+                    other = True
                 kind = "overloaded" if r.status == 429 else r.kind
                 if backend is not None:
                     fw.fleet.mark_failure(backend, r.reason, kind=kind)
@@ -301,6 +315,23 @@ class ProxyEndpoint:
             record.finish(None, status=499, error_type="cancelled")
             return None
         if not final:
+            return None
+        if waits and not other:
+            # Rate limited, not down: a 429 with a Retry-After makes the client (the openai
+            # package, as against OpenAI) back off and retry. The soonest any backend named:
+            # the retry may go to any of them, and the first with room serves it.
+            hinted = [w for w in waits if w > 0]
+            after = math.ceil(min(hinted)) if hinted else 1
+            await self._fail(
+                ex,
+                send,
+                record,
+                429,
+                "Every backend tried is rate limiting requests: " + "; ".join(failures) + "; "
+                f"retry after {after} s.",
+                "backends_rate_limited",
+                ((b"retry-after", b"%d" % after),),
+            )
             return None
         await self._fail(
             ex,
@@ -384,6 +415,7 @@ class ProxyEndpoint:
         except LEG_ERRORS as e:
             raise classify(e) from None
         if upstream.status in RETRYABLE_STATUS:
+            wait = _retry_after(upstream) if upstream.status == 429 else 0.0
             try:
                 detail = await _read_error_detail(upstream)
             finally:
@@ -393,6 +425,7 @@ class ProxyEndpoint:
                 f"http_{upstream.status}",
                 "status",
                 upstream.status,
+                wait,
             )
         return upstream
 
@@ -479,6 +512,32 @@ def _client_left(ex: Exchange, task: asyncio.Task[Any]) -> None:
         ex.upstream.close()  # the pending read fails; the forwarder sees client_gone
     else:
         task.cancel()  # still connecting or awaiting headers: abandon that await
+
+
+async def _refuse_coded(send: Send, request_id: str, coding: str) -> None:
+    """415 for a request body with a Content-Encoding: the proxy reads the JSON (to validate
+    and route it) and sends the backend what it read, so a coded body is neither readable here
+    nor forwarded as it came; Accept-Encoding says what is taken (RFC 9110 15.5.16)."""
+    log.info("request %s rejected (415): Content-Encoding %r", request_id, coding[:64])
+    message = (
+        f"Request bodies with Content-Encoding {coding[:64]!r} are not supported by this proxy: "
+        "send the JSON uncompressed."
+    )
+    await respond(
+        send,
+        415,
+        error_body(message, code="unsupported_content_encoding"),
+        request_id,
+        ((b"accept-encoding", b"identity"),),
+    )
+
+
+def _retry_after(upstream: UpstreamResponseLike) -> float:
+    """A response's Retry-After in seconds (0: none, or not a number of seconds)."""
+    for k, v in upstream.headers:
+        if k == b"retry-after":
+            return retry_after_s(v.decode("latin-1"))
+    return 0.0
 
 
 async def _read_error_detail(upstream: UpstreamResponseLike) -> str:

@@ -10,7 +10,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from proxy.access import AdminAccess, bearer
+from proxy.asgi import BodyTooLarge, read_body
 from proxy.errors import RequestError, error_body
+from proxy.intake import too_large
 from proxy.redact import redact_text, redact_url
 from proxy.routing.types import RouteContext
 from proxy.validate import PROMPT_FIELD, validate
@@ -24,6 +27,9 @@ def _json(data: object, status: int = 200) -> Response:
 
 
 def routes(state: AppState) -> list[Route]:
+    server = state.config.server
+    admin = AdminAccess.from_settings(server.port, server.admin_port, server.admin_token_sha256)
+
     async def models(request: Request) -> Response:
         return _json({"object": "list", "data": state.registry.model_list()})
 
@@ -31,17 +37,20 @@ def routes(state: AppState) -> list[Route]:
         return _json({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        # Names and health only: the serving port is not the place for URLs (admin has them).
+        # Each backend's health, named only to a caller /admin/* would answer here (the admin
+        # listener, or the serving port when it serves /admin): a backend's name is its
+        # host:port unless configured, and the serving port shows no addresses.
         ok = state.registry.any_ready()
         now = time.monotonic()
-        up = [
-            {
-                "name": b.name,
-                "up": b.is_up(now),
-                "circuit": b.breaker.info(now)["state"] if b.breaker else None,
-            }
-            for b in state.registry.backends.values()
-        ]
+        scope = request.scope
+        on_admin = admin.on_admin_listener(scope.get("server"))
+        named = admin.refusal(on_admin, bearer(scope["headers"])) is None
+        up: list[dict[str, object]] = []
+        for b in state.registry.backends.values():
+            entry: dict[str, object] = {"name": b.name} if named else {}
+            entry["up"] = b.is_up(now)
+            entry["circuit"] = b.breaker.info(now)["state"] if b.breaker else None
+            up.append(entry)
         return _json({"ready": ok, "backends": up}, 200 if ok else 503)
 
     def _backends() -> list[dict[str, object]]:
@@ -94,9 +103,13 @@ def routes(state: AppState) -> list[Route]:
                 },
                 400,
             )
-        try:
-            body = orjson.loads(await request.body())
+        try:  # within server.max_body_bytes, as the API paths read theirs
+            limit = state.config.server.max_body_bytes
+            raw = await read_body(request.receive, limit, request.headers.get("content-length"))
+            body = orjson.loads(raw)
             validate(api, body)
+        except BodyTooLarge as e:
+            return Response(too_large(e.size, e.limit).body(), 413, media_type="application/json")
         except orjson.JSONDecodeError as e:
             return Response(
                 error_body(f"invalid JSON: {e}", code="invalid_json"),

@@ -12,6 +12,7 @@ import orjson
 
 from proxy.errors import RequestError
 from proxy.exchange import STREAMABLE, Exchange
+from proxy.redact import quote
 from proxy.validate import validate
 
 
@@ -35,7 +36,7 @@ def parse(
     if not may_serve(model):
         raise RequestError(
             404,
-            f"The model `{model}` does not exist or is not served by any "
+            f"The model `{quote(model)}` does not exist or is not served by any "
             "backend of this proxy. GET /v1/models lists the models served.",
             param="model",
             code="model_not_found",

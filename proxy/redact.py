@@ -4,12 +4,15 @@ Backend, Redis and OTLP URLs may carry credentials (`http://user:password@host`)
 shown with the userinfo and query replaced by `***` wherever they are printed: views,
 `serve --check`, log lines. Log messages also quote client input (a model name, a request
 id), so control characters in a message are escaped: a newline in a model name cannot forge a
-log line.
+log line. A client's string is quoted only up to a short prefix and its size (`quote`), in
+error bodies and log lines alike, and a client's `x-request-id` is kept only when it is a
+short, printable one (`sane_request_id`): it travels to the response, logs, spans and the backend.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -19,6 +22,39 @@ MASK = "***"
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/@\s'\"]+)@")
 # control characters other than tab: C0, DEL and C1
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+# The most of a client's string (a model name, a JSON key, a path) that an error message or a
+# log line quotes: a 15 MB model name came back as a 15 MB 404 body and log line.
+QUOTE_CHARS = 128
+# A client's x-request-id that is kept: 1-200 printable ASCII characters, no space (the rule
+# of proxy.limits.request_id_of, as one precompiled match: once per request).
+_REQUEST_ID = re.compile(r"[!-~]{1,200}")
+log = logging.getLogger("warmroute.request")
+
+
+def quote(text: str, limit: int = QUOTE_CHARS) -> str:
+    """`text` as an error message or log line may quote it: whole when short, else its first
+    `limit` characters and its size (`abc… (15728640 bytes)`)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text.encode('utf-8', 'surrogatepass'))} bytes)"
+
+
+def sane_request_id(client: str | None) -> str:
+    """The request's id: the client's `x-request-id` when it is a sane one, else a new one.
+
+    Called once per request; the id it returns is the one the response header, the log
+    lines, the spans and the upstream request carry.
+    """
+    if client is not None and _REQUEST_ID.fullmatch(client):
+        return client
+    new = os.urandom(16).hex()  # uuid4().hex: 3x the CPU
+    if client is not None:
+        log.info(
+            "x-request-id %r replaced by %s: not 1-200 printable ASCII characters without spaces",
+            quote(client, 64),
+            new,
+        )
+    return new
 
 
 def redact_url(url: str) -> str:

@@ -10,6 +10,14 @@ The relay also judges the backend (passive health, proxy/outlier.py): an attempt
 its first body byte arrives, not at its response head (vLLM sends a streaming head before the
 first token, so a wedged engine answers heads all day), and a stream that breaks after that
 (idle timeout, cut, closed before its end) counts as a failure.
+
+What a backend answers is checked where the client would otherwise get something its SDK
+cannot read: a whole answer is read up to upstream.max_response_bytes (past it: 502
+upstream_response_too_large); a 200 to a JSON API must be a JSON object (else 502
+upstream_invalid_response), and is sent as application/json whatever the backend labelled it;
+a 200 to a streamed request must be an event stream (else the same 502, before any byte), and
+an event that is not valid UTF-8 ends the stream with an error event (the openai client would
+raise UnicodeDecodeError on it). None of these is retried: see `_refuse`.
 """
 
 from __future__ import annotations
@@ -29,7 +37,12 @@ from proxy.exchange import Exchange
 from proxy.meter import MAX_EVENT_BYTES, EventTooLarge, StreamFacts, StreamMeter, meter_json
 from proxy.retry import Retry, describe
 from proxy.sse import event_boundary
-from proxy.upstream import NOT_FORWARDED_DOWNSTREAM_B, NOT_FORWARDED_UPSTREAM, READ_ERRORS
+from proxy.upstream import (
+    NOT_FORWARDED_DOWNSTREAM_B,
+    NOT_FORWARDED_UPSTREAM,
+    READ_ERRORS,
+    UpstreamResponseTooLarge,
+)
 
 if TYPE_CHECKING:
     from proxy.backends import Backend
@@ -44,6 +57,14 @@ log = logging.getLogger("warmroute.forward")
 # How a stream can break after its first byte (the error.code of the event that ends it).
 IDLE_TIMEOUT, STREAM_CUT, INCOMPLETE = "idle_timeout", "upstream_stream_error", "incomplete_stream"
 TOO_LARGE = "event_too_large"
+# What a client gets for an answer the proxy will not pass on (502, or the event ending a stream)
+RESPONSE_TOO_LARGE, INVALID_RESPONSE = "upstream_response_too_large", "upstream_invalid_response"
+JSON_HEADER = (b"content-type", b"application/json")
+# The usual event-stream heads, found by one C-level search each: the per-request check
+SSE_TYPES = (
+    (b"content-type", b"text/event-stream"),
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+)
 
 # Never forwarded upstream besides the hop-by-hop set: credentials meant for the proxy (in
 # any of the usual spellings), and Expect (the proxy has the whole body already).
@@ -135,37 +156,82 @@ class Relay:
         send: Send,
     ) -> StreamFacts | None:
         try:
-            payload = await upstream.read()
+            payload = await upstream.read()  # at most upstream.max_response_bytes
+        except UpstreamResponseTooLarge as e:
+            # The read stopped at the limit (or at a Content-Length over it) and closed the
+            # connection; not retried, no verdict on the backend (`_refuse` says why).
+            reason = f"The answer from {backend.name} was refused: {describe(e)}."
+            await self._refuse(ex, backend, upstream, record, send, RESPONSE_TOO_LARGE, reason)
+            return None
         except READ_ERRORS as e:
             if ex.client_gone:  # its watcher closed the upstream: nothing to judge it by
                 raise Retry("the client left before the answer", "cancelled", "cancelled") from None
             raise Retry(
                 f"response body broke off: {describe(e)}", "body_error", "protocol"
             ) from None
+        status = upstream.status
+        headers = response_headers(ex, backend, upstream, self.debug_headers)
+        facts = None
+        if status == 200:
+            if self.api != "embeddings":
+                facts = meter_json(self.api, payload, t0=ex.t0, now=time.perf_counter())
+            if _not_an_object(payload, facts):
+                ct = _content_type(upstream)[:64].decode("latin-1")
+                reason = (
+                    f"{backend.name} answered 200 with a body that is not a JSON object "
+                    f"(content-type {ct!r}, {len(payload)} bytes)."
+                )
+                await self._refuse(ex, backend, upstream, record, send, INVALID_RESPONSE, reason)
+                return None
+            if not _is_json(_content_type(upstream)):  # a JSON answer, whatever its label
+                headers = [h for h in headers if h[0] != b"content-type"]
+                headers.append(JSON_HEADER)
         self.fleet.mark_success(backend)  # a whole answer, whatever its status
-        await send(
-            {
-                "type": "http.response.start",
-                "status": upstream.status,
-                "headers": [
-                    *response_headers(ex, backend, upstream, self.debug_headers),
-                    (b"content-length", str(len(payload)).encode()),
-                ],
-            }
-        )
+        headers.append((b"content-length", str(len(payload)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         ex.started_response = True
         await send({"type": "http.response.body", "body": payload})
-        facts = None
-        if upstream.status == 200 and self.api != "embeddings":
-            facts = meter_json(self.api, payload, t0=ex.t0, now=time.perf_counter())
+        if facts is not None:
+            facts.e2e_s = time.perf_counter() - ex.t0  # written, as for a stream's last event
             self.steering.observe_response(backend.name, facts, ex.ctx)
         record.finish(
             facts,
-            status=upstream.status,
-            error_type=None if upstream.status < 400 else f"http_{upstream.status}",
+            status=status,
+            error_type=None if status < 400 else f"http_{status}",
             backend=backend.name,
         )
         return facts
+
+    async def _refuse(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        upstream: UpstreamResponseLike,
+        record: RequestRecord,
+        send: Send,
+        code: str,
+        reason: str,
+    ) -> None:
+        """A 502 of the proxy's own instead of an answer it will not pass on: nothing has
+        reached the client yet, and the upstream connection is closed, not pooled (its body is
+        unread, or read past its limit).
+
+        Not retried elsewhere: the backend took the request and answered it (a 200, or a
+        whole body), so another attempt would repeat the engine's work for an answer that
+        (too large) most likely comes out the same. A backend that answers what is not an
+        answer fails a "protocol" attempt, which its breaker counts (consecutive ones eject
+        it: traffic moves off it). Too large is no verdict (a kind the breaker does not count,
+        which still releases a half-open probe): an answer's size follows from its request
+        (many inputs to embed, n, logprobs) as much as from the backend, and a client must not
+        be able to eject healthy backends by asking for big answers.
+        """
+        log.warning("request %s: %s Answered 502 (%s).", ex.request_id, reason, code)
+        upstream.close()
+        kind = "too_large" if code == RESPONSE_TOO_LARGE else "protocol"
+        self.fleet.mark_failure(backend, reason, kind=kind)
+        await respond(send, 502, error_body(reason, "server_error", None, code), ex.request_id)
+        ex.started_response = True
+        record.finish(None, status=502, error_type=code, backend=backend.name)
 
     async def stream(
         self,
@@ -176,7 +242,16 @@ class Relay:
         record: RequestRecord,
         send: Send,
         strip: bool,
-    ) -> StreamFacts:
+    ) -> StreamFacts | None:
+        h = upstream.headers
+        if SSE_TYPES[0] not in h and SSE_TYPES[1] not in h and not _is_event_stream(h):
+            ct = _content_type(upstream)[:64].decode("latin-1")
+            reason = (
+                f"{backend.name} answered a streamed request with content-type {ct!r}, "
+                "not an event stream."
+            )
+            await self._refuse(ex, backend, upstream, record, send, INVALID_RESPONSE, reason)
+            return None
         meter = StreamMeter(self.api, t0=ex.t0, strip_usage=strip)  # type: ignore[arg-type]
         meter.upstream_sent(t_sent)
         # The first read decides between "retry elsewhere" and "committed to this backend".
@@ -217,7 +292,12 @@ class Relay:
         try:
             while data:
                 received = perf()
-                if first and data[-2:] == b"\n\n" and meter.passes_through(data):
+                if (
+                    first
+                    and data[-2:] == b"\n\n"
+                    and meter.passes_through(data)
+                    and (data.isascii() or _utf8_events(data) == len(data))
+                ):
                     # The first read goes out before it is metered when metering cannot change
                     # it (the usual case): the meter's parse of the first event stays off the
                     # client's TTFT. Later reads are metered first: the check costs more CPU
@@ -236,6 +316,18 @@ class Relay:
                     if out and out[-2:] != b"\n\n":
                         cut = event_boundary(out)
                         out, carry = out[:cut], out[cut:]
+                    # Whole events only, so a multi-byte character is never cut here; one
+                    # C-speed scan, and a decode only for non-ASCII bytes.
+                    if out and not out.isascii() and (cut := _utf8_events(out)) < len(out):
+                        error, reason = INVALID_RESPONSE, _not_utf8(backend, ex, out, cut)
+                        carry = b""
+                        if cut:
+                            out = out[:cut]
+                            await send(
+                                {"type": "http.response.body", "body": out, "more_body": True}
+                            )
+                            meter.mark_sent(perf())
+                        break
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                         meter.mark_sent(perf())
@@ -305,6 +397,10 @@ class Relay:
         if not ex.client_gone:
             if carry:
                 tail = carry + tail  # the backend ended cleanly without a final blank line
+            if tail and not tail.isascii() and (cut := _utf8_events(tail)) < len(tail):
+                why = _not_utf8(backend, ex, tail, cut)
+                error, reason = error or INVALID_RESPONSE, reason or why
+                tail = tail[:cut]
             if error is None and facts.error == INCOMPLETE:
                 # A clean end of the body before the stream's own end ([DONE], a finish
                 # reason, response.completed: the meter's judgement per API): a truncation
@@ -338,6 +434,72 @@ class Relay:
             backend=backend.name,
         )
         return facts
+
+
+def _content_type(upstream: UpstreamResponseLike) -> bytes:
+    for k, v in upstream.headers:
+        if k == b"content-type":
+            return v
+    return b""
+
+
+def _media_type(content_type: bytes) -> bytes:
+    return content_type.split(b";", 1)[0].strip().lower()
+
+
+def _is_json(content_type: bytes) -> bool:
+    media = _media_type(content_type)
+    return media == b"application/json" or media.endswith(b"+json")
+
+
+def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    """An event stream, or a response that does not say (the meter judges its body then)."""
+    for k, v in headers:
+        if k == b"content-type":
+            return _media_type(v) == b"text/event-stream"
+    return True
+
+
+def _not_an_object(payload: bytes, facts: StreamFacts | None) -> bool:
+    """Not what an OpenAI client parses as an answer: a JSON object (in valid UTF-8).
+
+    `facts`: meter_json's, which parsed it (its error is "invalid_response" when it is not
+    an object, or when a backend's error object names that type: parsed again only then).
+    None for embeddings, which are not parsed (megabytes of floats): their shape is checked.
+    """
+    if facts is None:
+        head, tail = payload[:64].lstrip(), payload[-64:].rstrip()
+        if head[:1] != b"{" or tail[-1:] != b"}":
+            return True
+        return not payload.isascii() and _utf8_events(payload) < len(payload)
+    if facts.error != "invalid_response":
+        return False
+    try:
+        return not isinstance(orjson.loads(payload), dict)
+    except orjson.JSONDecodeError:
+        return True
+
+
+def _utf8_events(data: bytes) -> int:
+    """The length of `data` if it is valid UTF-8, else of its complete events before the
+    first byte that is not (0: none)."""
+    try:
+        data.decode()
+    except UnicodeDecodeError as e:
+        return event_boundary(data[: e.start])
+    return len(data)
+
+
+def _not_utf8(backend: Backend, ex: Exchange, data: bytes, cut: int) -> str:
+    """The reason (and the log line) for an event that is not valid UTF-8."""
+    reason = f"{backend.name} sent an event that is not valid UTF-8"
+    log.warning(
+        "request %s: %s; ending the stream with an error event (dropped %d bytes)",
+        ex.request_id,
+        reason,
+        len(data) - cut,
+    )
+    return reason
 
 
 async def respond(

@@ -47,6 +47,17 @@ RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 EJECTING_KINDS = frozenset({"connect", "connect_timeout", "timeout", "status", "protocol"})
 
 
+RETRY_AFTER_MAX_S = 60.0  # a Retry-After past this is read as this (a backend, the API server)
+
+
+def retry_after_s(value: str | None) -> float:
+    """A Retry-After header's delay in seconds (delta-seconds; an HTTP date or junk: 0)."""
+    try:
+        return min(RETRY_AFTER_MAX_S, max(0.0, float(value))) if value else 0.0
+    except ValueError:
+        return 0.0
+
+
 class Retry(Exception):
     """This attempt failed before anything reached the client.
 
@@ -54,15 +65,24 @@ class Retry(Exception):
     backend had closed), timeout (no response head or first byte in time), status (a
     retryable HTTP status), protocol (not valid HTTP), stream (the body broke off or was
     empty before its first byte), gone (the backend left the fleet before it answered:
-    proxy/fleet/, nothing said of its health).
+    proxy/fleet/, nothing said of its health). retry_after_s: a 429's Retry-After, in seconds
+    (0: none given).
     """
 
-    def __init__(self, reason: str, error_type: str, kind: str, status: int | None = None):
+    def __init__(
+        self,
+        reason: str,
+        error_type: str,
+        kind: str,
+        status: int | None = None,
+        retry_after_s: float = 0.0,
+    ):
         super().__init__(reason)
         self.reason = reason
         self.error_type = error_type
         self.kind = kind
         self.status = status
+        self.retry_after_s = retry_after_s
 
 
 def classify(e: BaseException) -> Retry:

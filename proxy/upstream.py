@@ -24,15 +24,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.config import TimeoutsConfig, UpstreamConfig
+from proxy.engines import backend_url
 from proxy.upstream_conn import (
     CONNECT_ERRORS,
     HIGH_WATER,
+    MAX_HEAD_BYTES,
+    MAX_HEADERS,
+    MAX_RESPONSE_BYTES,
     READ_ERRORS,
     REFUSED_ERRORS,
     Connection,
@@ -40,9 +45,11 @@ from proxy.upstream_conn import (
     UpstreamConnectTimeout,
     UpstreamDisconnected,
     UpstreamError,
+    UpstreamHeadTooLarge,
     UpstreamPayloadError,
     UpstreamProtocolError,
     UpstreamResponse,
+    UpstreamResponseTooLarge,
 )
 
 __all__ = [
@@ -50,6 +57,9 @@ __all__ = [
     "HIGH_WATER",
     "HOP_BY_HOP",
     "KEEPALIVE_S",
+    "MAX_HEADERS",
+    "MAX_HEAD_BYTES",
+    "MAX_RESPONSE_BYTES",
     "NOT_FORWARDED_DOWNSTREAM",
     "NOT_FORWARDED_DOWNSTREAM_B",
     "NOT_FORWARDED_UPSTREAM",
@@ -62,9 +72,11 @@ __all__ = [
     "UpstreamConnectTimeout",
     "UpstreamDisconnected",
     "UpstreamError",
+    "UpstreamHeadTooLarge",
     "UpstreamPayloadError",
     "UpstreamProtocolError",
     "UpstreamResponse",
+    "UpstreamResponseTooLarge",
     "client_ssl_context",
 ]
 
@@ -83,9 +95,12 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
+# Content-Encoding: the proxy sends the JSON body it parsed, never the client's coded bytes
+# (a coded request body is refused with 415 before it is read: proxy/forward.py).
 NOT_FORWARDED_UPSTREAM = HOP_BY_HOP | {
     "host",
     "content-length",
+    "content-encoding",
     "authorization",
     "accept-encoding",
     "cookie",
@@ -135,8 +150,13 @@ class Upstream:
         timeouts: TimeoutsConfig,
         max_per_host: int = 1024,
         ssl_context: ssl.SSLContext | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         self.timeouts = timeouts
+        # The most of a whole (non-streamed) body a response's read() takes
+        self.max_response_bytes = max_response_bytes
+        self._clock = clock  # ages idle connections (KEEPALIVE_S): injectable for tests
         self.max_per_host = max_per_host  # connections in use per (host, port, tls)
         self._targets: dict[tuple[str, str], Target] = {}
         self._idle: dict[tuple[str, int, bool], deque[Connection]] = {}
@@ -164,11 +184,12 @@ class Upstream:
         self._busy.clear()
 
     def url(self, base: str, path: str) -> Target:
-        """The parsed target per (backend, endpoint), built once: parsing costs per request."""
+        """The parsed target per (backend, endpoint), built once: parsing costs per request.
+        The backend URL's own path prefix and query go around `path` (engines.backend_url)."""
         key = (base, path)
         target = self._targets.get(key)
         if target is None:
-            target = self._targets[key] = Target(base + path)
+            target = self._targets[key] = Target(backend_url(base, path))
         return target
 
     async def post(
@@ -206,7 +227,7 @@ class Upstream:
             conn.abort()
             self.forget(conn)
             raise
-        return UpstreamResponse(conn, self)
+        return UpstreamResponse(conn, self, self.max_response_bytes)
 
     async def _slot(self, key: tuple[str, int, bool]) -> None:
         """Wait (within the connect timeout) until fewer than max_per_host are in use."""
@@ -296,13 +317,10 @@ class Upstream:
     async def _connect_in_slot(self, target: Target, fresh: bool) -> Connection:
         idle = None if fresh else self._idle.get(target.key)
         if idle:
-            now = asyncio.get_running_loop().time()
+            _expire(idle, self._clock())
             while idle:
                 c = idle.pop()  # the most recently used: warmest, least likely to be closed
                 if c.closed or c.transport is None or c.transport.is_closing():
-                    continue
-                if now - c.idle_since > KEEPALIVE_S:
-                    c.abort()
                     continue
                 c.reused = True
                 self._open.add(c)
@@ -348,13 +366,24 @@ class Upstream:
         if not self._started:
             conn.abort()
             return
-        conn.idle_since = conn.loop.time()
-        self._idle.setdefault(conn.key, deque()).append(conn)
+        conn.idle_since = now = self._clock()
+        idle = self._idle.setdefault(conn.key, deque())
+        _expire(idle, now)
+        idle.append(conn)
 
     @staticmethod
     def set_read_timeout(resp: UpstreamResponse, seconds: float) -> None:
         """Switch a live response from the first-byte budget to the idle budget."""
         resp.set_read_timeout(seconds)
+
+
+def _expire(idle: deque[Connection], now: float) -> None:
+    """Close the connections idle past KEEPALIVE_S, oldest first. Checkout takes the newest
+    (LIFO), so under steady light traffic the older ones would otherwise never be looked at
+    again: they are closed here, on every checkout and return, at one comparison when none is
+    due."""
+    while idle and now - idle[0].idle_since > KEEPALIVE_S:
+        idle.popleft().abort()
 
 
 def client_ssl_context(cfg: UpstreamConfig | None = None) -> ssl.SSLContext:

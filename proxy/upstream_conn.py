@@ -14,12 +14,23 @@ Errors, typed so the retry policy (proxy/retry.py) can tell them apart:
   it was a pooled connection (the keep-alive race: the server had just closed it, which says
   nothing about the backend) or a new one.
 - UpstreamProtocolError: the response was not valid HTTP/1.1 (a garbled or partial head).
+  UpstreamHeadTooLarge (a subclass): a head past MAX_HEAD_BYTES or MAX_HEADERS.
 - UpstreamPayloadError: the response broke off after it started.
+- UpstreamResponseTooLarge: a whole body (read()) past the response's limit
+  (upstream.max_response_bytes), or a Content-Length that says it will be; the connection is
+  closed at once, the rest never read.
 - TimeoutError: no bytes for the read timeout (the first-byte budget until the forwarder
   switches the response to the idle budget).
 
 Trailers of a chunked response are never merged into its headers (llhttp reports them after
 the body; they are dropped).
+
+A backend chooses the size of what it sends, so what the proxy holds of it is bounded: the
+response head (MAX_HEAD_BYTES in at most MAX_HEADERS fields, 1xx heads before it included,
+measured when it is complete; and the bytes received while it is incomplete, which llhttp
+would otherwise keep joining, checked per read; trailers count towards it), unread body bytes
+(HIGH_WATER, then reading pauses), and a whole body read with read() (the response's
+`max_body`). A stream read with readany() is bounded per event by the relay's meter.
 """
 
 from __future__ import annotations
@@ -33,6 +44,13 @@ import httptools
 
 # Pause reading a response once this much is buffered and unread (a slow client).
 HIGH_WATER = 1 << 20
+# The most of a response head the proxy takes: its bytes (status line, fields, blank line;
+# interim 1xx heads before it included) and its fields. Envoy's defaults are 60 KiB and 100
+# headers; engines send under 1 KiB. Not settings: no legitimate backend comes near them.
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADERS = 100
+# The default most bytes of a whole (non-streamed) body (UpstreamConfig.max_response_bytes).
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 
 
 class UpstreamError(Exception):
@@ -63,6 +81,19 @@ class UpstreamProtocolError(UpstreamPayloadError):
     """The response was not valid HTTP/1.1."""
 
 
+class UpstreamHeadTooLarge(UpstreamProtocolError):
+    """The response head was over MAX_HEAD_BYTES or had more than MAX_HEADERS fields: a
+    protocol error like any invalid head (retried elsewhere when nothing reached the client)."""
+
+
+class UpstreamResponseTooLarge(UpstreamError):
+    """A whole body over the response's limit (read() without a limit); `limit` in bytes."""
+
+    def __init__(self, message: str, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
 # Errors that mean "this backend did not take the request": safe to retry elsewhere.
 # Refused/unreachable marks the backend down for a while; a pooled connection the server had
 # just closed (keep-alive race) says nothing about the backend's health.
@@ -88,8 +119,11 @@ class Connection(asyncio.Protocol):
         "_buffer",
         "_buffered",
         "_eof",
+        "_head_bytes",
+        "_head_seen",
         "_headers",
         "_keep_alive",
+        "_length",
         "_paused",
         "_received",
         "_timer",
@@ -135,6 +169,9 @@ class Connection(asyncio.Protocol):
         self._keep_alive = False
         self._paused = False
         self._activity = 0.0
+        self._length = -1  # the response's Content-Length; -1: none
+        self._head_seen = 0  # bytes received while its head was incomplete (1xx heads too)
+        self._head_bytes = 0  # its 1xx heads', its reason phrase's and its trailers' sizes
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -147,10 +184,33 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._activity = self.loop.time()
         self._received = True
+        if not self.headers_done:
+            self._head_received(data)
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
             self._fail(UpstreamProtocolError(f"invalid HTTP response: {e}"))
+            self.abort()
+
+    def _head_received(self, data: bytes) -> None:
+        """A read while the head is incomplete (off the per-chunk path): bounded here, since
+        llhttp keeps joining a header's pieces until the field ends."""
+        self._head_seen += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            # A head over its bounds fails in on_headers_complete: that error is kept.
+            self._fail(UpstreamProtocolError(f"invalid HTTP response: {e}"))
+            self.abort()
+            return
+        if not self.headers_done and self._head_seen > MAX_HEAD_BYTES and not self.closed:
+            self._fail(
+                UpstreamHeadTooLarge(
+                    f"the response head was still incomplete after {self._head_seen} bytes "
+                    f"(the most this proxy reads of one is {MAX_HEAD_BYTES})"
+                )
+            )
             self.abort()
 
     def eof_received(self) -> bool | None:
@@ -188,27 +248,51 @@ class Connection(asyncio.Protocol):
         pass
 
     # -- httptools callbacks -----------------------------------------------------------------
+    def on_status(self, reason: bytes) -> None:
+        self._head_bytes += len(reason)  # the reason phrase (maybe in pieces): the head's size
+
     def on_header(self, name: bytes, value: bytes) -> None:
         # llhttp reports trailers here too, after the body; when the whole response came in
-        # one read they would land in the headers before the response object copies them.
+        # one read they would land in the headers before the response object takes them.
+        # Names are lowered here, once: the head's own loop and every reader compare them so.
         if not self.headers_done:
-            self._headers.append((name, value))
+            self._headers.append((name.lower(), value))
+        else:  # a trailer: dropped, and counted towards the head's bound
+            self._head_bytes += len(name) + len(value) + 4
+            if self._head_bytes > MAX_HEAD_BYTES:
+                raise self._head_too_large(f"{self._head_bytes} bytes with its trailers")
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
+        headers = self._headers
+        # The bytes received so far bound the head's: only past the limit is it measured.
+        if self._head_seen > MAX_HEAD_BYTES or len(headers) > MAX_HEADERS:
+            self._check_head(headers)
         if 100 <= status < 200:  # interim response: wait for the real one
+            self._head_bytes += _head_size(headers)  # counted towards the final head
             self._headers = []
             return
         self.headers_done = True
         chunked = length = False
-        for k, v in self._headers:
-            lk = k.lower()
-            if lk == b"content-length":
+        for k, v in headers:
+            if k == b"content-length":
                 length = True
-            elif lk == b"transfer-encoding" and b"chunked" in v.lower():
+                try:
+                    self._length = int(v)
+                except ValueError:  # llhttp has checked its digits
+                    pass
+            elif k == b"transfer-encoding" and b"chunked" in v.lower():
                 chunked = True
         self._until_eof = not (length or chunked) and status not in (204, 304)
         self._wake()
+
+    def _check_head(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Raise (in llhttp's callback, which stops the parse) for a head past its bounds."""
+        if len(headers) > MAX_HEADERS:
+            raise self._head_too_large(f"{len(headers)} header fields")
+        size = self._head_bytes + _head_size(headers)
+        if size > MAX_HEAD_BYTES:
+            raise self._head_too_large(f"{size} bytes")
 
     def on_body(self, body: bytes) -> None:
         self._buffer.append(body)
@@ -235,6 +319,16 @@ class Connection(asyncio.Protocol):
             self._waiter = None
             if not w.done():
                 w.set_result(None)
+
+    def _head_too_large(self, what: str) -> UpstreamHeadTooLarge:
+        """The error for a head past its bounds, kept as the connection's error; the caller
+        raises it in llhttp's callback, which stops the parse (data_received then aborts)."""
+        exc = UpstreamHeadTooLarge(
+            f"the response head has {what} (the most this proxy takes is {MAX_HEAD_BYTES} "
+            f"bytes in at most {MAX_HEADERS} fields)"
+        )
+        self._fail(exc)
+        return exc
 
     def _fail(self, exc: BaseException) -> None:
         if self.error is None and not self._eof:
@@ -288,19 +382,27 @@ class Connection(asyncio.Protocol):
         return data
 
 
+def _head_size(headers: list[tuple[bytes, bytes]]) -> int:
+    """A head's bytes but for its reason phrase: "HTTP/1.1 200 " and CRLF, each field
+    "name: value" and CRLF, the blank line."""
+    return 17 + sum([len(k) + len(v) + 4 for k, v in headers])
+
+
 class UpstreamResponse:
     """The response to one upstream request; read it with readany() / read()."""
 
-    __slots__ = ("_conn", "_pool", "_released", "headers", "reused", "status")
+    __slots__ = ("_conn", "_pool", "_released", "headers", "max_body", "reused", "status")
 
-    def __init__(self, conn: Connection, pool: Pool) -> None:
+    def __init__(self, conn: Connection, pool: Pool, max_body: int = MAX_RESPONSE_BYTES) -> None:
         self._conn = conn
         self._pool = pool
         self._released = False
+        self.max_body = max_body  # the most read() takes of a whole body
         self.reused = conn.reused  # a pooled connection (not opened for this request)
         self.status: int = conn.parser.get_status_code()
-        # (lower-case name, value) as bytes, in the order the backend sent them
-        self.headers: list[tuple[bytes, bytes]] = [(k.lower(), v) for k, v in conn._headers]
+        # (lower-case name, value) as bytes, in the order the backend sent them; the
+        # connection's own list (its next response starts a new one: reset())
+        self.headers: list[tuple[bytes, bytes]] = conn._headers
 
     async def readany(self) -> bytes:
         """Whatever body bytes are buffered (waiting for some); b"" at the end of the body."""
@@ -315,8 +417,15 @@ class UpstreamResponse:
             await c.wait()
 
     async def read(self, limit: int = -1) -> bytes:
-        """The whole body (or its first `limit` bytes, waiting no longer than needed)."""
+        """The whole body (or its first `limit` bytes, waiting no longer than needed).
+
+        A whole body is at most `max_body` bytes: past it, or when its Content-Length says it
+        will be (before reading any of it), UpstreamResponseTooLarge, and the connection is
+        closed (the rest is never read; the pool does not get it back)."""
         c = self._conn
+        cap = self.max_body
+        if limit < 0 and c._length > cap:
+            raise self._too_large(f"announces {c._length} bytes (content-length), more than")
         parts: list[bytes] = []
         size = 0
         while limit < 0 or size < limit:
@@ -325,11 +434,24 @@ class UpstreamResponse:
                 break
             parts.append(data)
             size += len(data)
+            if limit < 0 and size > cap:
+                raise self._too_large("is longer than")
         body = b"".join(parts)
         if 0 <= limit < len(body):
             c._buffer.insert(0, body[limit:])
             body = body[:limit]
         return body
+
+    def _too_large(self, what: str) -> UpstreamResponseTooLarge:
+        exc = UpstreamResponseTooLarge(
+            f"the response body {what} the most this proxy reads of one, {self.max_body} bytes "
+            "(upstream.max_response_bytes)",
+            self.max_body,
+        )
+        c = self._conn
+        c._fail(exc)
+        c.abort()
+        return exc
 
     def set_read_timeout(self, seconds: float) -> None:
         """Switch from the first-byte budget to the idle budget (from now)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.errors import RequestError
+from proxy.redact import quote
 
 # api -> the field that carries the prompt and its accepted JSON types
 PROMPT_FIELD = {
@@ -100,6 +101,7 @@ def _check_depth(value: Any, depth: int, param: str) -> None:
     while stack:
         node, level = stack.pop()
         if level > MAX_DEPTH:
+            param = quote(param)  # a key of the client's body: any length
             raise _bad(
                 param,
                 f"'{param}' is nested more than {MAX_DEPTH} levels deep (with the request "

@@ -24,14 +24,13 @@ import yaml
 
 from proxy.config import DiscoveryConfig
 from proxy.fleet.kube import (
-    RETRY_AFTER_MAX_S,
     KubeError,
     KubernetesSource,
     load_credentials,
     members_of,
-    retry_after_s,
 )
 from proxy.fleet.members import Member
+from proxy.retry import RETRY_AFTER_MAX_S, retry_after_s
 from tests.kube_api import KubeAPI, Reply, Step, Watch, recorded
 
 PATH = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"

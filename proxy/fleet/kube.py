@@ -62,6 +62,7 @@ import yaml
 
 from proxy.config import DiscoveryConfig, Engine, KubernetesConfig, Role
 from proxy.fleet.members import Member, Report
+from proxy.retry import retry_after_s
 
 log = logging.getLogger("warmroute.fleet")
 
@@ -89,17 +90,6 @@ class _Unavailable(Exception):
     def __init__(self, message: str, retry_after_s: float = 0.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-RETRY_AFTER_MAX_S = 60.0  # a Retry-After past this is read as this
-
-
-def retry_after_s(value: str | None) -> float:
-    """A Retry-After header's delay in seconds (delta-seconds; an HTTP date or junk: 0)."""
-    try:
-        return min(RETRY_AFTER_MAX_S, max(0.0, float(value))) if value else 0.0
-    except ValueError:
-        return 0.0
 
 
 class _Refused(Exception):

@@ -19,6 +19,7 @@ import orjson
 from opentelemetry.sdk.trace import Event
 
 from proxy.meter import StreamFacts
+from proxy.redact import quote
 from proxy.routing.types import Decision
 from proxy.stats import percentile
 from proxy.telemetry.metrics import PROVIDER
@@ -210,7 +211,8 @@ def decision(w: Writer, d: Decision) -> None:
     w.texts(CANDIDATES, tuple(d.ranking[:16]), _CANDIDATES)
     w.count(PREFIX_BLOCKS, d.prefix_blocks)
     if d.filtered_out:
-        w.value(FILTERED_OUT, tuple(f"{k}: {v}" for k, v in list(d.filtered_out.items())[:16]))
+        dropped = list(d.filtered_out.items())[:16]  # a reason may quote the client's model
+        w.value(FILTERED_OUT, tuple(f"{k}: {quote(v)}" for k, v in dropped))
     winner = d.winner
     if winner is None:
         return

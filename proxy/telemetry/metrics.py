@@ -32,6 +32,7 @@ from proxy.telemetry.histograms import (
     Point,
     TraceRef,
 )
+from proxy.telemetry.labels import ErrorLabels
 
 PROVIDER = "openai"  # the wire format every backend speaks (semconv: the telemetry flavour)
 
@@ -160,6 +161,7 @@ class RequestMetrics:
         )
         self.c_decisions = Counts(("warmroute.route.policy", "warmroute.route.reason"))
         self.c_errors = Counts(("warmroute.backend", "error.type"))
+        self.error_label = ErrorLabels()  # error.type on metrics: bounded (telemetry/labels.py)
         self.c_retries = Counts(("warmroute.backend",))
         self.c_fleet = Counts(("warmroute.fleet.change", "warmroute.fleet.source"))
         self._fleet_sources: set[str] = set()
@@ -384,7 +386,7 @@ class RequestMetrics:
 
     def failed_attempt(self, backend: str, error_type: str) -> None:
         with self.lock:
-            self.c_errors.add((backend, error_type))
+            self.c_errors.add((backend, self.error_label(error_type)))
 
     def retried(self, backend: str) -> None:
         with self.lock:
@@ -451,7 +453,8 @@ class RequestMetrics:
         point = series.point
         with self.lock:
             if not ok:
-                series.duration_with_error(err).add(duration, exemplar)  # type: ignore[arg-type]
+                label = self.error_label(err)  # type: ignore[arg-type]
+                series.duration_with_error(label).add(duration, exemplar)
             if f is not None:
                 # a request's per-chunk samples go in at once (sorted, cut at the bounds)
                 if itl and f.ttft_s is not None:
@@ -534,8 +537,7 @@ class Series:
         if p is None:
             h = self.specs[_DURATION][0]
             p = h.point({**self.attrs, "error.type": err}, (*self.key, err))
-            if len(self.errors) < 256:  # error.type is low-cardinality; bound it anyway
-                self.errors[err] = p
+            self.errors[err] = p  # bounded: RequestMetrics.error_label folds the rest
         return p
 
 

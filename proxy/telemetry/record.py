@@ -14,6 +14,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from proxy.access import CLIENT
 from proxy.meter import StreamFacts
+from proxy.redact import quote
 from proxy.routing.types import Decision
 from proxy.telemetry import attributes as span_attrs
 from proxy.telemetry.attributes import CLIENT as CLIENT_ATTR
@@ -139,6 +140,8 @@ class RequestRecord:
     ) -> None:
         self.tel = tel
         self.api = api
+        if model is not None and len(model) > 256:  # the client's, on a span's name: bound it
+            model = quote(model, 256)
         self.model = model
         self.stream = stream
         self.t0 = t0
@@ -301,6 +304,8 @@ class RequestRecord:
             err = "cancelled"
         if err is None and status >= 400:
             err = str(status)
+        elif err is not None and len(err) > 128:  # a backend's own error type: any length
+            err = quote(err)  # spans carry it so; metrics fold it (RequestMetrics.error_label)
         name, address, port = self.backend or (backend or "", "", 0)
         if backend:
             name = backend
