@@ -15,7 +15,7 @@ from starlette.routing import Mount, Route
 
 import plugins
 from proxy import handlers
-from proxy.backends import Backend, BackendRegistry
+from proxy.backends import CONTROL_LIMITS, Backend, BackendRegistry
 from proxy.config import BackendConfig, Config, ConfigError
 from proxy.doctor.http import backend_info
 from proxy.doctor.http import install as install_doctor
@@ -77,7 +77,11 @@ def create_app(
     # Backends are addressed directly: HTTP(S)_PROXY from the environment is not used, by
     # the health client as by the forwarder (proxy/upstream.py).
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64), verify=tls, trust_env=False)
-    registry = BackendRegistry(config, http)
+    registry = BackendRegistry(
+        config,
+        http,
+        lambda: httpx.AsyncClient(limits=CONTROL_LIMITS, verify=tls, trust_env=False),
+    )
     routing = build_routing(config)
     state = AppState(
         config=config,

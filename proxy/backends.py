@@ -153,6 +153,7 @@ class Backend:
     # The requests on it now (forward.py attaches each attempt): a drain waits for them.
     streams: set[Any] = field(default_factory=set)
     since: float = field(default_factory=time.monotonic)  # in this state since
+    attached: int = 0  # requests ever attached: the poll loop sees new traffic by it
 
     def __post_init__(self) -> None:
         self.name = self.cfg.key
@@ -175,6 +176,7 @@ class Backend:
 
     def attach(self, request: Any) -> None:
         self.streams.add(request)
+        self.attached += 1
         self._idle.clear()
 
     def detach(self, request: Any) -> None:
@@ -226,10 +228,37 @@ class Backend:
 GONE_KEPT = 64  # departed backends /admin/backends still shows
 
 
+# One connection pool per backend for the background checks: a pool shared by a whole fleet
+# scans every connection it holds for each request it assigns (httpcore), which in front of 256
+# engines cost more than half a core while idle (deploy/perf/idle_cpu.py).
+CONTROL_LIMITS = httpx.Limits(max_connections=2, max_keepalive_connections=1)
+
+
+def scrape_due(b: Backend, seen: int, checked: bool) -> bool:
+    """Whether a poll round scrapes `b`'s load: always with its health check, and between
+    health checks only while it has work: a request routed to it since the last scrape
+    (`seen`: its `attached` count then), one on it now, or requests on it at the last scrape
+    (an engine busy with other replicas' traffic says so). An idle engine costs one health
+    check and one scrape per health interval, so the background cost of a fleet grows with
+    its busy engines, not with every engine (deploy/perf/idle_cpu.py)."""
+    if checked or b.attached != seen or b.streams:
+        return True
+    return bool(b.load.waiting) or bool(b.load.running)
+
+
 class BackendRegistry:
-    def __init__(self, config: Config, http: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        config: Config,
+        http: httpx.AsyncClient,
+        control: Callable[[], httpx.AsyncClient] | None = None,
+    ) -> None:
+        """`http` is the shared client; `control` makes each backend's own client for its
+        health checks, model lists and scrapes (without it, they use `http`)."""
         self.config = config
         self.http = http
+        self._control = control
+        self._clients: dict[str, httpx.AsyncClient] = {}
         self.backends: dict[str, Backend] = {}
         for b in config.listed:
             self.backends[b.key] = self._new(b, "config", "serving")
@@ -241,6 +270,7 @@ class BackendRegistry:
         # Called with (name, what changed) when the engine at an address is not the one it was.
         self.on_restart: Callable[[Backend, str], None] | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
         self._started = False
 
     def _new(self, cfg: BackendConfig, source: str, state: State) -> Backend:
@@ -279,6 +309,11 @@ class BackendRegistry:
         task = self._tasks.pop(name, None)
         if task is not None:
             task.cancel()
+        client = self._clients.pop(name, None)
+        if client is not None:
+            closing = asyncio.create_task(client.aclose(), name=f"close {name}")
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         if b is not None:
             b.set_state("gone")
             self.gone.append(b)
@@ -361,6 +396,18 @@ class BackendRegistry:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
+        clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            await c.aclose()
+
+    def client(self, b: Backend) -> httpx.AsyncClient:
+        """The client for `b`'s background requests: its own pool, made on first use."""
+        if self._control is None:
+            return self.http
+        c = self._clients.get(b.name)
+        if c is None:
+            c = self._clients[b.name] = self._control()
+        return c
 
     def _headers(self, b: Backend) -> dict[str, str]:
         return {"authorization": f"Bearer {b.api_key}"} if b.api_key else {}
@@ -371,7 +418,7 @@ class BackendRegistry:
         try:
             if discover and b.cfg.models is None:
                 url = engines.backend_url(b.url, "/v1/models")
-                r = await self.http.get(url, headers=self._headers(b), timeout=timeout)
+                r = await self.client(b).get(url, headers=self._headers(b), timeout=timeout)
                 r.raise_for_status()
                 ids = frozenset(m["id"] for m in r.json().get("data", []) if "id" in m)
                 if ids != b.models:
@@ -381,7 +428,7 @@ class BackendRegistry:
                 b.models = ids
             fetched_models = discover and b.cfg.models is None
             if not (fetched_models and HEALTH_PATH[b.cfg.engine] == "/v1/models"):
-                r = await self.http.get(
+                r = await self.client(b).get(
                     engines.backend_url(b.url, HEALTH_PATH[b.cfg.engine]),
                     headers=self._headers(b),
                     timeout=timeout,
@@ -403,13 +450,13 @@ class BackendRegistry:
     async def _scrape(self, b: Backend) -> None:
         if b.cfg.engine == "auto":
             b.cfg = await engines.detect(
-                self.http, b.cfg, self._headers(b), self.config.timeouts.health_s
+                self.client(b), b.cfg, self._headers(b), self.config.timeouts.health_s
             )
         if b.cfg.engine not in LOAD_METRICS:
             return
         try:
             url = engines.backend_url(b.url, "/metrics")
-            r = await self.http.get(url, timeout=self.config.timeouts.health_s)
+            r = await self.client(b).get(url, timeout=self.config.timeouts.health_s)
             r.raise_for_status()
         except httpx.HTTPError as e:
             log.debug("metrics scrape of %s failed: %s", b.name, e)
@@ -443,13 +490,19 @@ class BackendRegistry:
             await self._scrape(b)
         next_health = time.monotonic() + h.interval_s
         next_models = time.monotonic() + h.models_refresh_s
+        seen = -1  # the first round scrapes
         while True:
             await asyncio.sleep(min(h.metrics_scrape_s, h.interval_s))
             now = time.monotonic()
+            checked = True
             if now >= next_models:
                 next_models = now + h.models_refresh_s
                 await self._check(b, discover=True)
             elif now >= next_health or not b.healthy:
                 next_health = now + h.interval_s
                 await self._check(b, discover=False)
-            await self._scrape(b)
+            else:
+                checked = False
+            if scrape_due(b, seen, checked):
+                seen = b.attached
+                await self._scrape(b)

@@ -7,9 +7,11 @@ import time
 import httpx
 import pytest
 
-from proxy.backends import parse_load
+from proxy.backends import Backend, parse_load, scrape_due
+from proxy.config import BackendConfig
+from proxy.routing.types import EngineLoad
 from proxy.sim import SimConfig, create_sim_app
-from tests.support import ServerThread
+from tests.support import ServerThread, until
 
 VLLM = """# HELP vllm:num_requests_waiting x
 vllm:num_requests_waiting{model_name="m"} 3.0
@@ -79,3 +81,52 @@ def test_a_sample_timestamp_is_not_read_as_its_value() -> None:
     load = parse_load("vllm", text, now=1.0)
     assert load is not None
     assert (load.waiting, load.running, load.kv_usage) == (3.0, 2.0, 0.5)
+
+
+def test_an_idle_engine_is_scraped_with_its_health_check_a_busy_one_between_them() -> None:
+    b = Backend(BackendConfig(url="http://127.0.0.1:9"))
+    seen = b.attached
+    assert not scrape_due(b, seen, checked=False)  # idle: nothing to follow
+    assert scrape_due(b, seen, checked=True)  # with its health check
+    b.attach("r1")
+    assert scrape_due(b, seen, checked=False)  # a request on it
+    b.detach("r1")
+    assert scrape_due(b, seen, checked=False)  # one was routed to it since the last scrape
+    seen = b.attached
+    assert not scrape_due(b, seen, checked=False)
+    b.load = EngineLoad(waiting=0.0, running=2.0, scraped_at=1.0)  # other replicas' traffic
+    assert scrape_due(b, seen, checked=False)
+    b.load = EngineLoad(waiting=0.0, running=0.0, scraped_at=2.0)
+    assert not scrape_due(b, seen, checked=False)
+
+
+@pytest.mark.e2e
+def test_an_idle_fleet_is_scraped_no_more_often_than_its_health_is_checked(proxy_server):
+    """The background cost of idle engines: one scrape per health check, not one per scrape
+    interval (here 20 scrape intervals fit in one health interval)."""
+    hits = {"/health": 0, "/metrics": 0}
+
+    async def engine(scope, receive, send):  # an idle vLLM: no requests waiting or running
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        hits[path] = hits.get(path, 0) + 1
+        body = b"vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n"
+        if path == "/v1/models":
+            body = b'{"data": [{"id": "test-model"}]}'
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    with ServerThread(engine) as e:
+        proxy_server(
+            [e.url],
+            config={
+                "backends": [{"url": e.url, "engine": "vllm"}],
+                "health": {"metrics_scrape_s": 0.01, "interval_s": 0.2},
+            },
+        )
+        until(lambda: hits["/health"] >= 2, "two health checks")
+        base = (hits["/health"], hits["/metrics"])
+        until(lambda: hits["/health"] >= base[0] + 3, "three more health checks")
+        checks, scrapes = hits["/health"] - base[0], hits["/metrics"] - base[1]
+        assert scrapes <= checks + 1, (checks, scrapes)
