@@ -49,6 +49,10 @@ OWN = frozenset(
         "no_backend",
         "backends_at_capacity",
         "backends_unavailable",
+        "backends_rate_limited",
+        "event_too_large",
+        "upstream_response_too_large",
+        "upstream_invalid_response",
     }
 )
 STANDARD = frozenset(
