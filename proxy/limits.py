@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import resource
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from proxy.errors import error_body
+from proxy.redact import sane_request_id
 
 APP_STATE_KEY = "warmroute.connections"
 log = logging.getLogger("warmroute.limits")
@@ -79,12 +79,12 @@ class Connections:
 
 
 def request_id_of(headers: Iterable[tuple[bytes, bytes]] | None) -> str:
-    """The client's x-request-id when it is a sane one (printable, at most 200 bytes: it goes
-    into logs and headers), else a new one."""
+    """The client's x-request-id when it is a sane one, else a new one: the rule of the API
+    paths (proxy.redact.sane_request_id), for a refusal made before the app sees the head."""
     for name, value in headers or ():
-        if name == b"x-request-id" and 0 < len(value) <= 200 and all(32 < c < 127 for c in value):
-            return value.decode("ascii")
-    return os.urandom(16).hex()
+        if name == b"x-request-id":
+            return sane_request_id(value.decode("latin-1"))
+    return sane_request_id(None)
 
 
 def default_max_connections() -> int:
