@@ -345,8 +345,11 @@ class ServerConfig(_Model):
 
 class TimeoutsConfig(_Model):
     connect_s: float = Field(5.0, gt=0)
-    first_byte_s: float = Field(300.0, gt=0)  # request sent -> first body byte (queue + prefill)
-    idle_s: float = Field(60.0, gt=0)  # between two body reads once streaming
+    # request sent -> first body byte (queue + prefill); heads and 1xx do not stop the clock
+    first_byte_s: float = Field(300.0, gt=0)
+    # progress after the first body byte: between two complete SSE events of a stream; the
+    # rest of a whole (non-streamed) body after its first byte. Stray bytes reset nothing.
+    idle_s: float = Field(60.0, gt=0)
     health_s: float = Field(2.0, gt=0)
 
 

@@ -285,6 +285,9 @@ class Relay:
         )
         ex.started_response = True
         perf = time.perf_counter
+        # Progress (the idle clock starts over) is a read that completes an event, not a byte
+        # (proxy/upstream_conn.py's docstring): the first read started the clock above.
+        progress, idle_s = upstream.set_read_timeout, self.idle_s
         first = True
         # The start of an event whose end has not arrived: never longer than what the meter
         # holds of it, which the meter bounds (MAX_EVENT_BYTES).
@@ -328,7 +331,8 @@ class Relay:
                             )
                             meter.mark_sent(perf())
                         break
-                    if out:
+                    if out:  # ends on an event's end: whole events, at least one
+                        progress(idle_s)
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                         meter.mark_sent(perf())
                 try:
@@ -339,7 +343,7 @@ class Relay:
                     timed_out = isinstance(e, TimeoutError)
                     error = IDLE_TIMEOUT if timed_out else STREAM_CUT
                     reason = (
-                        f"no data from {backend.name} for {self.idle_s:g}s"
+                        f"no complete event from {backend.name} for {self.idle_s:g}s"
                         if timed_out
                         else f"{backend.name} broke off the stream: {describe(e)}"
                     )

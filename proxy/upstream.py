@@ -216,7 +216,7 @@ class Upstream:
         try:
             assert conn.transport is not None
             conn.transport.write(head + body)
-            conn.arm()
+            conn.arm()  # the head, 1xx heads and the first body byte: all within first_byte_s
             if on_sent is not None:
                 on_sent()
             while not conn.headers_done:
@@ -227,7 +227,7 @@ class Upstream:
             conn.abort()
             self.forget(conn)
             raise
-        return UpstreamResponse(conn, self, self.max_response_bytes)
+        return UpstreamResponse(conn, self, self.max_response_bytes, self.timeouts.idle_s)
 
     async def _slot(self, key: tuple[str, int, bool]) -> None:
         """Wait (within the connect timeout) until fewer than max_per_host are in use."""

@@ -2,9 +2,30 @@
 
 The connection is an asyncio protocol fed to httptools (llhttp): it buffers body bytes as they
 arrive and hands the reader whatever is buffered at once (whole reads, not one piece per HTTP
-chunk), keeps the read timeout (one timer, re-armed lazily), pauses reading past HIGH_WATER
-unread bytes, and turns every way a response can fail into a typed error (below). The pool
-that opens, reuses and caps these connections is proxy/upstream.py.
+chunk), keeps the read deadline (below), pauses reading past HIGH_WATER unread bytes, and turns
+every way a response can fail into a typed error (below). The pool that opens, reuses and caps
+these connections is proxy/upstream.py.
+
+Timeouts measure progress, not silence: the read deadline is a point in time that only
+progress moves, never a byte as such (a backend trickling a byte every second, or a 100
+Continue, must not hold a client for ever). One monotonic deadline, checked by one timer that
+is re-armed lazily (_on_timer), so moving it costs a clock read and a store, off the per-byte
+path altogether:
+- First byte: the request is sent -> its first body byte within timeouts.first_byte_s. The
+  response head, and any number of interim 1xx heads before it, do not move the deadline:
+  they must all arrive within it too.
+- Streamed body (the relay): from its first byte, the next complete SSE event (a read that
+  completes one, `\n\n`-terminated) within timeouts.idle_s, then the next, and so on; bytes
+  of an event that has not ended yet do not count (`set_read_timeout` is the relay's
+  "progress").
+- Whole body (read(), non-streamed): the rest of the body within timeouts.idle_s of its first
+  byte, however it arrives (a deadline for the whole body, not per read). An answer that is
+  not a stream is of no use until it is whole, and at the limit (max_response_bytes, 64 MiB)
+  idle_s's default of 60 s asks ~1 MiB/s of a backend. So a response the backend starts is
+  over within first_byte_s + idle_s, whatever it sends.
+- The deadline passing while unread body bytes wait in the buffer is the reader's delay (a
+  slow client blocks the relay's writes), not the backend's: judged again one read timeout
+  later.
 
 Errors, typed so the retry policy (proxy/retry.py) can tell them apart:
 - UpstreamConnectError: the backend did not take the connection (refused, unreachable, DNS);
@@ -19,8 +40,8 @@ Errors, typed so the retry policy (proxy/retry.py) can tell them apart:
 - UpstreamResponseTooLarge: a whole body (read()) past the response's limit
   (upstream.max_response_bytes), or a Content-Length that says it will be; the connection is
   closed at once, the rest never read.
-- TimeoutError: no bytes for the read timeout (the first-byte budget until the forwarder
-  switches the response to the idle budget).
+- TimeoutError: the read deadline passed (above): no first body byte within the first-byte
+  budget, or no progress within the idle budget once the forwarder switched to it.
 
 Trailers of a chunked response are never merged into its headers (llhttp reports them after
 the body; they are dropped).
@@ -115,9 +136,10 @@ class Connection(asyncio.Protocol):
     """One keep-alive connection; carries one response at a time."""
 
     __slots__ = (
-        "_activity",
         "_buffer",
         "_buffered",
+        "_deadline",
+        "_due",
         "_eof",
         "_head_bytes",
         "_head_seen",
@@ -150,6 +172,7 @@ class Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.read_timeout = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0  # when the timer fires (it may fire before the deadline, never after)
         # One parser for the connection's life: llhttp starts over after each complete
         # keep-alive response (a connection with a parse error is never reused).
         self.parser = httptools.HttpResponseParser(self)
@@ -168,7 +191,7 @@ class Connection(asyncio.Protocol):
         self._until_eof = False
         self._keep_alive = False
         self._paused = False
-        self._activity = 0.0
+        self._deadline = 0.0  # the read deadline (loop time): moved only by progress
         self._length = -1  # the response's Content-Length; -1: none
         self._head_seen = 0  # bytes received while its head was incomplete (1xx heads too)
         self._head_bytes = 0  # its 1xx heads', its reason phrase's and its trailers' sizes
@@ -182,8 +205,7 @@ class Connection(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        self._activity = self.loop.time()
-        self._received = True
+        self._received = True  # no clock here: a byte is not progress (the module's docstring)
         if not self.headers_done:
             self._head_received(data)
             return
@@ -342,20 +364,32 @@ class Connection(asyncio.Protocol):
             self._timer = None
 
     def arm(self) -> None:
-        """(Re)start the read timeout from now; one timer, re-armed lazily (see _on_timer)."""
-        self._activity = self.loop.time()
-        if self._timer is None:
-            self._timer = self.loop.call_at(self._activity + self.read_timeout, self._on_timer)
+        """Set the read deadline read_timeout from now (progress, or the request just sent)."""
+        self._deadline = deadline = self.loop.time() + self.read_timeout
+        if self._timer is None or self._due > deadline:
+            self._schedule(deadline)
+
+    def _schedule(self, when: float) -> None:
+        """The timer at `when` (one timer: a later deadline is left to _on_timer)."""
+        if self._eof or self.error is not None or self.closed:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._due = when
+        self._timer = self.loop.call_at(when, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
         if self._eof or self.error is not None or self.closed:
             return
-        due = self._activity + self.read_timeout
-        if self.loop.time() < due:  # bytes came since: wait the rest
-            self._timer = self.loop.call_at(due, self._on_timer)
+        now = self.loop.time()
+        if now < self._deadline:  # progress moved it since: wait the rest
+            self._schedule(self._deadline)
             return
-        self._fail(TimeoutError(f"no data for {self.read_timeout:g}s"))
+        if self._buffer:  # unread body bytes: the reader is behind, not the backend
+            self._schedule(now + self.read_timeout)
+            return
+        self._fail(TimeoutError(f"no progress within {self.read_timeout:g}s"))
 
     def abort(self) -> None:
         self.closed = True
@@ -391,13 +425,31 @@ def _head_size(headers: list[tuple[bytes, bytes]]) -> int:
 class UpstreamResponse:
     """The response to one upstream request; read it with readany() / read()."""
 
-    __slots__ = ("_conn", "_pool", "_released", "headers", "max_body", "reused", "status")
+    __slots__ = (
+        "_conn",
+        "_pool",
+        "_released",
+        "body_s",
+        "headers",
+        "max_body",
+        "reused",
+        "status",
+    )
 
-    def __init__(self, conn: Connection, pool: Pool, max_body: int = MAX_RESPONSE_BYTES) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        pool: Pool,
+        max_body: int = MAX_RESPONSE_BYTES,
+        body_s: float = 0.0,
+    ) -> None:
         self._conn = conn
         self._pool = pool
         self._released = False
         self.max_body = max_body  # the most read() takes of a whole body
+        # read(): the rest of a body is due this long after its first byte (timeouts.idle_s);
+        # 0: the deadline it has (the first-byte one) holds for the whole body
+        self.body_s = body_s
         self.reused = conn.reused  # a pooled connection (not opened for this request)
         self.status: int = conn.parser.get_status_code()
         # (lower-case name, value) as bytes, in the order the backend sent them; the
@@ -419,6 +471,7 @@ class UpstreamResponse:
     async def read(self, limit: int = -1) -> bytes:
         """The whole body (or its first `limit` bytes, waiting no longer than needed).
 
+        The rest of the body is due within `body_s` of its first byte (the module's docstring).
         A whole body is at most `max_body` bytes: past it, or when its Content-Length says it
         will be (before reading any of it), UpstreamResponseTooLarge, and the connection is
         closed (the rest is never read; the pool does not get it back)."""
@@ -432,6 +485,8 @@ class UpstreamResponse:
             data = await self.readany()
             if not data:
                 break
+            if not parts and self.body_s:  # its first byte: the whole body's deadline
+                self.set_read_timeout(self.body_s)
             parts.append(data)
             size += len(data)
             if limit < 0 and size > cap:
@@ -454,12 +509,15 @@ class UpstreamResponse:
         return exc
 
     def set_read_timeout(self, seconds: float) -> None:
-        """Switch from the first-byte budget to the idle budget (from now)."""
+        """Progress: the read deadline moves to `seconds` from now. The relay switches from
+        the first-byte budget to the idle budget with it at the first body byte, then calls it
+        per read that completes an event. On the per-read path: a clock read and two stores;
+        a new timer only when the deadline comes earlier than the timer (at the switch)."""
         c = self._conn
         c.read_timeout = seconds
-        if not c._eof and c.error is None and not c.closed:
-            c._cancel_timer()
-            c.arm()
+        c._deadline = deadline = c.loop.time() + seconds
+        if c._timer is None or c._due > deadline:
+            c._schedule(deadline)
 
     def close(self) -> None:
         """Drop the connection now (the client left): a pending read fails at once."""
