@@ -125,6 +125,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._chunk = 0  # bytes of the read being parsed
         self._refusal: tuple[int, str, str] | None = None
         self._counted = False
+        self._begun = False  # a request began in the read being parsed
+        self._upgrade_asked = False  # the head asks to switch protocols: answered over HTTP/1.1
         self._stalled: asyncio.TimerHandle | None = None  # armed while writes are paused
 
     # -- connection ------------------------------------------------------------------------
@@ -194,20 +196,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._unset_keepalive_if_required()
         self._chunk = len(data)
+        self._begun = False
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
+        except httptools.HttpParserUpgrade as stop:
+            self._without_upgrade(data[stop.args[0] if stop.args else len(data) :])
             return
         except httptools.HttpParserError:
             refusal = self._refusal or (400, "Invalid HTTP request received.", "bad_request")
             self._refuse(*refusal)
             return
         if self._phase == _HEAD:
-            self._head_bytes += len(data)
+            if self._begun:  # pipelined: only the bytes of the head still arriving count
+                self._head_bytes = _partial_head_size(self.url, self.headers, data)
+            else:
+                self._head_bytes += len(data)
             limit = conns.limits.max_header_bytes
             if self._head_bytes > limit and not self.transport.is_closing():
                 self._refuse(*_head_too_large(limit))
@@ -218,6 +221,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._phase != _HEAD:
             self._phase, self._since = _HEAD, self.loop.time()
         self._head_bytes = 0
+        self._begun = True
 
     def on_headers_complete(self) -> None:
         conns = self._conns
@@ -232,16 +236,51 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 )
                 raise _Refused
             if self._head_bytes + self._chunk > limits.max_header_bytes:  # else it fits
-                size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
-                if size > limits.max_header_bytes:
+                if _head_size(self.url, self.headers) > limits.max_header_bytes:
                     self._refusal = _head_too_large(limits.max_header_bytes)
                     raise _Refused
             self._phase, self._since = _BODY, self.loop.time()
+        upgrade = conns is not None and self.parser.should_upgrade()
+        if upgrade and self.parser.get_method() != b"CONNECT":
+            # No request is started for this head: the parser stops here, and the request
+            # is parsed again without its upgrade (data_received, _without_upgrade).
+            self._upgrade_asked = True
+            return
         HttpToolsProtocol.on_headers_complete(self)
 
     def on_message_complete(self) -> None:
         self._phase = _IDLE
+        if self._upgrade_asked:
+            return
         HttpToolsProtocol.on_message_complete(self)
+
+    def _without_upgrade(self, rest: bytes) -> None:
+        """Answer a request that asks to switch protocols (`Upgrade: h2c` from `curl --http2`,
+        a WebSocket handshake) over HTTP/1.1, as if it had not asked: this proxy speaks
+        neither, and a server may ignore Upgrade (RFC 9110 section 7.8). The parser stops at
+        such a head, so the head is parsed again, without its upgrade, by a new parser,
+        followed by the bytes after it (its body, the next request)."""
+        if not self._upgrade_asked:  # CONNECT: a tunnel this proxy does not open
+            self._refuse(400, "This proxy does not open tunnels (CONNECT).", "bad_request")
+            return
+        self._upgrade_asked = False
+        parser = self.parser
+        version = parser.get_http_version().encode()
+        connection = b""
+        head = [parser.get_method(), b" ", self.url, b" HTTP/", version, b"\r\n"]
+        for name, value in self.headers:
+            if name == b"connection":
+                kept = [t for t in value.split(b",") if t.strip().lower() not in _UPGRADE_TOKENS]
+                connection = b",".join(kept).strip()
+                if connection:
+                    head += [name, b": ", connection, b"\r\n"]
+            elif name not in _UPGRADE_TOKENS:
+                head += [name, b": ", value, b"\r\n"]
+        head.append(b"\r\n")
+        log.debug("request from %s asked to upgrade; answered over HTTP/1.1", _address(self.client))
+        self.parser = httptools.HttpRequestParser(self)
+        self._phase = _IDLE
+        self.data_received(b"".join(head) + rest)
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, msg, "bad_request")
@@ -275,6 +314,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: int, message: str, reason: str) -> None:
         """Answer `status` (unless a response is under way) and close the connection."""
+        current = self._phase == _BODY  # self.cycle is this request's (not the one before)
         self._phase = _IDLE
         self._refusal = None
         if self._conns is not None:
@@ -302,6 +342,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if started:
                 transport.close()
                 return
+        if current and cycle is not None and cycle.response_started:
+            # Answered early (a 404, a 413, /health): a second answer to the same request
+            # would desynchronise the client, so its unfinished body just ends the connection.
+            log.info(
+                "request %s from %s was already answered and its body did not complete; "
+                "connection closed (%s)",
+                request_id,
+                _address(self.client),
+                reason,
+            )
+            transport.close()
+            return
         kind = "server_error" if status >= 500 else "invalid_request_error"
         body = error_body(message, kind, None, reason)
         head = (
@@ -318,6 +370,24 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
 def _address(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "an unknown address"
+
+
+_UPGRADE_TOKENS = frozenset((b"upgrade", b"http2-settings"))
+
+
+def _head_size(url: bytes, headers: list[tuple[bytes, bytes]]) -> int:
+    """The bytes of a parsed head (request target and fields), as the limit counts them."""
+    return max(1, len(url) + sum(len(n) + len(v) + 4 for n, v in headers))
+
+
+def _partial_head_size(url: bytes, headers: list[tuple[bytes, bytes]], data: bytes) -> int:
+    """The bytes of a head that began in `data` and is not complete at its end: the fields
+    parsed so far and the field still arriving, not yet reported by the parser (what follows
+    the last line break: the request line ended in this read). Within the request line, the
+    target parsed so far. Requests before it in the same read are not counted."""
+    if not headers:
+        return len(url) + 16  # the method and version around it
+    return _head_size(url, headers) + len(data) - data.rfind(b"\r\n") - 2
 
 
 def _head_too_large(limit: int) -> tuple[int, str, str]:
