@@ -18,6 +18,13 @@ connections were all still open after 75 s. Here, per connection:
   so a chunk written costs nothing; closing the connection makes uvicorn hand the app
   http.disconnect, and the proxy's disconnect watcher closes the upstream.
 
+Never two answers to one request, and every request answered in order: a body that times out
+after the app has answered (a 404, a 413, /health) just closes the connection; a refusal of a
+pipelined head waits for the answers owed before it; the head bound counts each head's own
+bytes, not the requests and bodies before it in the same read. A request asking to switch
+protocols (Upgrade: h2c from `curl --http2`, a WebSocket handshake) is answered over HTTP/1.1
+as if it had not asked (RFC 9110 section 7.8): this proxy speaks neither; CONNECT gets 400.
+
 Deadlines are checked by one timer per server every tick (a quarter of the shortest timeout,
 at most 1 s), not one timer per request: a request costs two clock reads. The app publishes
 the limits (and reads the counters) through the ASGI lifespan state, so any server running the
@@ -31,7 +38,7 @@ import logging
 import resource
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -125,8 +132,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._chunk = 0  # bytes of the read being parsed
         self._refusal: tuple[int, str, str] | None = None
         self._counted = False
-        self._begun = False  # a request began in the read being parsed
+        self._clean = True  # all the read parsed so far is the current head's
         self._upgrade_asked = False  # the head asks to switch protocols: answered over HTTP/1.1
+        self._deferred: bytes | None = None  # a refusal sent once earlier answers are
         self._stalled: asyncio.TimerHandle | None = None  # armed while writes are paused
 
     # -- connection ------------------------------------------------------------------------
@@ -190,30 +198,40 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         transport.abort()
 
     def data_received(self, data: bytes) -> None:
-        conns = self._conns
-        if conns is None:
-            super().data_received(data)
-            return
         self._unset_keepalive_if_required()
         self._chunk = len(data)
-        self._begun = False
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade as stop:
-            self._without_upgrade(data[stop.args[0] if stop.args else len(data) :])
+        self._clean = self._phase != _BODY  # what this read starts with is a head's
+        if not self._feed(data):
             return
-        except httptools.HttpParserError:
-            refusal = self._refusal or (400, "Invalid HTTP request received.", "bad_request")
-            self._refuse(*refusal)
-            return
-        if self._phase == _HEAD:
-            if self._begun:  # pipelined: only the bytes of the head still arriving count
-                self._head_bytes = _partial_head_size(self.url, self.headers, data)
-            else:
+        conns = self._conns
+        if conns is not None and self._phase == _HEAD:  # the read ended within a head
+            if self._clean:  # all of it is this head's
                 self._head_bytes += len(data)
+            else:  # the head began after a request (or a body) in the same read
+                self._head_bytes = _partial_head_size(self.url, self.headers, data)
             limit = conns.limits.max_header_bytes
             if self._head_bytes > limit and not self.transport.is_closing():
                 self._refuse(*_head_too_large(limit))
+
+    def _feed(self, data: bytes) -> bool:
+        """Parse `data`: False when the connection was refused. A head asking to upgrade
+        stops the parser (the bytes after it are not parsed): the head is parsed again without
+        its upgrade, then the bytes after it, without copying them (a memoryview)."""
+        pending: list[Any] = [data]
+        while pending:
+            buffer = pending.pop()
+            try:
+                self.parser.feed_data(buffer)
+            except httptools.HttpParserUpgrade as stop:
+                rest = memoryview(buffer)[stop.args[0] if stop.args else len(buffer) :]
+                if rest:
+                    pending.append(rest)
+                pending.append(self._without_upgrade())
+            except httptools.HttpParserError:
+                refusal = self._refusal or (400, "Invalid HTTP request received.", "bad_request")
+                self._refuse(*refusal)
+                return False
+        return True
 
     # -- parser callbacks (once per request: the base class's named, not a super() object) --
     def on_message_begin(self) -> None:
@@ -221,9 +239,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._phase != _HEAD:
             self._phase, self._since = _HEAD, self.loop.time()
         self._head_bytes = 0
-        self._begun = True
 
     def on_headers_complete(self) -> None:
+        self._clean = False  # what follows in this read is no part of the next head
         conns = self._conns
         if conns is not None:
             limits = conns.limits
@@ -239,13 +257,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 if _head_size(self.url, self.headers) > limits.max_header_bytes:
                     self._refusal = _head_too_large(limits.max_header_bytes)
                     raise _Refused
-            self._phase, self._since = _BODY, self.loop.time()
-        upgrade = conns is not None and self.parser.should_upgrade()
-        if upgrade and self.parser.get_method() != b"CONNECT":
-            # No request is started for this head: the parser stops here, and the request
-            # is parsed again without its upgrade (data_received, _without_upgrade).
+        if self.parser.should_upgrade():  # Upgrade with Connection: upgrade, or CONNECT
+            if self.parser.get_method() == b"CONNECT":
+                self._refusal = (400, "This proxy opens no tunnels (CONNECT).", "bad_request")
+                raise _Refused
+            # No request is started for this head: the parser stops after it, and it is
+            # parsed again without its upgrade (_feed, _without_upgrade).
             self._upgrade_asked = True
             return
+        if conns is not None:
+            self._phase, self._since = _BODY, self.loop.time()
         HttpToolsProtocol.on_headers_complete(self)
 
     def on_message_complete(self) -> None:
@@ -254,33 +275,30 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         HttpToolsProtocol.on_message_complete(self)
 
-    def _without_upgrade(self, rest: bytes) -> None:
-        """Answer a request that asks to switch protocols (`Upgrade: h2c` from `curl --http2`,
-        a WebSocket handshake) over HTTP/1.1, as if it had not asked: this proxy speaks
-        neither, and a server may ignore Upgrade (RFC 9110 section 7.8). The parser stops at
-        such a head, so the head is parsed again, without its upgrade, by a new parser,
-        followed by the bytes after it (its body, the next request)."""
-        if not self._upgrade_asked:  # CONNECT: a tunnel this proxy does not open
-            self._refuse(400, "This proxy does not open tunnels (CONNECT).", "bad_request")
-            return
+    def _should_upgrade(self) -> bool:
+        return False  # never handed to a WebSocket protocol (see _without_upgrade)
+
+    def _without_upgrade(self) -> bytes:
+        """The head of a request that asks to switch protocols (`Upgrade: h2c` from `curl
+        --http2`, a WebSocket handshake), without its upgrade: this proxy speaks neither, and
+        a server may ignore Upgrade (RFC 9110 section 7.8), so the request is answered over
+        HTTP/1.1 as if it had not asked (its body read, the connection kept). The Upgrade and
+        HTTP2-Settings fields go, and the `upgrade` token of Connection."""
         self._upgrade_asked = False
         parser = self.parser
-        version = parser.get_http_version().encode()
-        connection = b""
-        head = [parser.get_method(), b" ", self.url, b" HTTP/", version, b"\r\n"]
+        head = [parser.get_method(), b" ", self.url, b" HTTP/"]
+        head += [parser.get_http_version().encode(), b"\r\n"]
         for name, value in self.headers:
             if name == b"connection":
                 kept = [t for t in value.split(b",") if t.strip().lower() not in _UPGRADE_TOKENS]
-                connection = b",".join(kept).strip()
-                if connection:
-                    head += [name, b": ", connection, b"\r\n"]
+                value = b",".join(kept).strip()
+                if value:
+                    head += [name, b": ", value, b"\r\n"]
             elif name not in _UPGRADE_TOKENS:
                 head += [name, b": ", value, b"\r\n"]
         head.append(b"\r\n")
         log.debug("request from %s asked to upgrade; answered over HTTP/1.1", _address(self.client))
-        self.parser = httptools.HttpRequestParser(self)
-        self._phase = _IDLE
-        self.data_received(b"".join(head) + rest)
+        return b"".join(head)
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, msg, "bad_request")
@@ -313,7 +331,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             )
 
     def _refuse(self, status: int, message: str, reason: str) -> None:
-        """Answer `status` (unless a response is under way) and close the connection."""
+        """Answer `status` and close the connection: at once, or after the answers still
+        owed to earlier requests; never a second answer to a request."""
         current = self._phase == _BODY  # self.cycle is this request's (not the one before)
         self._phase = _IDLE
         self._refusal = None
@@ -333,39 +352,71 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if transport.is_closing():
             return
         cycle = self.cycle
+        if not current and cycle is not None and not cycle.response_complete:
+            # A request before this head (pipelined) is still being answered: the refusal is
+            # the next answer, sent once that one is complete (on_response_complete), and
+            # nothing more is read or parsed meanwhile.
+            self._deferred = _refusal_response(status, message, reason, request_id)
+            self.parser = cast(Any, _DISCARD)
+            self.flow.pause_reading()
+            return
         if cycle is not None and not cycle.response_complete:
             # The app is working on this request: it now sees a disconnect, and what it
             # still sends is dropped.
-            started = cycle.response_started
             cycle.disconnected = True
             cycle.message_event.set()
-            if started:
-                transport.close()
-                return
-        if current and cycle is not None and cycle.response_started:
-            # Answered early (a 404, a 413, /health): a second answer to the same request
-            # would desynchronise the client, so its unfinished body just ends the connection.
+        if current and cycle is not None and (cycle.response_started or self.pipeline):
+            # Answered (or being answered) early: a 404, a 413, /health; or waiting behind the
+            # answer to an earlier request. An answer now would be a second one to this
+            # request, or be taken for the earlier one's: its unfinished body just ends the
+            # connection.
             log.info(
-                "request %s from %s was already answered and its body did not complete; "
-                "connection closed (%s)",
+                "request %s from %s %s and its body did not complete; connection closed (%s)",
                 request_id,
                 _address(self.client),
+                "was already answered" if cycle.response_started else "waited its turn",
                 reason,
             )
             transport.close()
             return
-        kind = "server_error" if status >= 500 else "invalid_request_error"
-        body = error_body(message, kind, None, reason)
-        head = (
-            STATUS_LINE[status]
-            + b"content-type: application/json\r\ncontent-length: "
-            + str(len(body)).encode()
-            + b"\r\nx-request-id: "
-            + request_id.encode()
-            + b"\r\nconnection: close\r\n\r\n"
-        )
-        transport.write(head + body)
+        transport.write(_refusal_response(status, message, reason, request_id))
         transport.close()
+
+    def on_response_complete(self) -> None:
+        HttpToolsProtocol.on_response_complete(self)
+        deferred = self._deferred
+        if deferred is not None and self.cycle.response_complete:  # every earlier one sent
+            self._deferred = None
+            self._unset_keepalive_if_required()
+            if not self.transport.is_closing():
+                self.transport.write(deferred)
+                self.transport.close()
+
+
+class _Discard:
+    """The parser of a connection whose refusal waits for the answers before it: what the
+    connection still reads is not parsed."""
+
+    @staticmethod
+    def feed_data(data: Any) -> None:
+        return None
+
+
+_DISCARD = _Discard()
+
+
+def _refusal_response(status: int, message: str, reason: str, request_id: str) -> bytes:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = error_body(message, kind, None, reason)
+    return (
+        STATUS_LINE[status]
+        + b"content-type: application/json\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\nx-request-id: "
+        + request_id.encode()
+        + b"\r\nconnection: close\r\n\r\n"
+        + body
+    )
 
 
 def _address(client: tuple[str, int] | None) -> str:
@@ -381,13 +432,15 @@ def _head_size(url: bytes, headers: list[tuple[bytes, bytes]]) -> int:
 
 
 def _partial_head_size(url: bytes, headers: list[tuple[bytes, bytes]], data: bytes) -> int:
-    """The bytes of a head that began in `data` and is not complete at its end: the fields
-    parsed so far and the field still arriving, not yet reported by the parser (what follows
-    the last line break: the request line ended in this read). Within the request line, the
-    target parsed so far. Requests before it in the same read are not counted."""
-    if not headers:
-        return len(url) + 16  # the method and version around it
-    return _head_size(url, headers) + len(data) - data.rfind(b"\r\n") - 2
+    """The bytes of a head that began in `data` after other requests (or a body) and is not
+    complete at its end: the target and fields parsed so far, and the line still arriving
+    (what follows the last line break, once one of this head's lines has ended there), which
+    the parser reports only once it is complete. What came before the head is not counted."""
+    size = _head_size(url, headers) + 16  # the method and version around the target
+    end = data.rfind(b"\r\n")
+    if end >= 0 and (headers or data.startswith(b" HTTP/", end - 9)):  # a line of this head
+        size += len(data) - end - 2
+    return size
 
 
 def _head_too_large(limit: int) -> tuple[int, str, str]:

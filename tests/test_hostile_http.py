@@ -151,27 +151,33 @@ def test_pipelined_requests_in_one_read_are_each_bounded_as_a_head_and_all_answe
     srv, app = server(max_header_bytes=1024)
     conn = Conn(srv)
     # 40 complete heads (~1.7 kB together, more than the bound) and the start of a 41st.
-    conn.send(b"".join(b"GET /n/%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(40)))
-    conn.send(b"GET /n/40 HTTP/1.1\r\nhost: x\r\nx-spl")
+    heads = b"".join(b"GET /n/%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(40))
+    conn.send(heads + b"GET /n/40 HTTP/1.1\r\nhost: x\r\nx-spl")
     for i in range(40):
         assert conn.response()[::2] == (200, b"%d" % i)
     conn.send(b"it: 1\r\n\r\n")
     assert conn.response()[2] == b"40"
-    # A 100 kB body and the next head together: body bytes are no part of a head.
+    # A 100 kB body and the next heads together: body bytes are no part of a head.
     body = b"b" * 100_000
-    conn.send(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
-    conn.send(b"GET /n/after HTTP/1.1\r\nhost: x\r\n\r\n")
+    post = b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body)
+    after = b"GET /n/after HTTP/1.1\r\nhost: x\r\n\r\nGET /n/split HTTP/1.1\r\nx-sp"
+    conn.send(post + body + after)
     status, _, echoed = conn.response()
     assert status == 200 and echoed == body
     assert conn.response()[2] == b"after"
-    # Each head is still bounded: one past the bound behind a small one gets 431.
-    conn.send(b"GET /n/small HTTP/1.1\r\nhost: x\r\n\r\n")
-    conn.send(b"GET /n/big HTTP/1.1\r\nhost: x\r\nx-big: " + b"y" * 1100 + b"\r\n\r\n")
-    assert conn.response()[2] == b"small"
-    assert conn.response()[0] == 431
-    assert conn.rest() == b""
+    conn.send(b"lit: 1\r\n\r\n")
+    assert conn.response()[2] == b"split"
+    # Each head is still bounded, and its 431 comes after the answer to the one before it.
+    small = b"GET /n/small HTTP/1.1\r\nhost: x\r\n\r\n"
+    for big in (b"x-big: " + b"y" * 1100 + b"\r\n\r\n", b"x-growing: " + b"y" * 1100):
+        conn.send(small + b"GET /n/big HTTP/1.1\r\nhost: x\r\n" + big)
+        assert conn.response()[::2] == (200, b"small")
+        assert conn.response()[0] == 431
+        assert conn.rest() == b""
+        conn.close()
+        conn = Conn(srv)
     conn.close()
-    assert app.connections.refused["header_too_large"] == 1
+    assert app.connections.refused["header_too_large"] == 2
 
 
 # -- item 9: Upgrade: h2c ---------------------------------------------------------------------
