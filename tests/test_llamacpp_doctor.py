@@ -192,10 +192,11 @@ def test_ttft_is_split_with_the_engines_own_prefill_time(diagnosed: Diagnosed) -
         )
         # The engine's counter of prefill time adds up about the same intervals, timed
         # slightly differently: 0.2-0.8 ms less per request idle, up to ~2 ms with both
-        # slots busy on one thread, and ~20 ms seen once on a loaded CI machine (two
-        # engine-side clocks, not the proxy's: bounded per request, not as a share).
-        tolerance = max(0.02 * prompt_s, 0.03 * b["requests"])
-        assert engine["llamacpp:prompt_seconds_total"] == pytest.approx(prompt_s, abs=tolerance)
+        # slots busy on one thread, and 4% less (0.9 s over the run) seen on a CI machine
+        # shared with other work. Two engine-side clocks, not the proxy's (checked exactly
+        # above): the counter never runs ahead of the streamed timings, and is not far behind.
+        counter, slack = engine["llamacpp:prompt_seconds_total"], 0.03 * b["requests"]
+        assert 0.9 * prompt_s - slack <= counter <= prompt_s + slack, (counter, prompt_s)
         # waiting is the rest of the upstream TTFT (prefill never exceeds it)
         assert m["queue_s_mean"] + m["prefill_s_mean"] == pytest.approx(
             m["upstream_ttft_s_mean"], abs=2e-6
