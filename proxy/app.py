@@ -91,6 +91,7 @@ def create_app(
             config.upstream.max_connections_per_backend,
             tls,
             max_response_bytes=config.upstream.max_response_bytes,
+            max_buffered_bytes=config.upstream.max_buffered_bytes,
         ),
         routing=routing,
         http=http,

@@ -374,6 +374,11 @@ class UpstreamConfig(_Model):
     # (upstream_response_too_large) and the connection is closed. Streams are bounded per
     # event instead (meter.MAX_EVENT_BYTES).
     max_response_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # The most bytes all non-streamed answers being read or relayed hold at once, beyond the
+    # first MiB of each (ordinary answers never count): an answer that would go past it gets
+    # a 503 (upstream_responses_over_budget) with Retry-After, so a few large answers at once
+    # cannot take the proxy past its memory limit. Leave room for it in that limit.
+    max_buffered_bytes: int = Field(256 * 1024 * 1024, ge=0)
     tls_verify: bool = True  # verify https backends' certificates
     tls_ca_file: str | None = None  # a CA bundle for them (default: the system's)
     tls_cert_file: str | None = None  # a client certificate (mutual TLS)

@@ -13,11 +13,13 @@ first token, so a wedged engine answers heads all day), and a stream that breaks
 
 What a backend answers is checked where the client would otherwise get something its SDK
 cannot read: a whole answer is read up to upstream.max_response_bytes (past it: 502
-upstream_response_too_large); a 200 to a JSON API must be a JSON object (else 502
-upstream_invalid_response), and is sent as application/json whatever the backend labelled it;
-a 200 to a streamed request must be an event stream (else the same 502, before any byte), and
-an event that is not valid UTF-8 ends the stream with an error event (the openai client would
-raise UnicodeDecodeError on it). None of these is retried: see `_refuse`.
+upstream_response_too_large), and while the answers read at once hold less than
+upstream.max_buffered_bytes (past it: 503 upstream_responses_over_budget, Retry-After 1); a
+200 to a JSON API must be a JSON object (else 502 upstream_invalid_response), and is sent as
+application/json whatever the backend labelled it; a 200 to a streamed request must be an event
+stream (else the same 502, before any byte), and an event that is not valid UTF-8 ends the
+stream with an error event (the openai client would raise UnicodeDecodeError on it). None of
+these is retried: see `_refuse`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from proxy.upstream import (
     NOT_FORWARDED_DOWNSTREAM_B,
     NOT_FORWARDED_UPSTREAM,
     READ_ERRORS,
+    UpstreamOverBudget,
     UpstreamResponseTooLarge,
 )
 
@@ -59,6 +62,9 @@ IDLE_TIMEOUT, STREAM_CUT, INCOMPLETE = "idle_timeout", "upstream_stream_error", 
 TOO_LARGE = "event_too_large"
 # What a client gets for an answer the proxy will not pass on (502, or the event ending a stream)
 RESPONSE_TOO_LARGE, INVALID_RESPONSE = "upstream_response_too_large", "upstream_invalid_response"
+# ... and a 503 for an answer the proxy has no memory for now (upstream.max_buffered_bytes)
+OVER_BUDGET = "upstream_responses_over_budget"
+OVER_BUDGET_RETRY_AFTER_S = b"1"
 JSON_HEADER = (b"content-type", b"application/json")
 # The usual event-stream heads, found by one C-level search each: the per-request check
 SSE_TYPES = (
@@ -157,6 +163,12 @@ class Relay:
     ) -> StreamFacts | None:
         try:
             payload = await upstream.read()  # at most upstream.max_response_bytes
+        except UpstreamOverBudget as e:
+            # The proxy's own want of memory, not the answer's size as such: a 503 the client
+            # may retry in a moment, no verdict on the backend (a kind the breaker ignores).
+            reason = f"The answer from {backend.name} was refused: {describe(e)}."
+            await self._refuse(ex, backend, upstream, record, send, OVER_BUDGET, reason)
+            return None
         except UpstreamResponseTooLarge as e:
             # The read stopped at the limit (or at a Content-Length over it) and closed the
             # connection; not retried, no verdict on the backend (`_refuse` says why).
@@ -225,13 +237,17 @@ class Relay:
         (many inputs to embed, n, logprobs) as much as from the backend, and a client must not
         be able to eject healthy backends by asking for big answers.
         """
-        log.warning("request %s: %s Answered 502 (%s).", ex.request_id, reason, code)
+        over = code == OVER_BUDGET
+        status = 503 if over else 502
+        log.warning("request %s: %s Answered %d (%s).", ex.request_id, reason, status, code)
         upstream.close()
-        kind = "too_large" if code == RESPONSE_TOO_LARGE else "protocol"
+        kind = "too_large" if over or code == RESPONSE_TOO_LARGE else "protocol"
         self.fleet.mark_failure(backend, reason, kind=kind)
-        await respond(send, 502, error_body(reason, "server_error", None, code), ex.request_id)
+        body = error_body(reason, "server_error", None, code)
+        extra = ((b"retry-after", OVER_BUDGET_RETRY_AFTER_S),) if over else ()
+        await respond(send, status, body, ex.request_id, extra)
         ex.started_response = True
-        record.finish(None, status=502, error_type=code, backend=backend.name)
+        record.finish(None, status=status, error_type=code, backend=backend.name)
 
     async def stream(
         self,

@@ -35,17 +35,20 @@ from proxy.engines import backend_url
 from proxy.upstream_conn import (
     CONNECT_ERRORS,
     HIGH_WATER,
+    MAX_BUFFERED_BYTES,
     MAX_HEAD_BYTES,
     MAX_HEADERS,
     MAX_RESPONSE_BYTES,
     READ_ERRORS,
     REFUSED_ERRORS,
+    BodyBudget,
     Connection,
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamDisconnected,
     UpstreamError,
     UpstreamHeadTooLarge,
+    UpstreamOverBudget,
     UpstreamPayloadError,
     UpstreamProtocolError,
     UpstreamResponse,
@@ -57,6 +60,7 @@ __all__ = [
     "HIGH_WATER",
     "HOP_BY_HOP",
     "KEEPALIVE_S",
+    "MAX_BUFFERED_BYTES",
     "MAX_HEADERS",
     "MAX_HEAD_BYTES",
     "MAX_RESPONSE_BYTES",
@@ -73,6 +77,7 @@ __all__ = [
     "UpstreamDisconnected",
     "UpstreamError",
     "UpstreamHeadTooLarge",
+    "UpstreamOverBudget",
     "UpstreamPayloadError",
     "UpstreamProtocolError",
     "UpstreamResponse",
@@ -152,10 +157,13 @@ class Upstream:
         ssl_context: ssl.SSLContext | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
+        max_buffered_bytes: int = MAX_BUFFERED_BYTES,
     ) -> None:
         self.timeouts = timeouts
         # The most of a whole (non-streamed) body a response's read() takes
         self.max_response_bytes = max_response_bytes
+        # What all whole bodies hold at once beyond their first FREE_BYTES each
+        self.body_budget = BodyBudget(max_buffered_bytes)
         self._clock = clock  # ages idle connections (KEEPALIVE_S): injectable for tests
         self.max_per_host = max_per_host  # connections in use per (host, port, tls)
         self._targets: dict[tuple[str, str], Target] = {}
@@ -227,7 +235,9 @@ class Upstream:
             conn.abort()
             self.forget(conn)
             raise
-        return UpstreamResponse(conn, self, self.max_response_bytes, self.timeouts.idle_s)
+        return UpstreamResponse(
+            conn, self, self.max_response_bytes, self.timeouts.idle_s, self.body_budget
+        )
 
     async def _slot(self, key: tuple[str, int, bool]) -> None:
         """Wait (within the connect timeout) until fewer than max_per_host are in use."""

@@ -39,7 +39,8 @@ Errors, typed so the retry policy (proxy/retry.py) can tell them apart:
 - UpstreamPayloadError: the response broke off after it started.
 - UpstreamResponseTooLarge: a whole body (read()) past the response's limit
   (upstream.max_response_bytes), or a Content-Length that says it will be; the connection is
-  closed at once, the rest never read.
+  closed at once, the rest never read. UpstreamOverBudget (a subclass): a whole body that
+  would take the bytes all whole bodies hold at once past the proxy's budget (BodyBudget).
 - TimeoutError: the read deadline passed (above): no first body byte within the first-byte
   budget, or no progress within the idle budget once the forwarder switched to it.
 
@@ -52,6 +53,16 @@ measured when it is complete; and the bytes received while it is incomplete, whi
 would otherwise keep joining, checked per read; trailers count towards it), unread body bytes
 (HIGH_WATER, then reading pauses), and a whole body read with read() (the response's
 `max_body`). A stream read with readany() is bounded per event by the relay's meter.
+
+One limit per answer still lets a few large answers at once take the process past its
+container's memory limit (each costs about twice its size while it is joined), so the whole
+bodies being read or relayed at once share a BodyBudget (upstream.max_buffered_bytes): each
+body's first FREE_BYTES are outside it (ordinary answers never wait on large ones), the rest
+is taken from it as it arrives (a Content-Length's worth at once when the head announces it)
+and given back when the response is released, once its bytes were handed to the client's
+connection. A body
+that cannot take what it needs fails at once (UpstreamOverBudget; no waiting, so two large
+bodies can never hold each other's share), and the relay answers 503 with a Retry-After.
 """
 
 from __future__ import annotations
@@ -72,6 +83,29 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADERS = 100
 # The default most bytes of a whole (non-streamed) body (UpstreamConfig.max_response_bytes).
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+# The default most bytes all whole bodies hold at once beyond their first FREE_BYTES each
+# (UpstreamConfig.max_buffered_bytes): four answers at the limit.
+MAX_BUFFERED_BYTES = 256 * 1024 * 1024
+FREE_BYTES = 1 << 20
+
+
+class BodyBudget:
+    """The bytes whole bodies may hold at once beyond their first FREE_BYTES each (pure)."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int = MAX_BUFFERED_BYTES) -> None:
+        self.limit = limit
+        self.held = 0  # taken and not given back
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held -= n
 
 
 class UpstreamError(Exception):
@@ -113,6 +147,10 @@ class UpstreamResponseTooLarge(UpstreamError):
     def __init__(self, message: str, limit: int) -> None:
         super().__init__(message)
         self.limit = limit
+
+
+class UpstreamOverBudget(UpstreamResponseTooLarge):
+    """A whole body refused because the bodies being held at once have taken the budget."""
 
 
 # Errors that mean "this backend did not take the request": safe to retry elsewhere.
@@ -426,7 +464,9 @@ class UpstreamResponse:
     """The response to one upstream request; read it with readany() / read()."""
 
     __slots__ = (
+        "_budget",
         "_conn",
+        "_held",
         "_pool",
         "_released",
         "body_s",
@@ -442,10 +482,13 @@ class UpstreamResponse:
         pool: Pool,
         max_body: int = MAX_RESPONSE_BYTES,
         body_s: float = 0.0,
+        budget: BodyBudget | None = None,
     ) -> None:
         self._conn = conn
         self._pool = pool
         self._released = False
+        self._budget = budget  # shared by every whole body read at once (None: no budget)
+        self._held = 0  # what this body took of it
         self.max_body = max_body  # the most read() takes of a whole body
         # read(): the rest of a body is due this long after its first byte (timeouts.idle_s);
         # 0: the deadline it has (the first-byte one) holds for the whole body
@@ -479,6 +522,9 @@ class UpstreamResponse:
         cap = self.max_body
         if limit < 0 and c._length > cap:
             raise self._too_large(f"announces {c._length} bytes (content-length), more than")
+        whole = limit < 0 and self._budget is not None
+        if whole and c._length > FREE_BYTES:  # announced: its share at once, before any byte
+            self._reserve(c._length)
         parts: list[bytes] = []
         size = 0
         while limit < 0 or size < limit:
@@ -491,11 +537,39 @@ class UpstreamResponse:
             size += len(data)
             if limit < 0 and size > cap:
                 raise self._too_large("is longer than")
+            if whole and size - FREE_BYTES > self._held:
+                self._reserve(size)
         body = b"".join(parts)
         if 0 <= limit < len(body):
             c._buffer.insert(0, body[limit:])
             body = body[:limit]
         return body
+
+    def _reserve(self, size: int) -> None:
+        """Take from the budget what a body of `size` bytes holds beyond its free share; when
+        the budget has not got it, fail the response (UpstreamOverBudget)."""
+        budget = self._budget
+        assert budget is not None
+        need = size - FREE_BYTES - self._held
+        if budget.take(need):
+            self._held += need
+            return
+        exc = UpstreamOverBudget(
+            f"the whole answers being read at once hold {budget.held} of the "
+            f"{budget.limit} bytes this proxy buffers (upstream.max_buffered_bytes), and this "
+            f"one needed {need} more",
+            budget.limit,
+        )
+        c = self._conn
+        c._fail(exc)
+        c.abort()
+        raise exc
+
+    def _give_back(self) -> None:
+        if self._held:
+            assert self._budget is not None
+            self._budget.give(self._held)
+            self._held = 0
 
     def _too_large(self, what: str) -> UpstreamResponseTooLarge:
         exc = UpstreamResponseTooLarge(
@@ -524,9 +598,12 @@ class UpstreamResponse:
         c = self._conn
         c._fail(UpstreamPayloadError("closed by the proxy"))
         c.abort()
+        self._give_back()
 
     def release(self) -> None:
-        """Done with the response: the connection goes back to the pool if it can be reused."""
+        """Done with the response: the connection goes back to the pool if it can be reused,
+        and what its body took of the budget goes back to it."""
+        self._give_back()
         if self._released:
             return
         self._released = True

@@ -19,6 +19,8 @@ import pytest
 
 from proxy.config import TimeoutsConfig
 from proxy.upstream import MAX_HEAD_BYTES, MAX_HEADERS, Upstream, UpstreamHeadTooLarge
+from proxy.upstream_conn import FREE_BYTES
+from tests.support import until
 from tests.test_proxy_hostile import EVENT, HEAD, RawBackend, _chunk
 
 pytestmark = pytest.mark.e2e
@@ -150,6 +152,62 @@ def test_an_answer_within_the_limit_is_passed_on(
     proxy = _limited(proxy_server, [backend.url])
     answer = _client(proxy).chat.completions.create(model="m", messages=MESSAGES)
     assert answer.choices[0].message.content == "hi"
+
+
+def _padded(size: int) -> bytes:
+    """A chat completion of exactly `size` bytes."""
+    return COMPLETION[:-1] + b',"pad":"' + b"x" * (size - len(COMPLETION) - 9) + b'"}'
+
+
+def test_answers_held_at_once_share_one_budget_and_ordinary_answers_are_outside_it(
+    backends: list[RawBackend], proxy_server: Callable[..., object]
+) -> None:
+    """upstream.max_buffered_bytes: a large answer half read holds its share; the next large
+    one that would pass the budget is a 503 with Retry-After (not retried, no verdict on the
+    backend); an ordinary answer passes meanwhile; the share comes back with the response."""
+    budget_bytes = 128 << 10
+    big = len(_padded(FREE_BYTES + (100 << 10)))
+    hold = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    backend = _raw(backends, hold % big + _padded(big)[:FREE_BYTES], "head_then_hang")
+    proxy = proxy_server(
+        [backend.url],
+        config={
+            "upstream": {"max_buffered_bytes": budget_bytes},
+            "timeouts": {"idle_s": 1.0},  # the held answer ends (a 502) once it is taken
+        },
+    )
+    budget = proxy.config.app.state.upstream.body_budget  # type: ignore[attr-defined]
+    client = _client(proxy)
+    held: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            client.chat.completions.create(model="m", messages=MESSAGES)
+        except openai.APIError as e:
+            held.append(e)
+
+    t = threading.Thread(target=first)
+    t.start()
+    until(lambda: budget.held == big - FREE_BYTES, "the first answer's share taken")
+    backend.behaviour = "ok"
+    backend.reply = _answer(b"application/json", _padded(FREE_BYTES + (64 << 10)))
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model="m", messages=MESSAGES)
+    e = err.value
+    assert e.status_code == 503 and e.code == "upstream_responses_over_budget"
+    assert e.response.headers["retry-after"] == "1"
+    assert "upstream.max_buffered_bytes" in e.message and str(budget_bytes) in e.message
+    assert backend.posts == 2  # not retried
+    # an ordinary answer is outside the budget, however full it is
+    backend.reply = _answer(b"application/json", _padded(FREE_BYTES))
+    assert client.chat.completions.create(model="m", messages=MESSAGES).choices
+    t.join(10)
+    assert held and not t.is_alive()  # the held answer ended (its body timed out) ...
+    until(lambda: budget.held == 0, "every share given back")  # ... and gave its share back
+    backend.reply = _answer(b"application/json", _padded(FREE_BYTES + (64 << 10)))
+    answer = client.chat.completions.create(model="m", messages=MESSAGES)
+    assert answer.choices[0].message.content == "hi"
+    until(lambda: budget.held == 0, "the last share given back")
 
 
 # -- 2. the response head is bounded ------------------------------------------------------------
