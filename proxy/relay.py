@@ -15,11 +15,11 @@ What a backend answers is checked where the client would otherwise get something
 cannot read: a whole answer is read up to upstream.max_response_bytes (past it: 502
 upstream_response_too_large), and while the answers read at once hold less than
 upstream.max_buffered_bytes (past it: 503 upstream_responses_over_budget, Retry-After 1); a
-200 to a JSON API must be a JSON object (else 502 upstream_invalid_response), and is sent as
-application/json whatever the backend labelled it; a 200 to a streamed request must be an event
-stream (else the same 502, before any byte), and an event that is not valid UTF-8 ends the
-stream with an error event (the openai client would raise UnicodeDecodeError on it). None of
-these is retried: see `_refuse`.
+200 to a JSON API must be a JSON object that is not an error object (else 502
+upstream_invalid_response), and is sent as application/json whatever the backend labelled it;
+a 200 to a streamed request must be an event stream (else the same 502, before any byte), and
+an event that is not valid UTF-8 ends the stream with an error event (the openai client would
+raise UnicodeDecodeError on it). None of these is retried: see `_refuse`.
 """
 
 from __future__ import annotations
@@ -195,6 +195,16 @@ class Relay:
                 )
                 await self._refuse(ex, backend, upstream, record, send, INVALID_RESPONSE, reason)
                 return None
+            if facts is not None and facts.error is not None and self.api != "responses":
+                said = _error_instead(payload)
+                if said is not None:
+                    reason = (
+                        f"{backend.name} answered 200 with an error instead of an answer ({said})."
+                    )
+                    await self._refuse(
+                        ex, backend, upstream, record, send, INVALID_RESPONSE, reason
+                    )
+                    return None
             if not _is_json(_content_type(upstream)):  # a JSON answer, whatever its label
                 headers = [h for h in headers if h[0] != b"content-type"]
                 headers.append(JSON_HEADER)
@@ -498,6 +508,23 @@ def _not_an_object(payload: bytes, facts: StreamFacts | None) -> bool:
         return not isinstance(orjson.loads(payload), dict)
     except orjson.JSONDecodeError:
         return True
+
+
+def _error_instead(payload: bytes) -> str | None:
+    """What a 200 JSON object that is an error and not an answer (no `choices`, no `data`)
+    says, briefly; None when it is an answer. The openai client would return it as a
+    completion with nothing in it. Parsed again only for a 200 meter_json found an error in."""
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or "choices" in obj or "data" in obj:
+        return None
+    err = obj.get("error", obj)
+    if not isinstance(err, dict):
+        return f"error {str(err)[:200]!r}"
+    kind, message = err.get("type") or err.get("code"), err.get("message")
+    return f"type {str(kind)[:64]!r}: {str(message)[:200]!r}"
 
 
 def _utf8_events(data: bytes) -> int:

@@ -299,6 +299,32 @@ def test_a_200_html_page_to_a_json_api_is_a_502_in_the_openai_client(
     assert backend.posts == 3  # each once: not retried
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"error":{"message":"engine dead","type":"InternalError","code":500}}',
+        b'{"object":"error","message":"engine dead","type":"InternalError","code":500}',
+    ],
+)
+def test_a_200_error_object_instead_of_an_answer_is_a_502_not_an_empty_completion(
+    body: bytes, backends: list[RawBackend], proxy_server: Callable[..., object]
+) -> None:
+    backend = _raw(backends, _answer(b"application/json", body))
+    client = _client(proxy_server([backend.url]))
+    for call in (
+        lambda: client.chat.completions.create(model="m", messages=MESSAGES),
+        lambda: client.completions.create(model="m", prompt="hi"),
+    ):
+        err = _status_error(call)  # not a ChatCompletion with no choices
+        assert (err.status_code, err.code) == (502, "upstream_invalid_response")
+        assert "with an error instead of an answer" in err.message
+        assert "InternalError" in err.message and "engine dead" in err.message
+    assert backend.posts == 2  # not retried
+    # an answer that carries an error field besides its choices is still an answer
+    backend.reply = _answer(b"application/json", COMPLETION[:-1] + b',"error":null}')
+    assert client.chat.completions.create(model="m", messages=MESSAGES).choices
+
+
 def test_a_200_json_answer_under_another_content_type_goes_out_as_json(
     backends: list[RawBackend], proxy_server: Callable[..., object]
 ) -> None:
