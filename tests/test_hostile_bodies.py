@@ -18,7 +18,13 @@ import openai
 import pytest
 
 from proxy.config import TimeoutsConfig
-from proxy.upstream import MAX_HEAD_BYTES, MAX_HEADERS, Upstream, UpstreamHeadTooLarge
+from proxy.upstream import (
+    MAX_HEAD_BYTES,
+    MAX_HEADERS,
+    Upstream,
+    UpstreamHeadTooLarge,
+    UpstreamResponseTooLarge,
+)
 from proxy.upstream_conn import FREE_BYTES
 from tests.support import until
 from tests.test_proxy_hostile import EVENT, HEAD, RawBackend, _chunk
@@ -208,6 +214,31 @@ def test_answers_held_at_once_share_one_budget_and_ordinary_answers_are_outside_
     answer = client.chat.completions.create(model="m", messages=MESSAGES)
     assert answer.choices[0].message.content == "hi"
     until(lambda: budget.held == 0, "the last share given back")
+
+
+async def test_a_refused_answer_leaves_none_of_its_bytes_to_the_garbage_collector(
+    backends: list[RawBackend],
+) -> None:
+    """The refusal is kept on the connection and its traceback holds the reading frame: a
+    cycle only the cyclic GC frees, late. What was read of the answer is not in it."""
+    reply = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n"
+    backend = _flood(backends, reply + b"{" + b" " * (4 * LIMIT))
+    client = Upstream(TimeoutsConfig(connect_s=5, first_byte_s=5), max_response_bytes=LIMIT)
+    await client.start()
+    try:
+        resp = await client.post(client.url(backend.url, "/x"), b"{}", {})
+        with pytest.raises(UpstreamResponseTooLarge) as err:
+            await resp.read()
+        kept, tb = 0, err.value.__traceback__
+        while tb is not None:
+            for v in tb.tb_frame.f_locals.values():
+                if isinstance(v, list):
+                    kept += sum(len(x) for x in v if isinstance(x, bytes))
+            tb = tb.tb_next
+        assert kept == 0
+        resp.release()
+    finally:
+        await client.close()
 
 
 # -- 2. the response head is bounded ------------------------------------------------------------
