@@ -185,3 +185,15 @@ def test_response_head_goes_out_with_the_first_body_bytes_in_one_write():
         assert t.get_extra_info("peername") == "info:peername"  # the rest is the transport's
 
     asyncio.run(main())
+
+
+def test_freed_large_blocks_go_back_to_the_system_on_glibc(monkeypatch: pytest.MonkeyPatch) -> None:
+    import platform
+
+    from proxy import serve
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    expected = platform.libc_ver()[0] == "glibc"
+    assert serve.return_freed_memory() is expected
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the operator's own word wins
+    assert serve.return_freed_memory() is False
