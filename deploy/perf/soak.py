@@ -2,6 +2,7 @@
 
     python deploy/perf/soak.py                       # 10 minutes
     python deploy/perf/soak.py --duration 60 --json /tmp/soak.json
+    python deploy/perf/soak.py --hostile --duration 1800 --json /tmp/soak-hostile.json
 
 Starts a private redis-server, --engines `warmroute sim` processes (each injecting errors,
 stalls longer than the proxy's idle timeout and mid-stream disconnects) and one proxy
@@ -10,15 +11,24 @@ stalls longer than the proxy's idle timeout and mid-stream disconnects) and one 
 timeline: one engine is SIGKILLed mid-stream and restarted, Redis is restarted in the middle
 and later frozen (SIGSTOP) for a few seconds.
 
+--hostile puts --engines deploy/perf/hostile_backend.py processes in place of the sims: each
+answers --good of its requests well and the rest with a seeded hostile fault (huge or over-cap
+JSON, multi-MB or 100+-field heads, HTML for a 200, invalid UTF-8 in an event, 429s, error
+bodies with a new `type` each, trickled heads/events/bodies, cuts mid-stream; its docstring
+lists them and the clean error each must end as). The proxy gets first_byte_s 2 and idle_s 3,
+and --json-share of the usual clients' requests are non-streamed. Same timeline and outcomes.
+
 Every request ends as one of:
   ok      a complete stream: a finish_reason, and the usage chunk's completion_tokens equal to
-          the token chunks received (nothing silently dropped)
+          the token chunks received (nothing silently dropped); non-streamed: a whole answer
   error   a clean OpenAI error (APIStatusError, or APIError from an SSE error event), by cause
   lost    anything else: a cut connection, a JSON error, a truncated stream
   hung    not finished within --deadline seconds
 It prints a table (requests, errors by cause, lost, hung, the proxy's RSS and open fds from
-/proc at start and end, the engines' open streams at the end), writes a JSON summary with
---json, and exits 1 when anything was lost or hung. tests/test_chaos.py reuses the client and
+/proc at start and end, the engines' open streams at the end) and the proxy's RSS over the run
+(sampled every 5 s: a text plot, a PNG with --plot; the slope over each third of the run says
+whether it levels off), writes a JSON summary with --json (the series under proxy.rss), and
+exits 1 when anything was lost or hung. tests/test_chaos.py reuses the client and
 process helpers here.
 """
 
@@ -30,6 +40,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -37,7 +48,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -115,18 +126,54 @@ async def stream_chat(
             return Outcome("lost", why, tokens)
         return Outcome("ok", "", tokens)
 
+    return await _settle(go(), deadline_s, t0, lambda: tokens)
+
+
+async def chat_once(
+    client: openai.AsyncOpenAI,
+    prompt: str | list[dict[str, str]],
+    *,
+    max_tokens: int,
+    deadline_s: float,
+    model: str = MODEL,
+) -> Outcome:
+    """One non-streamed chat completion: ok when it is a whole answer (choices, a
+    finish_reason, content, usage)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    t0 = time.monotonic()
+
+    async def go() -> Outcome:
+        # messages are plain dicts here, not the client's TypedDicts
+        r = await client.chat.completions.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+        )
+        if not r.choices or r.choices[0].finish_reason is None or r.usage is None:
+            return Outcome("lost", "malformed: no choice, finish_reason or usage")
+        if not isinstance(r.choices[0].message.content, str):
+            return Outcome("lost", "malformed: no content")
+        return Outcome("ok", "", r.usage.completion_tokens)
+
+    return await _settle(go(), deadline_s, t0, lambda: 0)
+
+
+async def _settle(
+    go: Awaitable[Outcome], deadline_s: float, t0: float, tokens: Callable[[], int]
+) -> Outcome:
+    """A request's outcome, whatever it raised, timed from t0."""
     try:
-        out = await asyncio.wait_for(go(), deadline_s)
+        out = await asyncio.wait_for(go, deadline_s)
     except TimeoutError:
-        out = Outcome("hung", f"not done in {deadline_s:g}s", tokens)
+        out = Outcome("hung", f"not done in {deadline_s:g}s", tokens())
     except openai.APITimeoutError:
-        out = Outcome("hung", "client timeout", tokens)
+        out = Outcome("hung", "client timeout", tokens())
     except openai.APIConnectionError as e:
-        out = Outcome("lost", f"connection: {type(e.__cause__ or e).__name__}", tokens)
+        out = Outcome("lost", f"connection: {type(e.__cause__ or e).__name__}", tokens())
     except openai.APIError as e:
-        out = Outcome("error", _error_cause(e), tokens)
+        out = Outcome("error", _error_cause(e), tokens())
     except Exception as e:  # JSONDecodeError and the like: exactly what must never happen
-        out = Outcome("lost", f"{type(e).__name__}: {e}"[:120], tokens)
+        out = Outcome("lost", f"{type(e).__name__}: {e}"[:120], tokens())
     return Outcome(out.kind, out.cause, out.tokens, time.monotonic() - t0)
 
 
@@ -470,6 +517,7 @@ class Soak:
         self.fds_by_kind: dict[str, dict[str, int]] = {}
         self.fast = Tally()
         self.slow = Tally()
+        self.whole = Tally()  # --hostile: non-streamed requests
         self.samples: list[dict[str, float]] = []
         self.events: list[dict[str, Any]] = []
         self.t0 = time.monotonic()
@@ -499,6 +547,14 @@ class Soak:
                         deadline_s=self.args.deadline + 200 * 0.05,
                     )
                     self.slow.add(o)
+                elif self.args.hostile and rng.random() < self.args.json_share:
+                    o = await chat_once(
+                        client,
+                        prompt(rng, n),
+                        max_tokens=rng.randint(8, 128),
+                        deadline_s=self.args.deadline,
+                    )
+                    self.whole.add(o)
                 else:  # an application's usual request
                     o = await stream_chat(
                         client,
@@ -514,13 +570,15 @@ class Soak:
 
     async def sampler(self) -> None:
         while not self.stopping.is_set():
-            self.sample()
+            s = self.sample()
+            if len(self.samples) % 12 == 1:  # each minute: how big /metrics has grown
+                s["metrics_bytes"] = (await asyncio.to_thread(_metrics, self.url))[0]
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), 5)
 
     def sample(self) -> dict[str, float]:
         s = {"t_s": self.now(), "rss_kb": rss_kb(self.pid), "fds": open_fds(self.pid)}
-        s["requests"] = self.fast.total + self.slow.total
+        s["requests"] = self.fast.total + self.slow.total + self.whole.total
         self.samples.append(s)
         return s
 
@@ -560,12 +618,16 @@ class Soak:
         tasks += [asyncio.create_task(self.worker(1000 + i, True)) for i in range(a.slow_clients)]
         sampler = asyncio.create_task(self.sampler())
         timeline = asyncio.create_task(self.timeline(engines, redis))
-        await asyncio.sleep(a.duration)
-        self.stopping.set()
-        self.event("load stopped; waiting for the requests in flight")
-        await asyncio.gather(*tasks)
-        await timeline
-        await sampler
+        try:
+            await asyncio.sleep(a.duration)
+            self.stopping.set()
+            self.event("load stopped; waiting for the requests in flight")
+            await asyncio.gather(*tasks)
+            await timeline
+            await sampler
+        finally:  # done already, unless the run was cancelled (SIGTERM)
+            for t in [*tasks, sampler, timeline]:
+                t.cancel()
 
     async def settle(self, timeout_s: float = 15.0) -> float:
         """Wait (bounded) for the proxy's fds to come back to their count at the start: idle
@@ -586,12 +648,17 @@ def _slowest(t: dict[str, Any]) -> str:
     )
 
 
+def _signed(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.3f}"
+
+
 def _table(summary: dict[str, Any]) -> str:
     r, p = summary["requests"], summary["proxy"]
-    f, sl = summary["usual"], summary["slow"]
+    f, sl, w = summary["usual"], summary["slow"], summary["non_streamed"]
+    rss = p["rss"]
     rows = [
         ("requests", str(r["requests"])),
-        ("ok (complete streams)", str(r["ok"])),
+        ("ok (complete answers)", str(r["ok"])),
         *((f"error: {k}", str(v)) for k, v in r["errors"].items()),
         ("lost", str(r["lost_total"]) + (f"  {r['lost']}" if r["lost"] else "")),
         ("hung", str(r["hung"])),
@@ -599,10 +666,23 @@ def _table(summary: dict[str, Any]) -> str:
         ("slowest (usual clients)", _slowest(f)),
         ("slow clients: requests / ok", f"{sl['requests']} / {sl['ok']}"),
         ("slowest (slow clients)", _slowest(sl)),
+        *(
+            ()
+            if not w["requests"]
+            else [("non-streamed: requests / ok", f"{w['requests']} / {w['ok']}")]
+        ),
         (
             "proxy RSS start / warm / end",
             f"{p['rss_mb_start']} / {p['rss_mb_warm']} / {p['rss_mb_end']} MB"
             f" (max {p['rss_mb_max']})",
+        ),
+        (
+            "proxy RSS slope by third of the run",
+            " / ".join(_signed(v) for v in rss["slope_mb_per_min_by_third"]) + " MB/min",
+        ),
+        (
+            "  slope of each minute's lowest, last third",
+            f"{_signed(rss['floor_slope_mb_per_min_last_third'])} MB/min",
         ),
         (
             "proxy open fds start -> end",
@@ -613,31 +693,149 @@ def _table(summary: dict[str, Any]) -> str:
             (f"  fds {when}", ", ".join(f"{k} {v}" for k, v in kinds.items()))
             for when, kinds in p["fds_by_kind"].items()
         ),
+        (
+            "proxy /metrics at end",
+            f"{p['metrics_bytes']} bytes, {p['hostile_labels']} hostile_ labels",
+        ),
         ("engine streams open at end", str(summary["engine_streams_open_at_end"])),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-async def soak(args: argparse.Namespace) -> dict[str, Any]:
-    logs = Path(args.logs) if args.logs else None
-    if logs:
-        logs.mkdir(parents=True, exist_ok=True)
-    faults = {
-        "error_rate": args.fault_rate,
-        "cut_rate": args.fault_rate,
-        "cut_after": 3,
-        "stall_rate": args.fault_rate,
-        "stall_after": 2,
-        # simulated seconds: wall stall = stall_s / time_scale, past the proxy's idle timeout
-        "stall_s": (args.idle_s + 2) * args.time_scale,
+# -- the proxy's RSS over the run -------------------------------------------------------------
+def _slope(points: Sequence[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (seconds, MB) points, in MB per minute."""
+    if len(points) < 2:
+        return None
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    if not var:
+        return None
+    return round(60 * sum((t - mt) * (v - mv) for t, v in points) / var, 3)
+
+
+def rss_trend(samples: Sequence[dict[str, float]], duration_s: float) -> dict[str, Any]:
+    """The RSS series (seconds, MB) and its slope over each third of the load: a leak keeps
+    its slope to the end, a process filling its pools and caches levels off."""
+    points = [(s["t_s"], round(s["rss_kb"] / 1024, 1)) for s in samples]
+    thirds = []
+    for k in range(3):
+        lo, hi = duration_s * k / 3, duration_s * (k + 1) / 3
+        thirds.append(_slope([(t, v) for t, v in points if lo <= t <= hi]))
+    # Each minute's lowest sample: what stays once the transient buffers (a 64 MiB answer
+    # being refused) are freed. A leak lifts this floor; a spike does not.
+    floors: dict[int, float] = {}
+    for t, v in points:
+        if t <= duration_s:
+            floors[int(t // 60)] = min(v, floors.get(int(t // 60), v))
+    last = [(60.0 * m, v) for m, v in floors.items() if 60.0 * m >= duration_s * 2 / 3]
+    return {
+        "series_mb": [list(pt) for pt in points],
+        "slope_mb_per_min_by_third": thirds,
+        "slope_mb_per_min_last_third": thirds[2],
+        "floor_mb_by_minute": [floors[m] for m in sorted(floors)],
+        "floor_slope_mb_per_min_last_third": _slope(last),
     }
-    redis = Redis().start()
+
+
+def ascii_plot(points: Sequence[Sequence[float]], width: int = 60, height: int = 10) -> str:
+    """The RSS series as text: one column per slice of time (its highest sample)."""
+    if len(points) < 2:
+        return ""
+    t_end = points[-1][0] or 1.0
+    cols: list[float | None] = [None] * width
+    for t, v in points:
+        i = min(width - 1, int(t / t_end * (width - 1)))
+        cols[i] = v if cols[i] is None else max(v, cols[i] or v)
+    for i in range(1, width):  # a slice with no sample of its own: the one before
+        cols[i] = cols[i - 1] if cols[i] is None else cols[i]
+    lo, hi = min(v for _, v in points), max(v for _, v in points)
+    span = (hi - lo) or 1.0
+    rows = []
+    for r in range(height - 1, -1, -1):
+        cut = lo + span * r / (height - 1)
+        line = "".join(" " if c is None else ("#" if c >= cut else " ") for c in cols)
+        rows.append(f"{cut:8.1f} MB |{line}")
+    rows.append(" " * 12 + "+" + "-" * width)
+    rows.append(" " * 13 + f"0 min{'':>{width - 14}}{t_end / 60:6.1f} min")
+    return "\n".join(rows)
+
+
+def png_plot(points: Sequence[Sequence[float]], path: str, title: str) -> str:
+    """The RSS series as a PNG (matplotlib, from the bench extra); what became of it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no PNG: matplotlib is not installed (pip install -e '.[bench]')"
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot([t / 60 for t, _ in points], [v for _, v in points], lw=1.2)
+    ax.set(xlabel="minutes", ylabel="proxy RSS (MB)", title=title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"RSS plot written to {path}"
+
+
+# -- the run ----------------------------------------------------------------------------------
+def hostile_args(port: int, *, seed: int, good: float, cap_bytes: int) -> list[str]:
+    """deploy/perf/hostile_backend.py on one port."""
+    args = [sys.executable, str(ROOT / "deploy/perf/hostile_backend.py"), "--port", str(port)]
+    return [*args, "--seed", str(seed), "--good", str(good), "--cap-bytes", str(cap_bytes)]
+
+
+def _engines(args: argparse.Namespace, logs: Path | None) -> tuple[list[Engine], dict[str, Any]]:
+    """The backends (sims, or hostile backends with --hostile), not started yet, and the
+    faults they inject."""
+    if args.hostile:
+        faults: dict[str, Any] = {"good": args.good, "max_response_bytes": args.cap_bytes}
+    else:
+        faults = {
+            "error_rate": args.fault_rate,
+            "cut_rate": args.fault_rate,
+            "cut_after": 3,
+            "stall_rate": args.fault_rate,
+            "stall_after": 2,
+            # simulated seconds: wall stall = stall_s / time_scale, past the proxy's idle timeout
+            "stall_s": (args.idle_s + 2) * args.time_scale,
+        }
     engines = []
     for i in range(args.engines):
         port = free_port()
-        argv = sim_args(port, time_scale=args.time_scale, seed=args.seed + i, faults=faults)
-        engines.append(Engine(argv, port, logs / f"sim-{i}.log" if logs else None))
+        if args.hostile:
+            argv = hostile_args(port, seed=args.seed + i, good=args.good, cap_bytes=args.cap_bytes)
+        else:
+            argv = sim_args(port, time_scale=args.time_scale, seed=args.seed + i, faults=faults)
+        name = f"{'hostile' if args.hostile else 'sim'}-{i}.log"
+        engines.append(Engine(argv, port, logs / name if logs else None))
+    return engines, faults
+
+
+def _metrics(url: str) -> tuple[int, int]:
+    """The proxy's /metrics: its size, and how many hostile error types made it in as labels."""
+    with contextlib.suppress(httpx.HTTPError):
+        text = httpx.get(url + "/metrics", timeout=10).text
+        return len(text), len(set(re.findall(r"hostile_[0-9a-f]{12}", text)))
+    return -1, -1
+
+
+async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    # SIGTERM (a nohup'd run ignores SIGINT): cancelled, so every child is stopped on the way out
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    logs = Path(args.logs) if args.logs else None
+    if logs:
+        logs.mkdir(parents=True, exist_ok=True)
+    redis = Redis().start()
+    engines, faults = _engines(args, logs)
+    timeouts = {"idle_s": args.idle_s, "first_byte_s": args.first_byte_s}
     try:
         for e in engines:
             e.start(wait=False)
@@ -646,7 +844,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         port = free_port()
         env = {
             "WARMROUTE_TIMEOUTS__IDLE_S": str(args.idle_s),
-            "WARMROUTE_TIMEOUTS__FIRST_BYTE_S": "10",
+            "WARMROUTE_TIMEOUTS__FIRST_BYTE_S": str(args.first_byte_s),
+            "WARMROUTE_UPSTREAM__MAX_RESPONSE_BYTES": str(args.cap_bytes),
             "WARMROUTE_REDIS__KEY_PREFIX": f"soak-{os.getpid()}",
         }
         argv = serve_args(port, [e.url for e in engines], policy="prefix_aware", redis=redis.url)
@@ -657,6 +856,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             settle_s = await run.settle()
             end = run.sample()
             run.fds_by_kind["end"] = fd_kinds(proc.pid, port, peers)
+            metrics = _metrics(run.url)
             stats = {e.url: e.stats() for e in engines}
             streams = sum(s["running"] + s["waiting"] for s in stats.values())
     finally:
@@ -668,26 +868,31 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     warm = next((s for s in run.samples if s["t_s"] >= args.duration / 10), end)
     return {
         "command": " ".join(["python", "deploy/perf/soak.py", *sys.argv[1:]]),
+        "mode": "hostile" if args.hostile else "sim",
         "duration_s": args.duration,
         "concurrency": args.concurrency,
         "slow_clients": args.slow_clients,
         "engines": args.engines,
         "faults_per_engine": faults,
-        "proxy_timeouts": {"idle_s": args.idle_s, "first_byte_s": 10},
-        "requests": (run.fast + run.slow).as_dict(),
+        "proxy_timeouts": timeouts,
+        "requests": (run.fast + run.slow + run.whole).as_dict(),
         "usual": run.fast.as_dict(),
         "slow": run.slow.as_dict(),
+        "non_streamed": run.whole.as_dict(),
         "events": run.events,
         "proxy": {
             "rss_mb_start": round(first["rss_kb"] / 1024, 1),
             "rss_mb_warm": round(warm["rss_kb"] / 1024, 1),
             "rss_mb_end": round(end["rss_kb"] / 1024, 1),
             "rss_mb_max": round(max(s["rss_kb"] for s in run.samples) / 1024, 1),
+            "rss": rss_trend(run.samples, args.duration),
             "fds_start": first["fds"],
             "fds_end": end["fds"],
             "fds_max": max(s["fds"] for s in run.samples),
             "settle_s": settle_s,
             "fds_by_kind": run.fds_by_kind,
+            "metrics_bytes": metrics[0],
+            "hostile_labels": metrics[1],
         },
         "samples": run.samples,
         "engine_streams_open_at_end": streams,
@@ -704,14 +909,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=600, help="seconds of load (default 600)")
     p.add_argument("--concurrency", type=int, default=24, help="streaming clients (default 24)")
     p.add_argument("--slow-clients", type=int, default=4, help="clients reading late (default 4)")
-    p.add_argument("--engines", type=int, default=3, help="warmroute sim processes (default 3)")
+    p.add_argument("--engines", type=int, default=3, help="backend processes (default 3)")
     p.add_argument(
         "--fault-rate",
         type=float,
         default=0.02,
-        help="share of requests each engine errors, stalls and cuts (each; default 0.02)",
+        help="share of requests each sim errors, stalls and cuts (each; default 0.02)",
+    )
+    p.add_argument("--hostile", action="store_true", help="hostile backends instead of sims")
+    p.add_argument("--good", type=float, default=0.7, help="--hostile: good answers (0.7)")
+    p.add_argument(
+        "--json-share", type=float, default=0.3, help="--hostile: non-streamed requests (0.3)"
+    )
+    p.add_argument(
+        "--cap-bytes",
+        type=int,
+        default=64 << 20,
+        help="the proxy's upstream.max_response_bytes (default 64 MiB)",
     )
     p.add_argument("--idle-s", type=float, default=3.0, help="the proxy's idle timeout (default 3)")
+    p.add_argument(
+        "--first-byte-s",
+        type=float,
+        help="the proxy's first-byte timeout (default 10; 2 with --hostile)",
+    )
     p.add_argument("--time-scale", type=float, default=10.0, help="engines' speed-up (default 10)")
     p.add_argument(
         "--deadline",
@@ -721,6 +942,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON here")
+    p.add_argument("--plot", metavar="PNG", help="plot the proxy's RSS over the run here")
     p.add_argument("--logs", metavar="DIR", help="keep the engines' and proxy's logs here")
     p.add_argument("--quiet", action="store_true", help="only the final table")
     return p
@@ -728,8 +950,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    summary = asyncio.run(soak(args))
+    if args.first_byte_s is None:
+        args.first_byte_s = 2.0 if args.hostile else 10.0
+    try:
+        summary = asyncio.run(soak(args))
+    except asyncio.CancelledError:
+        print("stopped (SIGTERM): no summary", file=sys.stderr)
+        return 143
     print(_table(summary))
+    series = summary["proxy"]["rss"]["series_mb"]
+    print("\nproxy RSS over the run:\n" + ascii_plot(series))
+    if args.plot:
+        print(png_plot(series, args.plot, f"warmroute soak ({summary['mode']}): proxy RSS"))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     r = summary["requests"]
