@@ -30,7 +30,7 @@ tokens are compared as fractions of the prompt, which needs no tokenizer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +97,13 @@ class CapacityLearner:
     half_life: float = 32.0  # responses, for the ratio and agreement averages
     estimates: dict[str, CacheEstimate] = field(default_factory=dict)
     moved: set[str] = field(default_factory=set)  # moved on this replica's evidence, not taken
+    # Told of a backend just before its capacity changes (the placement pins the free room it
+    # computed from the old value: proxy.routing.placement_views.Room).
+    listener: Callable[[str], None] | None = None
+
+    def _moving(self, backend: str) -> None:
+        if self.listener is not None:
+            self.listener(backend)
 
     def estimate(self, backend: str) -> CacheEstimate:
         est = self.estimates.get(backend)
@@ -134,6 +141,7 @@ class CapacityLearner:
         value = min(max(float(blocks), float(self.min_blocks)), est.upper)
         if round(value) == round(est.capacity):
             return False
+        self._moving(backend)
         est.capacity = value
         est.adopted += 1
         est.last_change = f"adopted from another replica: {value:.0f} blocks"
@@ -143,6 +151,7 @@ class CapacityLearner:
         """`backend` left the fleet, or a new engine took its address: its estimate and any
         move not yet handed to the other replicas go (a new engine starts at the default,
         as any backend does before its first report)."""
+        self._moving(backend)
         self.estimates.pop(backend, None)
         self.moved.discard(backend)
 
@@ -153,6 +162,7 @@ class CapacityLearner:
         est = self.estimate(backend)
         est.upper = float(max(blocks, self.min_blocks))
         if est.samples == 0 or est.capacity > est.upper:
+            self._moving(backend)
             est.capacity = est.upper
             est.last_change = "published pool size"
 
@@ -178,6 +188,7 @@ class CapacityLearner:
             if actual < predicted - slack and self._settled(o):
                 est.false_hits += 1
                 held = min(est.capacity, float(max(o.occupancy, 1)))
+                self._moving(backend)
                 est.capacity = min(max(floor, held * self.shrink), est.upper)
                 est.last_change = (
                     f"shrink: predicted {predicted} blocks cached, engine reported {actual:.0f}"
@@ -188,6 +199,7 @@ class CapacityLearner:
         if actual > predicted + slack and proven > predicted + slack:
             est.ghost_hits += 1
             before = est.capacity
+            self._moving(backend)
             est.capacity = min(est.capacity + self.grow * (proven - predicted), est.upper)
             est.last_change = (
                 f"grow: engine still held {proven - predicted:.0f} blocks the index had trimmed"

@@ -47,11 +47,10 @@ from proxy.routing.index_redis import (
     RedisPrefixIndex,
     TimeoutStreak,
     _reraise_if_cancelled,
-    _sentinel_parts,
     drop_idle_connections,
-    open_redis,
     stop_task,
 )
+from proxy.routing.redis_connect import _sentinel_parts, open_redis
 
 __all__ = [
     "BLOCK_STEP_S",

@@ -1,11 +1,21 @@
 """The in-process prefix index: per-backend LRU of block hashes (see proxy/routing/index.py),
-and the interface every index store implements."""
+and the interface every index store implements.
+
+Besides each backend's LRU, every block hash maps to the set of backends holding it (a bitmask
+of their slots), so `holders` answers a prompt's lookup by walking the prompt once for all of
+them: the backends that hold its first block split into groups at the first block some of them
+lack, and each group's binary search is one probe of the masks, whatever the fleet's size.
+"""
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from functools import reduce
+from itertools import repeat
+from operator import lshift, or_
 from typing import Any, NamedTuple, Protocol
 
 DEFAULT_CAPACITY_BLOCKS = 32768  # ~2M chars ≈ 500k tokens: an 80 GB GPU's KV pool for an 8B model
@@ -34,6 +44,11 @@ class PrefixIndex(Protocol):
 
     async def lookup(self, blocks: Sequence[int], backends: Sequence[str]) -> dict[str, int]:
         """Longest matched prefix, in blocks, of `blocks` on each backend."""
+        ...
+
+    async def holders(self, blocks: Sequence[int], backends: Collection[str]) -> dict[str, int]:
+        """lookup's answer for the backends of `backends` that match at least one block; every
+        other one matches none. The work follows the holders, not len(backends)."""
         ...
 
     def record(self, backend: str, blocks: Sequence[int]) -> None:
@@ -93,9 +108,25 @@ class MemoryPrefixIndex:
         self._lru: dict[str, OrderedDict[int, float]] = {}
         self._ghost: dict[str, OrderedDict[int, None]] = {}
         self._capacity: dict[str, int] = {}
+        # Per backend, the first blocks of the prompts its LRU holds (a shared index's head
+        # sets are refilled from them after Redis lost its data).
+        self._heads: dict[str, set[int]] = {}
+        # Block hash -> bitmask of the slots of the backends whose LRU holds it.
+        self._held: dict[int, int] = {}
+        self._slot: dict[str, int] = {}  # backend -> its slot (a bit in the masks)
+        self._names: list[str] = []  # slot -> backend
+        self._free: list[int] = []  # slots given back (a heap: masks stay small)
+        self._slots_changed = 0  # bumps whenever a slot is taken or given back
+        self._fleet_mask: tuple[Any, int, int] | None = None  # (backends, generation, mask)
+        # Backends whose LRU may be out of time order (a record dated before an earlier one):
+        # their lookups are their own binary search. In order, the front entry is the oldest.
+        self._unsorted: set[str] = set()
+        self._floor = float("-inf")  # no entry is older than this (a lower bound)
+        self._floor_at = float("-inf")  # index clock when the bound was last raised
         self.lookups = 0
         self.records = 0
         self.evictions = 0
+        self.probes = 0  # mask probes and per-backend searches of holder lookups (a work count)
 
     @property
     def mode(self) -> str:
@@ -111,9 +142,83 @@ class MemoryPrefixIndex:
         return self.lookup_now(blocks, backends)
 
     def lookup_now(self, blocks: Sequence[int], backends: Sequence[str]) -> dict[str, int]:
+        found = dict.fromkeys(backends, 0)
+        found.update(self.holders_now(blocks, backends))
+        return found
+
+    async def holders(self, blocks: Sequence[int], backends: Collection[str]) -> dict[str, int]:
+        return self.holders_now(blocks, backends)
+
+    def holders_now(self, blocks: Sequence[int], backends: Collection[str]) -> dict[str, int]:
+        """lookup_now's non-zero answers, found from the masks of the blocks along the prompt:
+        each group of backends that agree on every block probed so far takes the step of the
+        per-backend binary search together (the same probes, so the same answers)."""
         self.lookups += 1
-        oldest = self.clock() - self.ttl_s if self.ttl_s else float("-inf")
-        return {b: self._match(self._lru.get(b), blocks, oldest) for b in backends}
+        if not blocks:
+            return {}
+        holding = self._held.get(blocks[0], 0)
+        if holding:
+            holding &= self._mask_of(backends)
+        if not holding:
+            return {}
+        held = self._held
+        found: dict[str, int] = {}
+        stack = [(1, len(blocks), holding)]
+        probes = 0
+        while stack:
+            lo, hi, group = stack.pop()
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                has = held.get(blocks[mid - 1], 0) & group
+                probes += 1
+                if has == group:
+                    lo = mid
+                    continue
+                if has:
+                    stack.append((mid, hi, has))
+                    group ^= has
+                hi = mid - 1
+            for slot in _bits(group):
+                found[self._names[slot]] = lo
+        self.probes += probes + len(found)
+        self._check_stale(blocks, found)
+        return found
+
+    def _check_stale(self, blocks: Sequence[int], found: dict[str, int]) -> None:
+        """Masks know what is held, not how old it is: a backend whose LRU holds anything older
+        than the TTL (or may be out of time order) is looked up by its own binary search."""
+        if not self.ttl_s and not self._unsorted:
+            return
+        now = self.clock()
+        oldest = now - self.ttl_s if self.ttl_s else float("-inf")
+        if oldest <= self._floor and not self._unsorted:
+            return
+        if oldest > self._floor and now - self._floor_at >= 1.0:
+            fronts = [next(iter(lru.values())) for lru in self._lru.values() if lru]
+            self._floor = min(fronts, default=float("inf"))
+            self._floor_at = now
+        lrus, unsorted, stale = self._lru, self._unsorted, oldest > self._floor
+        for name in list(found):
+            lru = lrus[name]
+            if name in unsorted or (stale and next(iter(lru.values())) < oldest):
+                self.probes += 1
+                n = self._match(lru, blocks, oldest)
+                if n:
+                    found[name] = n
+                else:
+                    del found[name]
+
+    def _mask_of(self, backends: Collection[str]) -> int:
+        """The slots of `backends` as a mask (kept for the same tuple: a router passes its
+        fleet's names, decision after decision)."""
+        kept = self._fleet_mask
+        if kept is not None and kept[0] is backends and kept[1] == self._slots_changed:
+            return kept[2]
+        slots = [s for s in map(self._slot.get, backends) if s is not None]
+        mask = reduce(or_, map(lshift, repeat(1, len(slots)), slots), 0)
+        if isinstance(backends, tuple):  # immutable: the same object has the same names
+            self._fleet_mask = (backends, self._slots_changed, mask)
+        return mask
 
     @staticmethod
     def _match(lru: OrderedDict[int, float] | None, blocks: Sequence[int], oldest: float) -> int:
@@ -149,15 +254,25 @@ class MemoryPrefixIndex:
         lru = self._lru.get(backend)
         if lru is None:
             lru = self._lru[backend] = OrderedDict()
+            self._heads[backend] = set()
+            self._take_slot(backend)
         now = self.clock() if now is None else now
+        if lru and now < lru[next(reversed(lru))]:
+            self._unsorted.add(backend)  # dated before what it holds: the front is not oldest
+        if now < self._floor:
+            self._floor = now
         # A hot prefix is recorded on every request; moving its hundreds of blocks each time was
         # the largest cost of a decision. Blocks touched within touch_s keep their place: LRU
         # order at one-second resolution is all an engine's cache estimate needs.
         fresh = self._match(lru, blocks, now - self.touch_s)
+        held, bit = self._held, 1 << self._slot[backend]
         # Reversed: the first block ends up most recently used, so eviction takes tails first.
         for h in reversed(blocks[fresh:]):
-            lru.pop(h, None)
+            if lru.pop(h, None) is None:
+                held[h] = held.get(h, 0) | bit
             lru[h] = now
+        if fresh == 0:
+            self._heads[backend].add(blocks[0])
         cap = self._capacity.get(backend, self.default_capacity)
         if len(lru) > cap:
             self._trim(backend, lru, cap)
@@ -166,8 +281,13 @@ class MemoryPrefixIndex:
         ghost = self._ghost.get(backend)
         if ghost is None:
             ghost = self._ghost[backend] = OrderedDict()
+        held, keep, heads = self._held, ~(1 << self._slot[backend]), self._heads[backend]
         while len(lru) > cap:
             h, _ = lru.popitem(last=False)
+            others = held.pop(h, 0) & keep
+            if others:
+                held[h] = others
+            heads.discard(h)
             ghost[h] = None
             ghost.move_to_end(h)
             self.evictions += 1
@@ -189,9 +309,36 @@ class MemoryPrefixIndex:
     def forget(self, backend: str, departure: str = "") -> None:
         # Blocks, ghosts and the learned bound alike: a new engine at the address starts at
         # the default capacity, as every backend does before its engine reports.
-        self._lru.pop(backend, None)
+        lru = self._lru.pop(backend, None)
+        if lru is not None:
+            held, keep = self._held, ~(1 << self._slot[backend])
+            for h in lru:
+                others = held.pop(h, 0) & keep
+                if others:
+                    held[h] = others
+            self._give_slot(backend)
+        self._unsorted.discard(backend)
+        self._heads.pop(backend, None)
         self._ghost.pop(backend, None)
         self._capacity.pop(backend, None)
+
+    def _take_slot(self, backend: str) -> None:
+        slot = heapq.heappop(self._free) if self._free else len(self._names)
+        if slot == len(self._names):
+            self._names.append(backend)
+        else:
+            self._names[slot] = backend
+        self._slot[backend] = slot
+        self._slots_changed += 1
+        kept = self._fleet_mask
+        if kept is not None and kept[1] == self._slots_changed - 1:
+            # A backend's first record: the kept fleet's mask gains its bit (or stays).
+            mask = kept[2] | (1 << slot) if backend in kept[0] else kept[2]
+            self._fleet_mask = (kept[0], self._slots_changed, mask)
+
+    def _give_slot(self, backend: str) -> None:
+        heapq.heappush(self._free, self._slot.pop(backend))
+        self._slots_changed += 1
 
     def probe(self, backend: str, blocks: Sequence[int], matched: int) -> Probe:
         lru = self._lru.get(backend)
@@ -223,6 +370,10 @@ class MemoryPrefixIndex:
     def backends(self) -> list[str]:
         return list(self._lru)
 
+    def heads(self, backend: str) -> list[int]:
+        """The first blocks of the prompts held for `backend`."""
+        return list(self._heads.get(backend, ()))
+
     def entries(self, backend: str) -> list[tuple[int, float]]:
         """(block hash, last seen) from least to most recently used."""
         return list(self._lru.get(backend, {}).items())
@@ -236,7 +387,20 @@ class MemoryPrefixIndex:
             "lookups": self.lookups,
             "records": self.records,
             "evictions": self.evictions,
+            "distinct_blocks": len(self._held),
             "blocks": {b: len(lru) for b, lru in self._lru.items()},
             "capacity": dict(self._capacity),
             "default_capacity": self.default_capacity,
         }
+
+
+def _bits(mask: int) -> list[int]:
+    """The positions of the set bits of `mask` (one C-level search per bit)."""
+    text = bin(mask)
+    top = len(text) - 1
+    out = []
+    i = text.find("1", 2)
+    while i >= 0:
+        out.append(top - i)
+        i = text.find("1", i + 1)
+    return out

@@ -12,9 +12,8 @@ import logging
 import time
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis import exceptions as redis_errors
 
@@ -42,7 +41,6 @@ REDIS_DOWN_ERRORS: tuple[type[BaseException], ...] = (
 # Of those, the ones that may only mean this process was too busy to read the answer in time.
 TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, redis_errors.TimeoutError)
 TIMEOUTS_TO_OUTAGE = 3
-DEFAULT_MAX_CONNECTIONS = 64  # per replica: lookups, in-flight counts, flushes, placement
 
 
 def _reraise_if_cancelled() -> None:
@@ -108,45 +106,55 @@ async def drop_idle_connections(client: Any) -> None:
         await node.disconnect_free_connections()
 
 
-# KEYS: one ZSET per candidate backend. ARGV[1]: the prompt's block hashes, 8 bytes each,
-# packed into one string (one argument instead of hundreds); ARGV[2]: oldest score still valid.
-# Returns the longest present prefix per key, found by binary search (see MemoryPrefixIndex).
+# KEYS[1]: the set of backend ZSETs that recorded the prompt's first block (its "head" set,
+# written with each record that starts at block 0). ARGV[1]: the prompt's block hashes, 8 bytes
+# each, packed into one string (one argument instead of hundreds); ARGV[2]: oldest score still
+# valid. Returns, flat, (ZSET key, longest present prefix) for each member holding the first
+# block, found by binary search (see MemoryPrefixIndex); members whose ZSET no longer holds it
+# (trimmed, expired, forgotten) leave the set. The work follows the holders, not the fleet.
+# The member ZSETs share the head set's hash tag: one Cluster slot, like every key of an index.
 LOOKUP_LUA = """
 local blob = ARGV[1]
 local oldest = tonumber(ARGV[2])
 local n = math.floor(#blob / 8)
 local out = {}
+if n == 0 then return out end
+local first = string.sub(blob, 1, 8)
 local function present(key, i)
   local s = redis.call('ZSCORE', key, string.sub(blob, (i - 1) * 8 + 1, i * 8))
   return s and tonumber(s) >= oldest
 end
-for k = 1, #KEYS do
-  local key = KEYS[k]
-  local lo = 0
-  if n > 0 and present(key, 1) then
-    lo = 1
-    local hi = n
+for _, key in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local s = redis.call('ZSCORE', key, first)
+  if not s then
+    redis.call('SREM', KEYS[1], key)
+  elseif tonumber(s) >= oldest then
+    local lo, hi = 1, n
     while lo < hi do
       local mid = math.floor((lo + hi + 1) / 2)
       if present(key, mid) then lo = mid else hi = mid - 1 end
     end
+    out[#out + 1] = key
+    out[#out + 1] = lo
   end
-  out[k] = lo
 end
 return out
 """
 
 
 # Writes a batch of records in one call. KEYS: the backend ZSET of each record (all under one
-# hash tag: one slot). ARGV[1..3]: score step per block, key TTL (ms), oldest score to keep; then
-# per record: packed block hashes, record time, index of its first block in the prompt, capacity.
-# Later blocks get slightly older scores so that trimming by rank drops a prompt's tail first.
-# Scores are formatted with %.17g: Lua's default number-to-string keeps 14 digits, too few.
+# hash tag: one slot), then the head sets of the records that start at block 0. ARGV[1..5]:
+# score step per block, key TTL (ms), oldest score to keep, number of records, head set TTL
+# (ms); then per record: packed block hashes, record time, index of its first block in the
+# prompt, capacity, KEYS index of its head set (0: none). Later blocks get slightly older
+# scores so that trimming by rank drops a prompt's tail first. Scores are formatted with
+# %.17g: Lua's default number-to-string keeps 14 digits, too few.
 RECORD_LUA = """
 local step, ttl, oldest = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+local records, head_ttl = tonumber(ARGV[4]), ARGV[5]
 local caps = {}
-for j = 1, #KEYS do
-  local base = 3 + (j - 1) * 4
+for j = 1, records do
+  local base = 5 + (j - 1) * 5
   local blob, ts, first = ARGV[base + 1], tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   caps[KEYS[j]] = tonumber(ARGV[base + 4])
   local args = {}
@@ -159,14 +167,20 @@ for j = 1, #KEYS do
     end
   end
   if #args > 0 then redis.call('ZADD', KEYS[j], unpack(args)) end
+  local head = tonumber(ARGV[base + 5])
+  if head > 0 then
+    redis.call('SADD', KEYS[head], KEYS[j])
+    redis.call('PEXPIRE', KEYS[head], head_ttl)
+  end
 end
 for key, cap in pairs(caps) do
   redis.call('ZREMRANGEBYSCORE', key, '-inf', oldest)
   redis.call('ZREMRANGEBYRANK', key, 0, -cap - 1)
   redis.call('PEXPIRE', key, ttl)
 end
-return #KEYS
+return records
 """
+HEAD_TTL_MARGIN_S = 60.0  # a head set outlives its members' scores by this (clocks differ)
 RECORDS_PER_CALL = 64  # one call runs atomically in Redis: keep each one short
 
 
@@ -290,18 +304,25 @@ class RedisPrefixIndex:
     # -- hot path ----------------------------------------------------------------------------
 
     async def lookup(self, blocks: Sequence[int], backends: Sequence[str]) -> dict[str, int]:
+        found = dict.fromkeys(backends, 0)
+        found.update(await self.holders(blocks, backends))
+        return found
+
+    async def holders(self, blocks: Sequence[int], backends: Collection[str]) -> dict[str, int]:
+        """One script call: the backends that recorded the prompt's first block, checked
+        and measured in their ZSETs (the reply follows the holders, not the fleet)."""
         if not blocks or not backends:
-            return dict.fromkeys(backends, 0)
+            return {}
         if not self._up:
             self.counters["fallback_lookups"] += 1
-            return self.local.lookup_now(blocks, backends)
+            return self.local.holders_now(blocks, backends)
         self.counters["lookups"] += 1
         oldest = time.time() - SCORE_EPOCH - self.ttl_s
         ticket = self._timeouts.start()
         try:
             async with asyncio.timeout(self.timeout_s):
                 found = await self._script(
-                    keys=[self.key(b) for b in backends], args=[_pack(blocks), repr(oldest)]
+                    keys=[self.head_key(blocks[0])], args=[_pack(blocks), repr(oldest)]
                 )
         except REDIS_DOWN_ERRORS as e:
             _reraise_if_cancelled()
@@ -313,9 +334,21 @@ class RedisPrefixIndex:
             else:
                 self._went_down(e)
             self.counters["fallback_lookups"] += 1
-            return self.local.lookup_now(blocks, backends)
+            return self.local.holders_now(blocks, backends)
         self._timeouts.answered()
-        return {b: int(n) for b, n in zip(backends, found, strict=True)}
+        cut = len(self.key(""))
+        out: dict[str, int] = {}
+        pairs = iter(found)
+        for key, n in zip(pairs, pairs, strict=True):
+            name = (key.decode() if isinstance(key, bytes) else str(key))[cut:]
+            if name in backends:
+                out[name] = int(n)
+        return out
+
+    def head_key(self, block: int) -> str:
+        """The set of backend ZSETs that recorded `block` as a prompt's first block."""
+        kp = self.key_prefix
+        return f"{kp}:{{{kp}:pfx}}!head:{block & 0xFFFFFFFFFFFFFFFF:016x}"
 
     def record(self, backend: str, blocks: Sequence[int]) -> None:
         if not blocks:
@@ -414,7 +447,8 @@ class RedisPrefixIndex:
         # every request) costs O(1) per record, not O(blocks). No pipeline: Cluster clients
         # refuse scripts in pipelines, and one call already carries up to RECORDS_PER_CALL.
         now = time.time() - SCORE_EPOCH
-        head = [repr(BLOCK_STEP_S), int(self.ttl_s * 1000), repr(now - self.ttl_s)]
+        ttl_ms = int(self.ttl_s * 1000)
+        head_ttl_ms = int((self.ttl_s + HEAD_TTL_MARGIN_S) * 1000)
         done = 0
         try:
             # Writes wait up to _slow_s, so a timeout here is not a busy loop's hiccup.
@@ -422,11 +456,17 @@ class RedisPrefixIndex:
                 for i in range(0, len(batch), RECORDS_PER_CALL):
                     chunk = batch[i : i + RECORDS_PER_CALL]
                     keys = [self.key(backend) for backend, _, _, _ in chunk]
-                    args: list[Any] = list(head)
+                    heads: dict[str, int] = {}  # head set -> its KEYS index (from 1)
+                    args: list[Any] = [repr(BLOCK_STEP_S), ttl_ms, repr(now - self.ttl_s)]
+                    args += [len(chunk), head_ttl_ms]
                     for backend, blocks, ts, first in chunk:
                         cap = self._capacity.get(backend, self.default_capacity)
-                        args += [_pack(blocks), repr(ts), first, cap]
-                    await self._record_script(keys=keys, args=args)
+                        at = 0
+                        if first == 0:
+                            hk = self.head_key(blocks[0])
+                            at = heads.setdefault(hk, len(chunk) + len(heads) + 1)
+                        args += [_pack(blocks), repr(ts), first, cap, at]
+                    await self._record_script(keys=keys + list(heads), args=args)
                     done = i + len(chunk)
             self.counters["writes"] += 1
         except REDIS_DOWN_ERRORS as e:
@@ -491,12 +531,16 @@ class RedisPrefixIndex:
             exists = await _run(self.client, [("exists", self.key(b)) for b in backends])
         lost = [b for b, n in zip(backends, exists, strict=True) if not n]
         ttl_ms = int(self.ttl_s * 1000)
+        head_ttl_ms = int((self.ttl_s + HEAD_TTL_MARGIN_S) * 1000)
         pipe = self.client.pipeline(transaction=False)
         for backend in lost:
             members = {_pack([h]): ts - SCORE_EPOCH for h, ts in self.local.entries(backend)}
             if members:
                 pipe.zadd(self.key(backend), members)
                 pipe.pexpire(self.key(backend), ttl_ms)
+            for h in self.local.heads(backend):  # so lookups find them again
+                pipe.sadd(self.head_key(h), self.key(backend))
+                pipe.pexpire(self.head_key(h), head_ttl_ms)
         if lost:
             async with asyncio.timeout(max(self.timeout_s * 40, 2.0)):
                 await pipe.execute()
@@ -512,89 +556,3 @@ class RedisPrefixIndex:
             "capacity": dict(self._capacity),
             "default_capacity": self.default_capacity,
         }
-
-
-# -- connecting -------------------------------------------------------------------------------
-
-
-def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, int, dict[str, Any]]:
-    """redis+sentinel://[user:pass@]host:port[,host:port...]/service_name[/db]."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    auth: dict[str, Any] = {}
-    if "@" in netloc:
-        cred, netloc = netloc.rsplit("@", 1)
-        user, _, password = cred.partition(":")
-        if user:
-            auth["username"] = unquote(user)
-        if password:
-            auth["password"] = unquote(password)
-    hosts = []
-    for hp in netloc.split(","):
-        host, _, port = hp.rpartition(":")
-        hosts.append((host or hp, int(port) if host else 26379))
-    path = [p for p in parts.path.split("/") if p]
-    if not path:
-        raise ValueError(
-            "a redis+sentinel:// URL needs the master's service name, e.g. "
-            "redis+sentinel://sentinel1:26379,sentinel2:26379/mymaster/0"
-        )
-    db = int(path[1]) if len(path) > 1 else 0
-    query = parse_qs(parts.query)
-    if "sentinel_password" in query:
-        auth["sentinel_password"] = query["sentinel_password"][0]
-    return hosts, path[0], db, auth
-
-
-def open_redis(
-    url: str,
-    cluster: bool = False,
-    timeout_s: float = 0.05,
-    max_connections: int = DEFAULT_MAX_CONNECTIONS,
-) -> Any:
-    """An asyncio Redis client for a redis://, rediss://, redis+sentinel:// URL or a Cluster.
-
-    No client-side retries: the index has its own timeout and fallback, and a retry with backoff
-    would only hold a background task (or a request) longer on a dead server.
-
-    A plain Redis (redis://, rediss://, unix://) gets a pool of at most `max_connections` that
-    makes a call wait for a free connection (every call is bounded by its own timeout): redis-py's
-    default pool opens one connection per call in flight, which grew with client concurrency in
-    the soak (47 connections at 64 clients) toward Redis's 10,000-client limit across replicas.
-    Sentinel's and Cluster's pools have no waiting variant (a full pool raises, which would read
-    as an outage), so they stay unbounded.
-    """
-    from redis.asyncio import BlockingConnectionPool, Redis
-    from redis.asyncio.cluster import RedisCluster
-    from redis.asyncio.retry import Retry
-    from redis.asyncio.sentinel import Sentinel
-    from redis.backoff import NoBackoff
-
-    # The socket timeout covers background work; the hot path is bounded by timeout_s itself.
-    sock = max(timeout_s * 20, 1.0)
-    common: dict[str, Any] = {
-        "socket_timeout": sock,
-        "socket_connect_timeout": sock,
-    }
-    if url.startswith("redis+sentinel://"):
-        hosts, service, db, auth = _sentinel_parts(url)
-        sentinel_password = auth.pop("sentinel_password", None)
-        sentinel = Sentinel(
-            hosts,
-            sentinel_kwargs={**common, "password": sentinel_password},
-            retry=Retry(NoBackoff(), 0),
-            **common,
-        )
-        return sentinel.master_for(service, db=db, **auth)
-    if cluster:
-        return RedisCluster.from_url(url, **common)
-    pool = BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=sock * 2,  # past every caller's own bound: a wait ends as that caller's timeout
-        retry=Retry(NoBackoff(), 0),
-        **common,
-    )
-    client = Redis(connection_pool=pool)
-    client.auto_close_connection_pool = True  # aclose() closes the pool too, as from_url's does
-    return client

@@ -43,10 +43,21 @@ does); with `share_of` alone loads are summed as before.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.routing.placement_views import (
+    EAGER_UP_TO,
+    Accumulated,
+    Loads,
+    Room,
+    common_prefix,
+    fast_members,
+    rank_of,
+    spare_homes,
+    total_weight,
+)
 from proxy.routing.tallies import Placed, Shares, Tallies, unfixed
 
 __all__ = ["Placed", "Placement", "SharedHomes", "Shares"]
@@ -73,7 +84,8 @@ class Placement:
     inflight: float = 0.0  # running average of the fleet's requests in flight
     size_alpha: float = 0.2  # weight of a new measurement in a prefix's size
     placed: dict[int, Placed] = field(default_factory=dict)
-    room: dict[str, float] = field(default_factory=dict)  # free cache per backend, as placed
+    # Free cache per backend, as placed (a Room, read lazily, on fleets of over 64).
+    room: MutableMapping[str, float] = field(default_factory=dict)
     requests: int = 0
     rebalances: int = 0
     moves: int = 0
@@ -98,6 +110,13 @@ class Placement:
         shares.listener = self.reweigh
         self.tallies.recount(self.placed)
 
+    def pin_room(self, backend: str) -> None:
+        """`backend`'s learned capacity is about to move (a CapacityLearner listener): a room
+        read lazily keeps the value it was taken with (placement_views.Room)."""
+        room = self.room
+        if isinstance(room, Room):
+            room.pin(backend)
+
     def reweigh(self, key: int) -> None:
         """`key`'s weight changed (the Shares listener)."""
         if key in self.placed:
@@ -112,7 +131,7 @@ class Placement:
         if not p.last:  # adopted from another replica: nothing of this one's to compare yet
             p.last = blocks
             return p
-        shared = _common_prefix(p.last, blocks)
+        shared = common_prefix(p.last, blocks)
         p.size += self.size_alpha * (shared - p.size)
         self.tallies.stale.add(key)
         p.last = blocks
@@ -136,8 +155,9 @@ class Placement:
     ) -> tuple[str, ...]:
         """The homes of the prefix `key` among `backends`, placing it now if it has none there."""
         p = self.placed.get(key)
-        if p is not None and any(h in backends for h in p.homes):
-            homes = tuple(h for h in p.homes if h in backends)
+        inside = fast_members(backends)
+        homes = tuple(filter(inside.__contains__, p.homes)) if p is not None else ()
+        if p is not None and homes:
             share = share_of(key)
             n = len(backends)
             if len(homes) >= n or self._needed(share, n, len(homes)) <= len(homes):
@@ -169,7 +189,8 @@ class Placement:
         tallies.uncount(p)
         loads, room = self._accounting(backends, weights, capacity, share_of, skip=key)
         p.share = share_of(key)
-        holders = [b for b in backends if warm.get(b, 0) >= warm_blocks]
+        # (Their order is the warm mapping's: every use sorts them by rendezvous rank.)
+        holders = [b for b, n in warm.items() if n >= warm_blocks and b in inside]
         previous = p.homes
         if first and self.alike:
             p.homes, p.overflow = self._first_alike(key, p, backends, room, holders, order)
@@ -235,8 +256,18 @@ class Placement:
         for _, p in keep:
             p.seq = tallies.next_seq()  # the new order
         tallies.reheap(self.placed)
-        loads = dict.fromkeys(backends, 0.0)
-        room = {b: self.fill * capacity(b) for b in backends}
+        loads: MutableMapping[str, float]
+        room: MutableMapping[str, float]
+        if len(backends) > EAGER_UP_TO:
+            fill, inside = self.fill, fast_members(backends)
+            uniform = getattr(weights, "names", None) is backends and getattr(
+                weights, "uniform", False
+            )
+            loads = Accumulated(inside, uniform)
+            room = Room(inside, lambda b: fill * capacity(b))
+        else:
+            loads = dict.fromkeys(backends, 0.0)
+            room = {b: self.fill * capacity(b) for b in backends}
         total = sum(p.share for _, p in keep)
         for key, p in keep:
             previous = p.homes
@@ -369,13 +400,23 @@ class Placement:
         capacity: Callable[[str], float],
         share_of: Callable[[int], float],
         skip: int,
-    ) -> tuple[dict[str, float], dict[str, float]]:
+    ) -> tuple[Mapping[str, float], MutableMapping[str, float]]:
         """Assigned load (weight-normalised share) and free cache room per backend now, of the
         placed prefixes but `skip` (the caller took it out of the tallies, made current)."""
         tallies = self.tallies
         sizes = tallies.sizes
-        room = {b: self.fill * capacity(b) - unfixed(sizes.get(b, 0)) for b in backends}
+        room: MutableMapping[str, float]
         shares = tallies.shares
+        if len(backends) > EAGER_UP_TO and shares is not None:
+            # Read as placing looks (placement_views.py): the sizes as they are now, each
+            # capacity as it is now or, if the learner moves it first, as it was (pin_room).
+            inside, fill, taken = fast_members(backends), self.fill, dict(sizes)
+            room = Room(inside, lambda b: fill * capacity(b) - unfixed(taken.get(b, 0)))
+            uniform = getattr(weights, "names", None) is backends and getattr(
+                weights, "uniform", False
+            )
+            return Loads(inside, tallies.weights, shares.scale(), weights, uniform), room
+        room = {b: self.fill * capacity(b) - unfixed(sizes.get(b, 0)) for b in backends}
         if shares is not None:
             tally = tallies.weights
             scale = shares.scale()
@@ -412,62 +453,50 @@ class Placement:
         # parses its arguments in CPython 3.11 (~1,200 instructions).
         share = 0.0 if p.share < 0.0 else p.share
         need = self._needed(share, n, len(previous))
-        total_weight = sum(_weight(weights, b) for b in backends)
+        weight_sum = total_weight(weights, backends)
         per_copy = share / need
         hrw = order(key, backends)
-        rank = {b: i for i, b in enumerate(hrw)}
+        rank = rank_of(order, key, backends, hrw)
 
         def within(b: str, slack: float = 1.0) -> bool:
             over = 1.0 + self.imbalance * slack
-            bound = over * total / total_weight if total > 0 else math.inf
+            bound = over * total / weight_sum if total > 0 else math.inf
             return loads[b] + per_copy / _weight(weights, b) <= bound + 1e-12
 
         def fits(b: str) -> bool:
             return room[b] >= p.size
 
         chosen: list[str] = []
+        taken: set[str] = set()
         # Previous homes that still fit and are within the bound stay (hysteresis).
         # Previous homes keep their prefix up to twice the imbalance: shares measured over a
         # few hundred requests are noisy, and a move costs a cold prefill and an eviction.
         for b in previous:
-            if len(chosen) < need and b in loads and b not in chosen and within(b, 2.0) and fits(b):
+            if len(chosen) < need and b in loads and b not in taken and within(b, 2.0) and fits(b):
                 chosen.append(b)
+                taken.add(b)
         # Then backends that already hold it (with a shared index, what another replica
         # placed), then the first within the bound and with room in the prefix's rendezvous
         # order: the same choice on every replica, where the least loaded would not be.
         for b in sorted(holders, key=lambda b: (loads[b], rank[b])):
-            if len(chosen) < need and b not in chosen and within(b) and fits(b):
+            if len(chosen) < need and b not in taken and within(b) and fits(b):
                 chosen.append(b)
+                taken.add(b)
         overflow = False
         if len(chosen) < need:
-            spare = [b for b in hrw if b not in chosen and fits(b)]
-            spare.sort(key=lambda b: (not within(b), rank[b]))
-
-            # The less loaded of the first two: hashing alone can give one backend 3 of 8
-            # prompts, and two possible homes still mostly agree across replicas.
-            # Assigned load first, then what is in flight now (shared by replicas via Redis).
-            def now(b: str) -> float:
-                return busy(b) if busy is not None else 0.0
-
-            pair = spare[: self.choices]
-            if len(pair) == 2 and within(pair[1]):
-                first, second = pair
-                if (loads[second], now(second)) < (loads[first], now(first)):
-                    spare[0], spare[1] = second, first
-            # Unless both already host more placed prefixes than a backend's fair count: then
-            # the least crowded one (two choices still left 3 of 8 prompts on one engine).
-            # (The tallies leave `p` out: its caller took it out of them.)
-            tally = self.tallies.hosted
-            hosted = {b: tally.get(b, 0) for b in backends}
-            fair = sum(hosted.values()) / max(len(backends), 1)
-            if spare and hosted[spare[0]] > fair:
-                spare.sort(key=lambda b: (not within(b), hosted[b] > fair, hosted[b], rank[b]))
-            chosen += spare[: need - len(chosen)]
+            count, tally = need - len(chosen), self.tallies.hosted
+            every = loads.within_all if isinstance(loads, Loads | Accumulated) else None
+            spares = spare_homes(
+                backends, hrw, rank, taken, count, self.choices, loads, within, fits, busy, tally,
+                every,
+            )  # fmt: skip
+            chosen += spares
+            taken.update(spares)
         if len(chosen) < need:
             # No room anywhere: placed for load alone; its requests prefill wherever they go.
             overflow = True
             rest = sorted(
-                (b for b in hrw if b not in chosen), key=lambda b: (not within(b), rank[b])
+                (b for b in hrw if b not in taken), key=lambda b: (not within(b), rank[b])
             )
             chosen += rest[: need - len(chosen)]
         return tuple(chosen), overflow
@@ -575,17 +604,3 @@ class Placement:
 def _weight(weights: Mapping[str, float], backend: str) -> float:
     w = weights.get(backend, 1.0)
     return w if w > 1e-9 else 1e-9
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n and a[n - 1] == b[n - 1]:
-        return n  # chain hashes: the last common block implies every block before it
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import repeat
+from operator import add, attrgetter, le, mul, truediv
 
 import xxhash
 
@@ -18,6 +21,10 @@ from proxy.routing.types import BackendView
 
 _h64 = xxhash.xxh3_64_intdigest
 _SCALE = 1.0 / 18446744073709551616.0  # 2**-64
+h64 = _h64
+SCALE = _SCALE
+_WEIGHT = attrgetter("weight")
+_INFLIGHT = attrgetter("inflight")
 
 
 _NAMES: dict[str, bytes] = {}  # backend name -> its UTF-8 bytes (names are few and long-lived)
@@ -31,6 +38,9 @@ def _name_bytes(name: str) -> bytes:
             _NAMES.clear()
         b = _NAMES[name] = name.encode()
     return b
+
+
+name_bytes = _name_bytes
 
 
 def weight_for(key: int, backend: BackendView) -> float:
@@ -65,6 +75,79 @@ def hrw_names(key: int, names: Sequence[str]) -> list[str]:
     return sorted(names, key=lambda n: _h64(_name_bytes(n), seed), reverse=True)
 
 
+@dataclass(frozen=True, slots=True)
+class LoadBound:
+    """split_by_load's bound, computed over a whole set of candidates: a backend is within it
+    when one more request leaves its weight-normalised load at most `limit`.
+    `within_count`: how many of those candidates are within (-1: not counted)."""
+
+    epsilon: float
+    slack: int
+    mean_w: float
+    limit: float
+    within_count: int = -1
+
+    def within(self, b: BackendView) -> bool:
+        w = b.weight if b.weight > 1e-9 else 1e-9
+        load = (b.inflight if b.inflight > 0 else 0) * self.mean_w / w
+        return load + self.mean_w / w <= self.limit
+
+
+class Shortlist(list[BackendView]):
+    """Candidates drawn from a larger fleet (proxy.routing.shortlist): split_by_load bounds
+    them by the fleet's load (`bound`, when its epsilon and slack are the picker's), not by
+    their own, so a backend is within the bound here exactly when it is in the whole fleet."""
+
+    bound: LoadBound
+    fleet_size: int
+
+
+def load_bound(
+    candidates: Sequence[BackendView],
+    epsilon: float,
+    slack: int = 1,
+    count: bool = False,
+    inflight: Sequence[int] | None = None,
+    unit: bool = False,
+) -> LoadBound:
+    """The bound split_by_load applies to `candidates` (not empty); `count`: also count how
+    many are within it. C-level passes only: this runs over whole fleets. `inflight`: their
+    in-flight counts, if already read; `unit`: every weight is 1.0 (then the normalised loads
+    are the counts themselves, and the same floats come out of fewer passes)."""
+    n = len(candidates)
+    loads = list(map(_INFLIGHT, candidates)) if inflight is None else inflight
+    if min(loads) < 0:
+        loads = [i if i > 0 else 0 for i in loads]
+    if unit:
+        mean_w = 1.0
+        average = (sum(loads) + 1) / n  # (the same float as the sum of i * 1.0 / 1.0)
+        least = float(min(loads))
+        norm: Sequence[float] = loads
+    else:
+        weights = list(map(_WEIGHT, candidates))
+        if min(weights) <= 1e-9:
+            weights = [w if w > 1e-9 else 1e-9 for w in weights]
+        mean_w = sum(weights) / n
+        # In-flight in units of an average-weight backend, and what one more request adds.
+        norm = list(map(truediv, map(mul, loads, repeat(mean_w, n)), weights))
+        average = (sum(norm) + 1) / n
+        least = min(norm)
+    # The two-value max() and min() written out (each call parses its arguments in CPython
+    # 3.11, ~1,200 instructions; this runs on every request).
+    ratio, plus = math.ceil((1.0 + epsilon) * average), math.ceil(average) + slack
+    above = plus if ratio < plus else ratio
+    spread = epsilon * (least + 1)
+    below = least + 1 + (spread if slack < spread else slack) + 1e-9
+    limit = below if below < above else above
+    within = -1
+    if count and unit:
+        within = sum(map(le, map(add, norm, repeat(1.0, n)), repeat(limit, n)))
+    elif count:
+        one_more = map(truediv, repeat(mean_w, n), weights)
+        within = sum(map(le, map(add, norm, one_more), repeat(limit, n)))
+    return LoadBound(epsilon, slack, mean_w, limit, within)
+
+
 def split_by_load(
     candidates: Sequence[BackendView], epsilon: float, slack: int = 1
 ) -> tuple[list[BackendView], list[BackendView]]:
@@ -76,30 +159,19 @@ def split_by_load(
     Below: at most max(slack, epsilon * least) more than the least loaded backend. Bounded
     loads alone cap the busiest backend but let warm backends absorb everything while a cold
     one idles (3, 3, 3, 0 is "within 1.25x average"). The least loaded backend is always
-    within both, so the choice is never empty.
+    within both, so the choice is never empty. A Shortlist is bounded by its fleet's load.
     """
     if not candidates:
         return [], []
-    n = len(candidates)
-    weights = [b.weight if b.weight > 1e-9 else 1e-9 for b in candidates]
-    mean_w = sum(weights) / n
-    # In-flight in units of an average-weight backend, and what one more request adds.
-    norm = [
-        (b.inflight if b.inflight > 0 else 0) * mean_w / w
-        for b, w in zip(candidates, weights, strict=True)
-    ]
-    average = (sum(norm) + 1) / n
-    least = min(norm)
-    # The two-value max() and min() written out (each call parses its arguments in CPython
-    # 3.11, ~1,200 instructions; this runs on every request).
-    ratio, plus = math.ceil((1.0 + epsilon) * average), math.ceil(average) + slack
-    above = plus if ratio < plus else ratio
-    spread = epsilon * (least + 1)
-    below = least + 1 + (spread if slack < spread else slack) + 1e-9
-    limit = below if below < above else above
+    bound: LoadBound | None = getattr(candidates, "bound", None)
+    if bound is None or bound.epsilon != epsilon or bound.slack != slack:
+        bound = load_bound(candidates, epsilon, slack)
+    mean_w, limit = bound.mean_w, bound.limit
     within: list[BackendView] = []
     over: list[BackendView] = []
-    for b, w, load in zip(candidates, weights, norm, strict=True):
+    for b in candidates:
+        w = b.weight if b.weight > 1e-9 else 1e-9
+        load = (b.inflight if b.inflight > 0 else 0) * mean_w / w
         (within if load + mean_w / w <= limit else over).append(b)
     if not within:  # unreachable by construction; never return an empty choice
         return list(candidates), []

@@ -1,9 +1,16 @@
 """The router: runs a policy's filters -> scorers -> picker and records the decision.
 
 When the policy uses prefixes, the router also hashes the prompt (once per request), asks the
-prefix index for every candidate's longest match (one lookup, after filtering so no backend
-that cannot serve the request costs a probe), and records the winner's blocks right after the
-pick so the next request with this prefix finds it.
+prefix index which candidates hold how much of it (one walk of the prompt, after filtering so
+no backend that cannot serve the request costs a probe), and records the winner's blocks right
+after the pick so the next request with this prefix finds it.
+
+A decision's cost follows the prompt and the backends that hold it, not the fleet: what the
+candidates' names give is kept across decisions (proxy.routing.fleet), the index answers for
+the holders only, the placement reads the backends it looks at, and on a large fleet the
+picker is handed a shortlist it decides on as it would on every candidate
+(proxy.routing.shortlist). What remains per candidate is a few C-level passes (the filters,
+the names, the load bound).
 """
 
 from __future__ import annotations
@@ -11,19 +18,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any, Protocol
 
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.capacity import CapacityLearner, Outcome
+from proxy.routing.fleet import Fleet, FleetCache
 from proxy.routing.index import DEFAULT_CAPACITY_BLOCKS, PrefixIndex
 from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S, PrefillLearner
 from proxy.routing.placement import Placement
 from proxy.routing.popularity import PrefixPopularity
 from proxy.routing.prefix import PrefixHasher
 from proxy.routing.rendezvous import hrw_names
+from proxy.routing.shortlist import Plan, shortlist
 from proxy.routing.types import BackendView, Decision, Policy, RouteContext, Scores, ScoresByBackend
 
 log = logging.getLogger("warmroute.routing")
+_INFLIGHT = attrgetter("inflight")
 
 
 class ExactCache(Protocol):
@@ -72,7 +83,11 @@ class Router:
             placement = Placement(**getattr(policy.picker, "placement_config", {}))
         if placement is not None:
             placement.attach(self.popularity)  # its loads follow the shares it is passed
+            self.capacity.listener = placement.pin_room  # its room keeps the sizes it read
         self.placement = placement
+        self.fleets = FleetCache()
+        # Large fleets: hand the picker a shortlist it decides on as on every candidate.
+        self.shortlists = True
         # Backends whose engines publish KV events: their exact cache views (proxy.kvevents).
         self.exact: dict[str, ExactCache] = {}
         # Prefixes recorded on such a backend this recently count as held (being prefilled).
@@ -107,71 +122,115 @@ class Router:
         candidates = list(backends)
         for f in self.policy.filters:
             candidates = f.filter(ctx, candidates, dropped)
+        plan: Plan | None = None
         if self.policy.uses_prefix:
-            await self._match(ctx, candidates)
+            fleet = self.fleets.of(candidates)
+            held = await self._match(ctx, candidates, fleet)
             if ctx.prefix_blocks:
                 n = len(ctx.prefix_blocks)  # (no min(): it parses its arguments, every call)
                 head = ctx.prefix_blocks[(n if n < self.head_blocks else self.head_blocks) - 1]
                 if record:
                     self.popularity.observe(head)
                 ctx.prefix_share = self.popularity.share(head)
-                if self.placement is not None and len(ctx.prefix_blocks) >= self.warm_blocks:
-                    self._place(ctx, head, candidates, record)
-        decision = self.decide(ctx, candidates, dropped)
+                inflight = list(map(_INFLIGHT, candidates))
+                placed = self.placement is not None and n >= self.warm_blocks
+                if placed:
+                    self._place(ctx, head, candidates, fleet, held, inflight, record)
+                if self.shortlists:
+                    picker = self.policy.picker
+                    plan = shortlist(ctx, candidates, fleet, held, picker, inflight)
+                if placed and candidates:
+                    assert self.placement is not None
+                    # Where a copy would evict a placed prefix (read by the picker for the
+                    # backends it is handed only).
+                    seen = fleet.names if plan is None else [b.name for b in plan.shortlist]
+                    ctx.full = self.placement.full_for(head, seen, self.capacity.measured)
+        decision = self.decide(ctx, candidates, dropped, plan.shortlist if plan else None)
+        if plan is not None:
+            decision.reason = plan.restate(decision.reason)
         decision.decision_s = time.perf_counter() - started
         if record and self.record_on_route and decision.winner is not None:
             self.record(ctx, decision.winner)
         return decision
 
-    async def _match(self, ctx: RouteContext, candidates: list[BackendView]) -> None:
+    async def _match(
+        self, ctx: RouteContext, candidates: list[BackendView], fleet: Fleet
+    ) -> dict[str, int]:
+        """Fill ctx's prefix (hashing the prompt) and its matches (every candidate, zero for
+        most); returns the candidates that match any of it, and how much."""
         if not ctx.prefix_blocks:
             key = self.hasher.key(ctx.model, ctx.api, ctx.body)
             ctx.prefix_blocks = key.blocks
             ctx.prompt_chars = key.chars
             ctx.block_chars = key.block_chars
             ctx.token_keyed = key.tokens
-        if self.index is not None and ctx.prefix_blocks and candidates:
-            ctx.matched_blocks = await self.index.lookup(
-                ctx.prefix_blocks, [b.name for b in candidates]
-            )
-        if self.exact and ctx.prefix_blocks and ctx.token_keyed:
+        blocks = ctx.prefix_blocks
+        if self.index is not None and blocks and candidates:
+            held = await self.index.holders(blocks, fleet.names)
+            ctx.matched_blocks = fleet.zeros.copy()
+            ctx.matched_blocks.update(held)
+        else:
+            inside = fleet.index
+            held = {b: n for b, n in ctx.matched_blocks.items() if n > 0 and b in inside}
+        if self.exact and blocks and ctx.token_keyed:
             # Engines that publish KV events say exactly what they hold: their word replaces
             # the learned index's estimate while their event stream is live. Only blocks of
             # token ids compare with theirs (exact mode, or a token-id prompt).
             exact = []
-            blocks = ctx.prefix_blocks
             fresh = getattr(self.index, "fresh_prefix", None)
             if fresh is None:  # the Redis index's local copy holds this replica's records
                 fresh = getattr(getattr(self.index, "local", None), "fresh_prefix", None)
             since = self._index_now() - self.pending_s
-            for b in candidates:
-                view = self.exact.get(b.name)
-                if view is not None and view.live:
-                    held = view.match(blocks)
-                    if fresh is not None and held < len(blocks):
+            for name, view in self.exact.items():
+                if name in fleet.index and view.live:
+                    n = view.match(blocks)
+                    if fresh is not None and n < len(blocks):
                         # Blocks sent there moments ago are being prefilled: the engine will
                         # hold them before a request sent now gets its turn.
-                        held = max(held, fresh(b.name, blocks, since))
-                    ctx.matched_blocks[b.name] = held
-                    exact.append(b.name)
+                        n = max(n, fresh(name, blocks, since))
+                    ctx.matched_blocks[name] = n
+                    if n > 0:
+                        held[name] = n
+                    else:
+                        held.pop(name, None)
+                    exact.append(name)
             ctx.exact = frozenset(exact)
+        return held
 
     def _place(
-        self, ctx: RouteContext, head: int, candidates: list[BackendView], record: bool
+        self,
+        ctx: RouteContext,
+        head: int,
+        candidates: list[BackendView],
+        fleet: Fleet,
+        held: Mapping[str, int],
+        inflight: Sequence[int],
+        record: bool,
     ) -> None:
         """Look up (or make) the prefix's assigned homes among the candidates."""
         placement = self.placement
         assert placement is not None
-        names = [b.name for b in candidates]
+        names = fleet.names
         if not names:
             return
-        weights = {b.name: b.weight for b in candidates}
+        weights = fleet.weights
         share = self.popularity.current
+        order = fleet.rendezvous  # hrw_names, kept per prefix for this fleet
         if record:
-            placement.note_load(float(sum(b.inflight for b in candidates) + 1))
+            placement.note_load(float(sum(inflight) + 1))
             placement.observe(head, ctx.prefix_blocks)
             if placement.due():
-                placement.rebalance(names, weights, self.capacity.capacity, share, hrw_names)
+                placement.rebalance(names, weights, self.capacity.capacity, share, order)
+        index = fleet.index
+
+        def busy(name: str) -> float:
+            """Weight-normalised requests in flight on `name` (asked when placing)."""
+            i = index.get(name)
+            if i is None:
+                return 0.0
+            b = candidates[i]
+            return b.inflight / (1e-9 if b.weight < 1e-9 else b.weight)
+
         ctx.homes = placement.homes(
             head,
             ctx.prefix_blocks,
@@ -179,12 +238,11 @@ class Router:
             weights,
             self.capacity.capacity,
             share,
-            ctx.matched_blocks,
-            hrw_names,
+            held,
+            order,
             self.warm_blocks,
-            lambda name: _inflight_of(candidates, name),
+            busy,
         )
-        ctx.full = placement.full_for(head, names, self.capacity.measured)
         placed = placement.placed.get(head)
         ctx.shared_blocks = placed.size if placed is not None else 0.0
 
@@ -316,12 +374,19 @@ class Router:
         return self.backlog.level(backend, self.prefill_rate(backend))
 
     def decide(
-        self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]
+        self,
+        ctx: RouteContext,
+        candidates: list[BackendView],
+        dropped: dict[str, str],
+        picked_from: list[BackendView] | None = None,
     ) -> Decision:
-        """Score and pick among filtered candidates (pure: everything needed is in ctx)."""
+        """Score and pick among filtered candidates (pure: everything needed is in ctx).
+        `picked_from`: the shortlist the picker orders, when it is not every candidate (the
+        scores are still every candidate's: as the picker would see them over all)."""
         # Scored only if the picker (or, later, the span or explain) reads the totals.
         totals = Scores(self.policy.scorers, ctx, candidates)
-        ranking, reason = self.policy.picker.pick(ctx, candidates, totals)
+        chosen = candidates if picked_from is None else picked_from
+        ranking, reason = self.policy.picker.pick(ctx, chosen, totals)
         return Decision(
             policy=self.policy.name,
             ranking=ranking,
@@ -340,11 +405,3 @@ class Router:
 def _exact_stats(cache: ExactCache) -> dict[str, Any]:
     stats = getattr(cache, "stats", None)
     return dict(stats()) if callable(stats) else {"live": cache.live}
-
-
-def _inflight_of(candidates: Sequence[BackendView], name: str) -> float:
-    """Weight-normalised requests in flight on `name` (asked only when a prefix is placed)."""
-    for b in candidates:
-        if b.name == name:
-            return b.inflight / (1e-9 if b.weight < 1e-9 else b.weight)
-    return 0.0

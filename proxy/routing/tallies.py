@@ -17,6 +17,8 @@ import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import add
 from typing import Protocol
 
 FIXED_BITS = 128
@@ -80,6 +82,19 @@ class Tallies:
         size = sign * p.tallied_size
         weight = sign * (p.weight // len(p.homes))
         hosted, sizes, weights = self.hosted, self.sizes, self.weights
+        homes = p.homes
+        if len(homes) > 8:
+            # A hot prefix has hundreds of homes: the same sums in C-level passes, when no
+            # tally reaches zero and no home repeats.
+            k = len(homes)
+            counts = list(map(add, map(hosted.get, homes, repeat(0, k)), repeat(sign, k)))
+            if 0 not in counts and len(frozenset(homes)) == k:
+                added = map(add, map(sizes.get, homes, repeat(0, k)), repeat(size, k))
+                weighed = map(add, map(weights.get, homes, repeat(0, k)), repeat(weight, k))
+                hosted.update(zip(homes, counts, strict=True))
+                sizes.update(zip(homes, added, strict=True))
+                weights.update(zip(homes, weighed, strict=True))
+                return
         for h in p.homes:
             n = hosted.get(h, 0) + sign
             if n:

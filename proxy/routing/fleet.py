@@ -1,0 +1,168 @@
+"""The fleet a decision is made over, read once per decision and kept while it stays the same.
+
+A router sees the same backends, in the same order, decision after decision; what it derives
+from their names (where each one is, its rendezvous position for a prompt head, a zero match
+for everyone) is worth deriving once. `FleetCache.of(candidates)` compares the names and
+weights with the last decision's, a few C-level passes (~20 us at 1,024 backends), and hands
+back the same `Fleet` while they match (pure, no I/O).
+
+`Names` is the names in fleet order with constant-time membership: the placement asks
+`name in backends` for each home of a prefix, which on a list of 1,024 names was most of a
+decision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from itertools import repeat
+from operator import add, attrgetter, mul, truediv
+from typing import Any
+
+from proxy.routing.rendezvous import SCALE, h64, hrw_names, name_bytes
+from proxy.routing.types import BackendView
+
+_NAME = attrgetter("name")
+_WEIGHT = attrgetter("weight")
+ORDERS_KEPT = 512  # prompt heads whose rendezvous orders a fleet keeps (the placement's 256 fit)
+
+
+class Names(tuple[str, ...]):
+    """Backend names in fleet order; `in` is a set lookup, `members` the set itself."""
+
+    members: frozenset[str]
+
+    def __new__(cls, names: Sequence[str]) -> Names:
+        self = super().__new__(cls, names)
+        self.members = frozenset(self)
+        return self
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.members
+
+
+def members(backends: Sequence[str]) -> Any:
+    """A container with fast membership for `backends` (its own set when it is `Names`)."""
+    found = getattr(backends, "members", None)
+    if found is not None:
+        return found
+    return backends if len(backends) < 8 else frozenset(backends)
+
+
+class FleetWeights(dict[str, float]):
+    """Backend -> weight, with the total the placement bounds loads by (sum of the weights,
+    each at least 1e-9, in fleet order: the same float the sum over the names gives)."""
+
+    names: Names
+    total: float
+    uniform: bool  # every backend has the same weight
+
+
+class Rendezvous:
+    """Rendezvous orders of one fleet, kept per prompt head (the most recent ORDERS_KEPT).
+
+    Calling it is `hrw_names` (unweighted, the placement's order) for the fleet's own names and
+    computes afresh for any other list; `rank` is the position of each name in that order;
+    `weighted` is `hrw_order`'s order (the pickers') as indices into the fleet.
+    """
+
+    def __init__(self, names: Names, weights: Sequence[float]) -> None:
+        self.names = names
+        self._bytes = [name_bytes(n) for n in names]
+        self._weights = [w if w > 1e-9 else 1e-9 for w in weights]
+        self._plain: OrderedDict[int, list[str]] = OrderedDict()
+        self._ranks: dict[int, dict[str, int]] = {}
+        self._weighted: OrderedDict[int, list[int]] = OrderedDict()
+        self.computed = 0  # orders computed (each one hashes every name once)
+
+    def __call__(self, key: int, backends: Sequence[str]) -> list[str]:
+        if backends is not self.names:
+            return hrw_names(key, backends)
+        order = self._plain.get(key)
+        if order is None:
+            seed = key & 0xFFFFFFFFFFFFFFFF
+            hashes = list(map(h64, self._bytes, repeat(seed, len(self._bytes))))
+            # sorted() is stable with reverse=True, as hrw_names's sort by hash is.
+            idx = sorted(range(len(hashes)), key=hashes.__getitem__, reverse=True)
+            order = list(map(self.names.__getitem__, idx))
+            self._keep(self._plain, key, order)
+            self._ranks.pop(key, None)
+            self.computed += 1
+        else:
+            self._plain.move_to_end(key)
+        return order
+
+    def rank(self, key: int, backends: Sequence[str]) -> dict[str, int]:
+        """Name -> position in `self(key, backends)`."""
+        if backends is not self.names:
+            return {b: i for i, b in enumerate(self(key, backends))}
+        order = self(key, backends)
+        found = self._ranks.get(key)
+        if found is None:
+            found = self._ranks[key] = dict(zip(order, range(len(order)), strict=True))
+        return found
+
+    def weighted(self, key: int) -> list[int]:
+        """Fleet indices in `hrw_order(key, fleet views)`'s order (same floats, same ties)."""
+        order = self._weighted.get(key)
+        if order is None:
+            seed = key & 0xFFFFFFFFFFFFFFFF
+            n = len(self._bytes)
+            hashes = map(h64, self._bytes, repeat(seed, n))
+            u = map(mul, map(add, hashes, repeat(0.5, n)), repeat(SCALE, n))
+            scores = list(map(truediv, self._weights, map(math.log, u)))
+            # hrw_order sorts (score, index) pairs: a stable sort by score is the same order.
+            order = sorted(range(n), key=scores.__getitem__)
+            self._keep(self._weighted, key, order)
+            self.computed += 1
+        else:
+            self._weighted.move_to_end(key)
+        return order
+
+    def _keep(self, cache: OrderedDict[int, Any], key: int, value: Any) -> None:
+        cache[key] = value
+        while len(cache) > ORDERS_KEPT:
+            gone, _ = cache.popitem(last=False)
+            if cache is self._plain:
+                self._ranks.pop(gone, None)
+
+
+class Fleet:
+    """What a decision derives from the candidates' names and weights alone."""
+
+    def __init__(self, names: Names, weights: list[float]) -> None:
+        self.names = names
+        self.index: dict[str, int] = dict(zip(names, range(len(names)), strict=True))
+        self.weight_list = weights
+        fw = FleetWeights(zip(names, weights, strict=True))
+        fw.names = names
+        fw.total = sum(w if w > 1e-9 else 1e-9 for w in weights)
+        fw.uniform = self.uniform = bool(weights) and weights.count(weights[0]) == len(weights)
+        self.unit = self.uniform and weights[0] == 1.0  # every weight 1.0: loads are counts
+        self.weights = fw
+        self.zeros: dict[str, int] = dict.fromkeys(names, 0)
+        self.rendezvous = Rendezvous(names, weights)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+class FleetCache:
+    """The last decision's fleet, reused while the candidates' names and weights match."""
+
+    def __init__(self) -> None:
+        self.fleet: Fleet | None = None
+        self.builds = 0
+
+    def of(self, candidates: Sequence[BackendView]) -> Fleet:
+        names = tuple(map(_NAME, candidates))
+        weights = list(map(_WEIGHT, candidates))
+        fleet = self.fleet
+        if fleet is not None and fleet.names == names:
+            if fleet.weight_list == weights:
+                return fleet
+            names = fleet.names  # same names: keep the Names (placement caches key on it)
+        self.fleet = fleet = Fleet(names if isinstance(names, Names) else Names(names), weights)
+        self.builds += 1
+        return fleet

@@ -1,0 +1,223 @@
+"""The few candidates a picker needs to see to decide as it would over the whole fleet (pure).
+
+A picker orders whatever list it is handed, and the bounded_load picker (plugins/, the default
+policy's) makes several passes over it, hashing every backend for its rendezvous orders: at
+1,024 backends that was most of a decision. Its decision only ever depends on a few of them:
+
+- a placed prefix (the common case: placement places every prompt of `warm_blocks` or more)
+  goes to the least loaded of its homes within the load bound, the rest of the ranking being
+  the other homes and then the prefix's rendezvous order over the backends within the bound;
+- a cold prefix (placement off) goes to the less loaded of the first `choices` backends of
+  its rendezvous order within the bound.
+
+So the router hands it a `Shortlist`: the HEAD best homes by the picker's own sort key (its
+load, its match, the request's tie-break), the home holding the most of the prompt (it sets
+how much a non-home must hold to count as one), every non-home that holds that much, and the
+first HEAD backends within the bound in the prefix's rendezvous order. A Shortlist carries
+the whole fleet's load bound (proxy.routing.rendezvous.split_by_load uses it), so "within the
+bound" means there what it means over the fleet. The picker then returns the winner it would
+have returned over every candidate, and the first HEAD entries of its ranking too (HEAD is
+retries.max_attempts' upper bound, so every backend a retry can reach is the fleet-wide
+choice); the counts in its reason are restated for the fleet.
+
+What the list cannot carry, it does not try: the router hands the whole fleet (the old cost,
+the same answer) whenever the picker's decision could read more than these backends:
+
+- a prompt shorter than `warm_blocks` (ranked by every candidate's total score);
+- a warm prefix that is not placed (placement off: its copies are ranked by total score);
+- an engine reporting more than `slack` waiting requests (the picker's long-queue guard then
+  compares each backend to the average queue of all of them);
+- every home of a placed prefix over the load bound (the spill rule weighs every backend's
+  prefill work);
+- a fleet of SHORTLIST_ABOVE backends or fewer, or another picker.
+
+A short list never hides a less loaded engine: the bound is the fleet's, the least loaded
+backend is always within it, and the rule that moves traffic off loaded homes only ever runs
+over the whole fleet.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import repeat
+from operator import add, attrgetter, le, lt, mul, not_, truediv
+from typing import Any
+
+from proxy.routing.fleet import Fleet
+from proxy.routing.rendezvous import LoadBound, Shortlist, hrw_order, key_of, load_bound
+from proxy.routing.types import BackendView, RouteContext
+
+HEAD = 10  # ranking entries kept exactly as over the whole fleet (retries.max_attempts <= 10)
+SHORTLIST_ABOVE = 32  # candidates; a fleet this small is handed whole (it costs less)
+PICKERS = frozenset({"bounded_load"})  # pickers whose rules the lists below are drawn for
+
+_NAME = attrgetter("name")
+_WEIGHT = attrgetter("weight")
+_INFLIGHT = attrgetter("inflight")
+_WAITING = attrgetter("load.waiting")
+
+
+@dataclass(slots=True)
+class Plan:
+    """A shortlist and what the picker's reason counts over the whole fleet."""
+
+    shortlist: Shortlist
+    homes: int = 0  # homes of a placed prefix (with the non-homes that count as homes)
+    over: int = -1  # backends over the load bound (cold prefixes' reasons); -1: not counted
+    home_names: frozenset[str] = frozenset()  # those homes
+
+    def restate(self, reason: str) -> str:
+        """The picker's reason with its counts of homes and loaded backends the fleet's."""
+        if self.homes > 1:
+            mine = sum(1 for b in self.shortlist if b.name in self.home_names)
+            if mine != self.homes:
+                reason = reason.replace(f"(1 of {mine} homes)", f"(1 of {self.homes} homes)")
+        if self.over > 0:
+            reason = f"{reason}; {self.over} over the load bound"
+        return reason
+
+
+def shortlist(
+    ctx: RouteContext,
+    candidates: Sequence[BackendView],
+    fleet: Fleet,
+    held: Mapping[str, int],
+    picker: Any,
+    inflight: Sequence[int],
+) -> Plan | None:
+    """The shortlist for `picker` (a bounded_load picker), or None: hand it every candidate.
+
+    `held`: the candidates matching at least one block of the prompt, and how many;
+    `inflight`: each candidate's requests in flight."""
+    n = len(candidates)
+    warm = int(getattr(picker, "warm_blocks", 4))
+    blocks = ctx.prefix_blocks
+    if n <= SHORTLIST_ABOVE or len(blocks) < warm or getattr(picker, "name", "") not in PICKERS:
+        return None
+    epsilon, slack = float(picker.epsilon), int(picker.slack)
+    if epsilon < -1.0 or max(filter(None, map(_WAITING, candidates)), default=0.0) > slack:
+        return None  # the long-queue guard could set some apart: it compares to all of them
+    affinity = int(picker.affinity_blocks)
+    key = blocks[(len(blocks) if len(blocks) < affinity else affinity) - 1]
+    if ctx.homes:
+        bound = load_bound(candidates, epsilon, slack, inflight=inflight, unit=fleet.unit)
+        return _placed(ctx, candidates, fleet, held, key, warm, bound)
+    if max(held.values(), default=0) >= warm:
+        return None  # a warm prefix, not placed: its copies are ranked by total score
+    choices = int(getattr(picker, "choices", 2))
+    bound = load_bound(candidates, epsilon, slack, True, inflight, fleet.unit)
+    first = _first_within(candidates, fleet, key, bound, frozenset(), max(HEAD, choices))
+    return Plan(_listed(first, fleet, bound, n), over=n - bound.within_count)
+
+
+def _placed(
+    ctx: RouteContext,
+    candidates: Sequence[BackendView],
+    fleet: Fleet,
+    held: Mapping[str, int],
+    key: int,
+    warm: int,
+    bound: LoadBound,
+) -> Plan | None:
+    index = fleet.index
+    placed = [index[h] for h in ctx.homes if h in index]
+    if not placed:
+        return None
+    placed.sort()
+    home_names = [candidates[i].name for i in placed]
+    matched = ctx.matched_blocks
+    got = list(map(matched.get, home_names, repeat(0)))
+    most = max(got)
+    reach = most + warm  # a non-home holding this much counts as a home (the picker's rule)
+    homes_set = frozenset(ctx.homes)
+    extra = sorted(
+        index[b] for b, m in held.items() if m >= reach and b not in homes_set and b in index
+    )
+    views = [candidates[i] for i in placed] + [candidates[i] for i in extra]
+    ok = _within(views, bound, fleet.unit)
+    if not any(ok):
+        return None  # every home over the bound: the spill rule weighs the whole fleet
+    own = ctx.shared_blocks + warm
+    top = _best_homes(ctx, views, ok, matched, own)
+    top.append(views[got.index(most)])
+    names = frozenset(b.name for b in views)
+    others = _first_within(candidates, fleet, key, bound, names, HEAD)
+    listed = _listed(top + views[len(placed) :] + others, fleet, bound, len(candidates))
+    return Plan(listed, homes=len(views), home_names=names)
+
+
+def _within(views: Sequence[BackendView], bound: LoadBound, unit: bool) -> list[bool]:
+    """bound.within for each of `views` (the same arithmetic, in C-level passes; `unit`:
+    every weight is 1.0, so a load is its count)."""
+    k = len(views)
+    inflight = list(map(_INFLIGHT, views))
+    if min(inflight) < 0:
+        inflight = [i if i > 0 else 0 for i in inflight]
+    if unit:
+        return list(map(le, map(add, inflight, repeat(1.0, k)), repeat(bound.limit, k)))
+    weights = list(map(_WEIGHT, views))
+    if min(weights) <= 1e-9:
+        weights = [w if w > 1e-9 else 1e-9 for w in weights]
+    mean_w = bound.mean_w
+    load = map(truediv, map(mul, inflight, repeat(mean_w, k)), weights)
+    more = map(truediv, repeat(mean_w, k), weights)
+    return list(map(le, map(add, load, more), repeat(bound.limit, k)))
+
+
+def _best_homes(
+    ctx: RouteContext,
+    views: list[BackendView],
+    ok: list[bool],
+    matched: Mapping[str, int],
+    own: float,
+) -> list[BackendView]:
+    """The HEAD first of `views` by the picker's sort of a placed prefix's homes: within the
+    bound, holding the request's own history, least loaded, then the request's tie-break."""
+    if len(views) <= HEAD:
+        return list(views)
+    k = len(views)
+    weights = list(map(_WEIGHT, views))
+    if min(weights) <= 1e-9:
+        weights = [w if w > 1e-9 else 1e-9 for w in weights]
+    loads = map(truediv, map(_INFLIGHT, views), weights)
+    short = map(lt, map(matched.get, map(_NAME, views), repeat(0, k)), repeat(own, k))
+    keys = list(zip(map(not_, ok), short, loads, strict=True))
+    last = heapq.nsmallest(HEAD, keys)[-1]
+    best = [v for v, kk in zip(views, keys, strict=True) if kk < last]
+    tied = [v for v, kk in zip(views, keys, strict=True) if kk == last]
+    # Ties go by the request's rendezvous order over the homes (the picker's tie-break; the
+    # order of a subset is that of the whole, restricted).
+    return best + hrw_order(key_of(ctx.request_id), tied)[: HEAD - len(best)]
+
+
+def _first_within(
+    candidates: Sequence[BackendView],
+    fleet: Fleet,
+    key: int,
+    bound: LoadBound,
+    skip: frozenset[str],
+    count: int,
+) -> list[BackendView]:
+    """The first `count` candidates within the bound in `key`'s weighted rendezvous order
+    (hrw_order's), leaving out `skip`."""
+    out: list[BackendView] = []
+    within = bound.within
+    for i in fleet.rendezvous.weighted(key):
+        b = candidates[i]
+        if b.name not in skip and within(b):
+            out.append(b)
+            if len(out) >= count:
+                break
+    return out
+
+
+def _listed(views: list[BackendView], fleet: Fleet, bound: LoadBound, fleet_size: int) -> Shortlist:
+    """`views` once each, in fleet order (the order the picker would meet them in)."""
+    index = fleet.index
+    seen: dict[int, BackendView] = {index[b.name]: b for b in views}
+    out = Shortlist(seen[i] for i in sorted(seen))
+    out.bound = bound
+    out.fleet_size = fleet_size
+    return out

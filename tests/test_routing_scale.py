@@ -1,0 +1,406 @@
+"""A decision's work follows the prompt and its holders, not the fleet (issue 31), and decides
+as the per-candidate path did: the index's holder walk against a binary search per backend,
+the router (holder lookups, lazy placement reads, the picker's shortlist) against a reference
+router that looks every candidate up, places over whole-fleet dicts and hands the picker every
+candidate; and deterministic counts of what one decision touches at 48 and at 1,024 backends.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import pytest
+
+import plugins.bounded_load_picker as picker_module
+from proxy.config import RoutingConfig
+from proxy.routing.index import MemoryPrefixIndex, RedisPrefixIndex, open_redis
+from proxy.routing.placement import Placement
+from proxy.routing.rendezvous import hrw_names
+from proxy.routing.router import Router
+from proxy.routing.setup import build_policy
+from proxy.routing.shortlist import HEAD
+from proxy.routing.tallies import Placed, unfixed
+from proxy.routing.types import BackendView, EngineLoad, RouteContext
+from tests.routing_support import SHARED_URL, delete_prefix, unique_prefix
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ReferenceIndex(MemoryPrefixIndex):
+    """Every backend's own binary search, as lookups were made before the holder masks."""
+
+    def holders_now(self, blocks: Sequence[int], backends: Collection[str]) -> dict[str, int]:
+        self.lookups += 1
+        oldest = self.clock() - self.ttl_s if self.ttl_s else float("-inf")
+        found = {b: self._match(self._lru.get(b), blocks, oldest) for b in backends}
+        return {b: n for b, n in found.items() if n}
+
+
+def _w(weights: Mapping[str, float], b: str) -> float:
+    w = weights.get(b, 1.0)
+    return w if w > 1e-9 else 1e-9
+
+
+class ReferencePlacement(Placement):
+    """Placing over dicts of every backend, sorting every spare, in hrw_names order (the
+    placement before its lazy reads)."""
+
+    def _accounting(
+        self,
+        backends: Sequence[str],
+        weights: Mapping[str, float],
+        capacity: Callable[[str], float],
+        share_of: Callable[[int], float],
+        skip: int,
+    ) -> tuple[Mapping[str, float], MutableMapping[str, float]]:
+        sizes, tally = self.tallies.sizes, self.tallies.weights
+        room = {b: self.fill * capacity(b) - unfixed(sizes.get(b, 0)) for b in backends}
+        assert self.tallies.shares is not None
+        scale = self.tallies.shares.scale()
+        return {b: unfixed(tally.get(b, 0)) * scale / _w(weights, b) for b in backends}, room
+
+    def _choose(
+        self,
+        key: int,
+        p: Placed,
+        backends: Sequence[str],
+        weights: Mapping[str, float],
+        loads: Mapping[str, float],
+        room: Mapping[str, float],
+        holders: Sequence[str],
+        order: Callable[[int, Sequence[str]], list[str]],
+        previous: Sequence[str],
+        total: float,
+        busy: Callable[[str], float] | None = None,
+    ) -> tuple[tuple[str, ...], bool]:
+        share = max(p.share, 0.0)
+        need = self._needed(share, len(backends), len(previous))
+        total_weight = sum(_w(weights, b) for b in backends)
+        per_copy = share / need
+        hrw = hrw_names(key, list(backends))
+        rank = {b: i for i, b in enumerate(hrw)}
+
+        def within(b: str, slack: float = 1.0) -> bool:
+            bound = (1.0 + self.imbalance * slack) * total / total_weight if total > 0 else math.inf
+            return loads[b] + per_copy / _w(weights, b) <= bound + 1e-12
+
+        def fits(b: str) -> bool:
+            return room[b] >= p.size
+
+        chosen: list[str] = []
+        for b in previous:
+            if len(chosen) < need and b in loads and b not in chosen and within(b, 2.0) and fits(b):
+                chosen.append(b)
+        for b in sorted(holders, key=lambda b: (loads[b], rank[b])):
+            if len(chosen) < need and b not in chosen and within(b) and fits(b):
+                chosen.append(b)
+        if len(chosen) < need:
+            spare = sorted(
+                (b for b in hrw if b not in chosen and fits(b)),
+                key=lambda b: (not within(b), rank[b]),
+            )
+            now = busy or (lambda b: 0.0)
+            pair = spare[: self.choices]
+            if len(pair) == 2 and within(pair[1]):
+                if (loads[pair[1]], now(pair[1])) < (loads[pair[0]], now(pair[0])):
+                    spare[0], spare[1] = pair[1], pair[0]
+            hosted = {b: self.tallies.hosted.get(b, 0) for b in backends}
+            fair = sum(hosted.values()) / max(len(backends), 1)
+            if spare and hosted[spare[0]] > fair:
+                spare.sort(key=lambda b: (not within(b), hosted[b] > fair, hosted[b], rank[b]))
+            chosen += spare[: need - len(chosen)]
+        if len(chosen) < need:
+            rest = sorted(
+                (b for b in hrw if b not in chosen), key=lambda b: (not within(b), rank[b])
+            )
+            return tuple(chosen + rest[: need - len(chosen)]), True
+        return tuple(chosen), False
+
+    def rebalance(
+        self,
+        backends: Sequence[str],
+        weights: Mapping[str, float],
+        capacity: Callable[[str], float],
+        share_of: Callable[[int], float],
+        order: Callable[[int, Sequence[str]], list[str]],
+    ) -> None:
+        self.rebalances = max(self.rebalances + 1, self.requests // max(self.rebalance_every, 1))
+        for key, p in self.placed.items():
+            p.share = share_of(key)
+        ranked = sorted(self.placed.items(), key=lambda kv: (-kv[1].share, kv[0]))
+        keep = ranked[: self.max_keys]
+        self.placed = dict(keep)
+        tallies = self.tallies
+        for key, gone in ranked[self.max_keys :]:
+            self.dirty.pop(key, None)
+            tallies.uncount(gone)
+        for _, p in keep:
+            p.seq = tallies.next_seq()
+        tallies.reheap(self.placed)
+        loads = dict.fromkeys(backends, 0.0)
+        room = {b: self.fill * capacity(b) for b in backends}
+        total = sum(p.share for _, p in keep)
+        for key, p in keep:
+            previous = p.homes
+            tallies.uncount(p)
+            p.homes, p.overflow = self._choose(
+                key, p, backends, weights, loads, room, [], order, previous, total
+            )
+            tallies.count(p)
+            if previous and p.homes != previous:
+                p.moves += 1
+                self.moves += 1
+            for h in p.homes:
+                loads[h] += p.share / len(p.homes) / _w(weights, h)
+                room[h] -= p.size
+        self.room = room
+        self.reassigned = True
+        self._fresh = {}
+
+
+def routers(placement: bool, clock: Clock, capacity: int) -> tuple[Router, Router]:
+    cfg = RoutingConfig(policy="prefix_aware", plugins={"bounded_load": {"placement": placement}})
+    new = Router(build_policy(cfg), index=MemoryPrefixIndex(capacity, 60.0, clock=clock))
+    policy = build_policy(cfg)
+    options = getattr(policy.picker, "placement_config", {})
+    old = Router(
+        policy,
+        index=ReferenceIndex(capacity, 60.0, clock=clock),
+        placement=ReferencePlacement(**options) if placement else None,
+    )
+    old.shortlists = False  # the picker sees every candidate
+    return new, old
+
+
+def fleet(rng: random.Random, names: list[str], weights: list[float], hot: set[str]) -> list[Any]:
+    views = []
+    for name, weight in zip(names, weights, strict=True):
+        busy = name in hot
+        waiting = rng.choice((0, 0, 0, 1, 2)) if rng.random() > 0.01 else 12
+        views.append(
+            BackendView(
+                name=name,
+                url=f"http://{name}",
+                engine="vllm",
+                role="mixed",
+                weight=weight,
+                healthy=rng.random() > 0.02,
+                inflight=rng.randint(14, 30) if busy else rng.randint(0, 6),
+                load=EngineLoad(waiting=waiting, kv_usage=rng.random()),
+                models=frozenset({"m"}),
+                backlog_tokens=rng.random() * 2000,
+            )
+        )
+    return views
+
+
+def body(rng: random.Random, systems: list[str], turn: int) -> dict[str, Any]:
+    if rng.random() < 0.08:  # short: ranked by score over every candidate
+        return {"model": "m", "messages": [{"role": "user", "content": f"hi {turn}"}]}
+    system = rng.choices(systems, [1 / (k + 1) for k in range(len(systems))])[0]
+    question = f"question {turn}: " + "y" * rng.randint(10, 300)
+    return chat(system, question)
+
+
+def chat(system: str, question: str) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return {"model": "m", "messages": messages}
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_decisions_are_those_of_the_per_candidate_path(seed: int) -> None:
+    """Random fleets of 40-400 backends (uniform and mixed weights, loaded homes, an engine
+    with a long queue now and then, unhealthy ones), Zipf-popular system prompts and short
+    prompts, learned capacities moving: the router decides as the reference router does,
+    winner, reason and the ranking as far as a retry reaches, and places alike."""
+    rng = random.Random(seed)
+    clock = Clock()
+    n = rng.choice((40, 90, 400)) if seed < 4 else rng.choice((70, 120))
+    names = [f"e{i}" for i in range(n)]
+    weights = [1.0] * n if seed % 2 == 0 else [rng.choice((0.5, 1.0, 2.0)) for _ in names]
+    new, old = routers(placement=seed != 5, clock=clock, capacity=rng.choice((400, 4000)))
+    systems = [
+        f"[system {k}] " + "".join(rng.choices("abcdefgh ", k=rng.randint(300, 2500)))
+        for k in range(12)
+    ]
+    shortlisted = 0
+    for turn in range(160):
+        clock.now += rng.random() * 2
+        hot = set(rng.sample(names, rng.randint(0, n // 2))) if rng.random() < 0.3 else set()
+        views = fleet(rng, names, weights, hot)
+        req = body(rng, systems, turn)
+        decisions = []
+        for router in (new, old):
+            ctx = RouteContext(f"r{seed}-{turn}", "m", "chat", req, {}, clock.now)
+            decisions.append((await router.route(ctx, views), ctx))
+        (got, ctx_new), (want, ctx_old) = decisions
+        assert got.winner == want.winner, (turn, got.reason, want.reason)
+        assert got.reason == want.reason
+        assert got.ranking[:HEAD] == want.ranking[:HEAD]
+        assert got.matched_blocks == want.matched_blocks
+        assert ctx_new.homes == ctx_old.homes
+        shortlisted += len(got.ranking) < len(want.ranking)
+        if got.winner is not None and rng.random() < 0.3:  # the engine reports its cache
+            tokens = max(ctx_new.prompt_chars // 4, 1)
+            cached = int(tokens * rng.random())
+            for router, ctx in ((new, ctx_new), (old, ctx_old)):
+                router.observe(ctx, got.winner, tokens, cached, 0.2)
+    if new.placement is not None:
+        assert old.placement is not None
+        assert {k: p.homes for k, p in new.placement.placed.items()} == {
+            k: p.homes for k, p in old.placement.placed.items()
+        }
+    assert shortlisted > 0  # the shortlist was used (and not only the whole-fleet path)
+
+
+def test_holder_lookups_answer_as_a_binary_search_per_backend_did() -> None:
+    """Through records, trims, TTL expiry, records dated out of order and departures, the
+    holder walk gives every backend the answer its own binary search gives."""
+    rng = random.Random(3)
+    clock = Clock()
+    index = MemoryPrefixIndex(capacity_blocks=60, ttl_s=20.0, clock=clock)
+    reference = ReferenceIndex(capacity_blocks=60, ttl_s=20.0, clock=clock)
+    names = [f"b{i}" for i in range(80)]
+    heads = [[rng.getrandbits(63) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    for step in range(1500):
+        clock.now += rng.random() * 2 if rng.random() < 0.95 else -1.0
+        head = rng.choice(heads)
+        blocks = head[: rng.randint(1, len(head))] + [rng.getrandbits(63) for _ in range(3)]
+        draw, backend = rng.random(), rng.choice(names)
+        for idx in (index, reference):
+            if draw < 0.6:
+                idx.record_now(backend, blocks, clock.now - 5.0 if draw < 0.03 else None)
+            elif draw < 0.62:
+                idx.forget(backend)
+            elif draw < 0.64:
+                idx.set_capacity(backend, 1 + step % 50)
+        asked = tuple(rng.sample(names, rng.randint(1, len(names))))
+        assert index.holders_now(blocks, asked) == reference.holders_now(blocks, asked), step
+
+
+def test_a_lookup_probes_the_same_whatever_the_fleet() -> None:
+    """Six backends hold a prompt (three of them all of it): a lookup over 16 or 1,024
+    backends makes the same mask probes and reads the same backends."""
+    probes = []
+    for n in (16, 1024):
+        index = MemoryPrefixIndex()
+        names = tuple(f"b{i}" for i in range(n))
+        prompt = list(range(1, 201))
+        for i, name in enumerate(names):
+            index.record_now(name, [10_000 + i, *range(i * 7, i * 7 + 40)])  # others
+        for i, name in enumerate(names[:6]):
+            index.record_now(name, prompt[: 60 + 70 * (i % 3)])
+        before = index.probes
+        found = index.holders_now(prompt, names)
+        assert found == {names[i]: 60 + 70 * (i % 3) for i in range(6)}
+        probes.append(index.probes - before)
+    assert probes[0] == probes[1] <= 6 + 3 * 8
+
+
+async def test_a_decision_touches_the_same_few_backends_at_48_or_1024() -> None:
+    """A placed prompt at low concurrency (one home): the picker is handed the same few
+    backends, the rendezvous orders are kept, the placement reads nothing per backend and
+    the index probes alike, whether the fleet has 48 engines or 1,024."""
+    counts = []
+    for n in (48, 1024):
+        cfg = RoutingConfig(policy="prefix_aware")
+        router = Router(build_policy(cfg), index=MemoryPrefixIndex(clock=Clock()))
+        views = [
+            BackendView(f"e{i}", f"http://e{i}", "vllm", "mixed", 1.0, True, 0, EngineLoad(), None)
+            for i in range(n)
+        ]
+        system = "You are a careful assistant. " * 40
+        handed: list[int] = []
+        capacity_reads = [0]
+        learner_capacity = router.capacity.capacity
+
+        def counted(b: str, reads: list[int] = capacity_reads, read: Any = learner_capacity) -> int:
+            reads[0] += 1
+            return int(read(b))
+
+        router.capacity.capacity = counted  # type: ignore[method-assign]
+        pick = router.policy.picker.pick
+
+        def picking(
+            ctx: RouteContext,
+            candidates: list[BackendView],
+            totals: Any,
+            handed: list[int] = handed,
+            pick: Any = pick,
+        ) -> Any:
+            handed.append(len(candidates))
+            return pick(ctx, candidates, totals)
+
+        router.policy.picker.pick = picking  # type: ignore[method-assign]
+        index = router.index
+        assert isinstance(index, MemoryPrefixIndex)
+        for turn in range(40):  # warm: placed, recorded, orders computed
+            req = chat(system, f"q{turn}")
+            await router.route(RouteContext(f"r{turn}", "m", "chat", req, {}, 0.0), views)
+        fleet_orders = router.fleets.fleet.rendezvous.computed if router.fleets.fleet else 0
+        probes, reads = index.probes, capacity_reads[0]
+        handed.clear()
+        req = chat(system, "last")
+        decision = await router.route(RouteContext("last", "m", "chat", req, {}, 0.0), views)
+        assert decision.reason.startswith("placed prefix")
+        assert router.fleets.fleet is not None
+        counts.append(
+            (
+                handed,
+                index.probes - probes,
+                capacity_reads[0] - reads,
+                router.fleets.fleet.rendezvous.computed - fleet_orders,
+                router.fleets.builds,
+            )
+        )
+    small, large = counts
+    assert large == small
+    assert large[0][0] <= 2 * HEAD + 2  # the shortlist (48 > SHORTLIST_ABOVE: used at both)
+
+
+@pytest.mark.redis
+async def test_a_shared_lookup_sends_one_key_and_reads_the_holders_only() -> None:
+    """Redis: the lookup script gets the prompt's head set, not a key per backend, and
+    answers for the backends that recorded the prompt."""
+    kp = unique_prefix("scale")
+    index = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=kp, owns_client=True)
+    await index.start()
+    try:
+        names = tuple(f"b{i}" for i in range(1024))
+        index.record("b7", list(range(1, 40)))
+        index.record("b900", list(range(1, 20)))
+        index.record("b3", [99, 1, 2])
+        await index.flush()
+        sent: list[list[str]] = []
+        script = index._script
+
+        async def counting(keys: list[str], args: list[Any]) -> Any:
+            sent.append(keys)
+            return await script(keys=keys, args=args)
+
+        index._script = counting  # type: ignore[assignment]
+        assert await index.holders(list(range(1, 40)), names) == {"b7": 39, "b900": 19}
+        assert [len(k) for k in sent] == [1]
+        assert await index.lookup([99, 1, 2, 3], ["b3", "b7"]) == {"b3": 3, "b7": 0}
+    finally:
+        await index.close()
+        delete_prefix(kp)
+
+
+def test_the_picker_module_is_the_one_the_shortlist_mirrors() -> None:
+    """The shortlist is drawn for bounded_load's rules (proxy/routing/shortlist.py): the
+    picker still splits by the load bound and orders by rendezvous from the vocabulary that
+    honours a shortlist's fleet-wide bound."""
+    from proxy.routing import rendezvous
+
+    assert picker_module.split_by_load is rendezvous.split_by_load
+    assert picker_module.hrw_order is rendezvous.hrw_order
