@@ -195,7 +195,9 @@ def test_a_hostile_request_id_is_replaced_once_and_the_new_one_is_used_everywher
 
 
 class ErrorBackend:
-    """Answers every chat with 200 and `{"error": {"type": <its prompt>}}`."""
+    """Answers every chat with a stream that ends in an error event of type <its prompt>, as
+    vLLM ends a stream that fails (a 200 whose JSON body is an error is refused as no answer,
+    so streams are where a backend's own error types reach the metrics)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -206,7 +208,10 @@ class ErrorBackend:
             return
         body = orjson.loads(await read_body(receive))
         kind = body["messages"][0]["content"]
-        await send_json(send, 200, {"error": {"type": kind, "message": "made up"}})
+        event = orjson.dumps({"error": {"type": kind, "message": "made up"}})
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n"})
 
 
 @pytest.fixture
@@ -240,8 +245,9 @@ def test_a_backend_naming_a_new_error_per_request_adds_no_series_past_the_first_
     huge = "t" * LARGE
 
     def chat(http: httpx.Client, kind: str) -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": kind}]}
-        assert http.post(CHAT, json=body).status_code == 200
+        body = {"model": MODEL, "messages": [{"role": "user", "content": kind}], "stream": True}
+        answer = http.post(CHAT, json=body)
+        assert answer.status_code == 200 and b"made up" in answer.content
 
     with (
         Proxy({"backends": [{"url": error_backend.url, "models": [MODEL]}]}) as proxy,
