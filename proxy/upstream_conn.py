@@ -6,6 +6,9 @@ chunk), keeps the read deadline (below), pauses reading past HIGH_WATER unread b
 every way a response can fail into a typed error (below). The pool that opens, reuses and caps
 these connections is proxy/upstream.py.
 
+Size: the connection and the response reading it share their private state (buffer, parser,
+deadline, budget share), which one module keeps private; the pool is proxy/upstream.py.
+
 Timeouts measure progress, not silence: the read deadline is a point in time that only
 progress moves, never a byte as such (a backend trickling a byte every second, or a 100
 Continue, must not hold a client for ever). One monotonic deadline, checked by one timer that

@@ -38,6 +38,9 @@ Placing reads what the placed prefixes add up to per backend (how many, their bl
 traffic) from tallies kept as homes change (proxy.routing.tallies), not from a sum over all
 of them. Traffic needs shares that decay alike (`attach` a PrefixPopularity, as the router
 does); with `share_of` alone loads are summed as before.
+
+Size: the rules (rebalance, homes, spill, eviction guard) read and write the same tallies and
+must be read together; what they read lazily of the fleet is proxy/routing/placement_views.py.
 """
 
 from __future__ import annotations
