@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import pytest
@@ -125,14 +125,14 @@ class ReferencePlacement(Placement):
             return tuple(chosen + rest[: need - len(chosen)]), True
         return tuple(chosen), False
 
-    def rebalance(
+    def _rebalance_steps(
         self,
         backends: Sequence[str],
         weights: Mapping[str, float],
         capacity: Callable[[str], float],
         share_of: Callable[[int], float],
         order: Callable[[int, Sequence[str]], list[str]],
-    ) -> None:
+    ) -> Iterator[int]:
         self.rebalances = max(self.rebalances + 1, self.requests // max(self.rebalance_every, 1))
         for key, p in self.placed.items():
             p.share = share_of(key)
@@ -149,7 +149,10 @@ class ReferencePlacement(Placement):
         loads = dict.fromkeys(backends, 0.0)
         room = {b: self.fill * capacity(b) for b in backends}
         total = sum(p.share for _, p in keep)
+        yield len(keep)
         for key, p in keep:
+            if self.placed.get(key) is not p:
+                continue
             previous = p.homes
             tallies.uncount(p)
             p.homes, p.overflow = self._choose(
@@ -162,6 +165,7 @@ class ReferencePlacement(Placement):
             for h in p.homes:
                 loads[h] += p.share / len(p.homes) / _w(weights, h)
                 room[h] -= p.size
+            yield 1 + len(previous) + len(p.homes)
         self.room = room
         self.reassigned = True
         self._fresh = {}

@@ -24,8 +24,11 @@ rest for the unique suffixes and running sequences):
 - a prefix no backend has room for is still placed for load (marked overflow): its requests
   will prefill, wherever they go.
 
-The assignment is recomputed every `rebalance_every` requests (hottest `max_keys` prefixes);
-in between, a prefix seen for the first time is placed at once against the current loads.
+The assignment is recomputed every `rebalance_every` requests (hottest `max_keys` prefixes),
+the work spread over the requests that follow (`REBALANCE_STEP` units each: at 1,024 backends
+a whole recomputation is milliseconds); in between, a prefix seen for the first time is placed
+at once against the current loads, and one whose traffic grew past a tenth more than its homes
+carry gains homes then.
 
 Replicas that share it (proxy.routing.shared_placement does the I/O) exchange the homes this
 module decided: `take_changes` hands over what changed since the last exchange, `adopt` takes
@@ -46,7 +49,7 @@ must be read together; what they read lazily of the fleet is proxy/routing/place
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +67,9 @@ from proxy.routing.placement_views import (
 from proxy.routing.tallies import Placed, Shares, Tallies, unfixed
 
 __all__ = ["Placed", "Placement", "SharedHomes", "Shares"]
+
+REBALANCE_STEP = 256  # units of a rebalance's work carried out per request (see advance)
+GROW_BAND = 0.1  # a prefix gains homes only once it needs this share more than it has
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +112,7 @@ class Placement:
     _fresh: dict[str, int] = field(default_factory=dict)
     # What the placed prefixes add up to per backend, kept as homes change (tallies.py).
     tallies: Tallies = field(default_factory=Tallies)
+    _steps: Iterator[int] | None = field(default=None, repr=False)  # a rebalance under way
 
     def attach(self, shares: Shares) -> None:
         """Keep the loads from `shares` (the share_of every call passes must be its current)."""
@@ -244,6 +251,54 @@ class Placement:
         order: Callable[[int, Sequence[str]], list[str]],
     ) -> None:
         """Recompute every placed prefix's homes, hottest first, keeping homes that still fit."""
+        self.start_rebalance(backends, weights, capacity, share_of, order)
+        self.advance(math.inf)
+
+    def start_rebalance(
+        self,
+        backends: Sequence[str],
+        weights: Mapping[str, float],
+        capacity: Callable[[str], float],
+        share_of: Callable[[int], float],
+        order: Callable[[int, Sequence[str]], list[str]],
+    ) -> None:
+        """Begin a rebalance that `advance` carries out a few prefixes at a time (one left
+        unfinished is finished first). At 1,024 backends a whole recomputation is several
+        milliseconds: done at once it was the tail of every 64th decision."""
+        self.advance(math.inf)
+        self._steps = self._rebalance_steps(backends, weights, capacity, share_of, order)
+
+    def advance(self, budget: float = REBALANCE_STEP) -> bool:
+        """Carry a started rebalance on until about `budget` units of work are spent (a unit:
+        one home kept or chosen, one prefix); True when none is left to do. Units, not
+        seconds, so that a run placed alike twice decides alike (virtual time)."""
+        steps = self._steps
+        if steps is None:
+            return True
+        spent = 0
+        for cost in steps:
+            spent += cost
+            if spent >= budget:
+                return False
+        self._steps = None
+        return True
+
+    @property
+    def rebalancing(self) -> bool:
+        return self._steps is not None
+
+    def _rebalance_steps(
+        self,
+        backends: Sequence[str],
+        weights: Mapping[str, float],
+        capacity: Callable[[str], float],
+        share_of: Callable[[int], float],
+        order: Callable[[int, Sequence[str]], list[str]],
+    ) -> Iterator[int]:
+        """The rebalance, one prefix a step (yielding the step's units). Between steps the
+        placement is whole: each prefix has the homes either before or after, and the tallies
+        count what is. A prefix forgotten meanwhile is skipped; one placed meanwhile keeps its
+        homes (the loads this rebalance sums leave it out until the next one)."""
         self.rebalances = max(self.rebalances + 1, self.requests // max(self.rebalance_every, 1))
         if not backends:
             return
@@ -272,7 +327,11 @@ class Placement:
             loads = dict.fromkeys(backends, 0.0)
             room = {b: self.fill * capacity(b) for b in backends}
         total = sum(p.share for _, p in keep)
+        yield len(keep)
+        placed = self.placed
         for key, p in keep:
+            if placed.get(key) is not p:
+                continue  # forgotten since (or placed again): not this rebalance's
             previous = p.homes
             tallies.uncount(p)
             p.homes, p.overflow = self._choose(
@@ -286,6 +345,7 @@ class Placement:
             for h in p.homes:
                 loads[h] += p.share / need / _weight(weights, h)
                 room[h] -= p.size
+            yield 1 + len(previous) + need
         self.room = room
         self.reassigned = True
         self._fresh = {}  # the whole assignment goes out: nothing of it is this replica's alone
@@ -305,6 +365,7 @@ class Placement:
 
         Rendezvous order is what every replica computes alike, so replicas forgetting the same
         backend move its prefixes to the same places without talking."""
+        self.advance(math.inf)  # a rebalance under way may still place on `backend`: end it
         if backends is None:
             known = set(self.room) | set(self.tallies.hosted)
             known |= {h for p in self.placed.values() for h in p.homes}
@@ -551,15 +612,19 @@ class Placement:
     def _needed(self, share: float, backends: int, have: int = 0) -> int:
         """Homes a prefix with this share of the traffic needs: no home above copy_load of a
         fair backend load, and none above `copy_inflight` of its requests in flight (at low
-        concurrency a copy spreads no load worth a cold prefill and an eviction). One more
-        than it `have`s only a quarter of a home past the line: a share measured over a few
-        hundred requests wobbles, and every copy evicts."""
+        concurrency a copy spreads no load worth a cold prefill and an eviction). More than
+        it `have`s only past the line by a quarter of a home or a tenth of what it has,
+        whichever is more: a share is measured over a few hundred requests (a half-life of 256
+        in proxy.routing.popularity), so a hot prompt's share wobbles by about a tenth, and
+        every copy evicts. (With a fixed quarter, a prompt on 300 of 1,024 engines gained a
+        home at most requests and lost it at the next rebalance.)"""
         by_load = share * self.inflight / self.copy_inflight if self.copy_inflight > 0 else 1e9
         x = share * backends / self.copy_load
         x = by_load if by_load < x else x
         need = math.ceil(x - 1e-9)
         if need > have > 0:
-            fewer = math.ceil(x - 0.25 - 1e-9)
+            band = have * GROW_BAND
+            fewer = math.ceil(x - (0.25 if band < 0.25 else band) - 1e-9)
             need = fewer if have < fewer else have
         need = need if 1 < need else 1
         return need if need < backends else backends

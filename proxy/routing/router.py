@@ -220,7 +220,9 @@ class Router:
             placement.note_load(float(sum(inflight) + 1))
             placement.observe(head, ctx.prefix_blocks)
             if placement.due():
-                placement.rebalance(names, weights, self.capacity.capacity, share, order)
+                placement.start_rebalance(names, weights, self.capacity.capacity, share, order)
+            if placement.rebalancing:
+                placement.advance()
         index = fleet.index
 
         def busy(name: str) -> float:

@@ -1,0 +1,111 @@
+"""A rebalance spread over requests (Placement.start_rebalance / advance) and the band a hot
+prefix's need must cross before it gains a home (Placement._needed), issue 31: at 1,024
+backends a whole recomputation was the tail of every 64th decision, and a prompt on hundreds
+of engines gained a home at most requests."""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Sequence
+
+from proxy.routing.placement import REBALANCE_STEP, Placement
+from proxy.routing.rendezvous import hrw_names
+from proxy.routing.tallies import Tallies
+
+NAMES = [f"e{i}" for i in range(200)]
+WEIGHTS = dict.fromkeys(NAMES, 1.0)
+
+
+def order(key: int, names: Sequence[str]) -> list[str]:
+    return hrw_names(key, list(names))
+
+
+def placed(seed: int) -> tuple[Placement, dict[int, float], dict[str, float]]:
+    """Forty prefixes of Zipf shares placed on 200 backends of mixed capacities, the shares
+    then moved so that a rebalance has homes to change."""
+    rng = random.Random(seed)
+    p = Placement(inflight=600.0)
+    caps = {b: rng.choice((2_000.0, 6_000.0, 20_000.0)) for b in NAMES}
+    shares = {k: 1 / (k + 1) / 4.3 for k in range(40)}
+    for key in shares:
+        p.observe(key, list(range(key * 1000, key * 1000 + rng.randint(40, 400))))
+        p.homes(
+            key, p.placed[key].last if key in p.placed else [key], NAMES, WEIGHTS,
+            caps.__getitem__, shares.__getitem__, {}, order,
+        )  # fmt: skip
+    for key in shares:
+        shares[key] *= rng.uniform(0.5, 1.5)
+    return p, shares, caps
+
+
+def homes_of(p: Placement) -> dict[int, tuple[str, ...]]:
+    return {k: v.homes for k, v in p.placed.items()}
+
+
+def test_a_rebalance_in_steps_ends_where_one_at_once_does() -> None:
+    for seed in range(4):
+        at_once, shares, caps = placed(seed)
+        stepped = copy.deepcopy(at_once)
+        at_once.rebalance(NAMES, WEIGHTS, caps.__getitem__, shares.__getitem__, order)
+        stepped.start_rebalance(NAMES, WEIGHTS, caps.__getitem__, shares.__getitem__, order)
+        steps = 1
+        while not stepped.advance():
+            steps += 1
+            # Between steps the tallies count exactly the homes there are.
+            fresh = Tallies(shares=stepped.tallies.shares)
+            fresh.recount(stepped.placed)
+            assert fresh.hosted == stepped.tallies.hosted
+            assert fresh.sizes == stepped.tallies.sizes
+        assert steps > 1  # it was spread
+        assert homes_of(stepped) == homes_of(at_once)
+        assert stepped.moves == at_once.moves > 0
+        assert dict(stepped.room) == dict(at_once.room)
+        assert stepped.reassigned and not stepped.rebalancing
+
+
+def test_each_step_spends_about_its_budget() -> None:
+    p, shares, caps = placed(1)
+    spent: list[int] = []
+    p.start_rebalance(NAMES, WEIGHTS, caps.__getitem__, shares.__getitem__, order)
+    steps = p._steps
+    assert steps is not None
+    largest = 1 + 2 * len(NAMES)  # one prefix: its old homes and its new ones
+    while True:
+        units = 0
+        for cost in steps:
+            units += cost
+            if units >= REBALANCE_STEP:
+                break
+        else:
+            spent.append(units)
+            break
+        spent.append(units)
+        assert units < REBALANCE_STEP + largest
+    assert len(spent) > 1
+
+
+def test_a_prefix_forgotten_midway_is_skipped_and_a_departure_ends_the_rebalance() -> None:
+    p, shares, caps = placed(2)
+    p.start_rebalance(NAMES, WEIGHTS, caps.__getitem__, shares.__getitem__, order)
+    p.advance(1)  # the ranking, no prefix yet
+    coolest = min(p.placed, key=shares.__getitem__)
+    gone = p.placed.pop(coolest)
+    p.tallies.uncount(gone)
+    hottest = max(p.placed, key=shares.__getitem__)
+    leaving = p.placed[hottest].homes[0]
+    p.forget(leaving, order, [b for b in NAMES if b != leaving])
+    assert not p.rebalancing  # finished before the backend was taken out
+    assert coolest not in p.placed
+    assert all(leaving not in v for v in homes_of(p).values())
+
+
+def test_a_hot_prefix_gains_a_home_only_past_a_tenth_of_what_it_has() -> None:
+    p = Placement(copy_load=1.0, copy_inflight=1.0, inflight=1e9)
+    # x = share x backends: 0.3 x 1,000 = 300 homes needed for 300 held.
+    assert p._needed(0.3, 1000, 300) == 300
+    assert p._needed(0.32, 1000, 300) == 300  # 320 needed: within the wobble of a share
+    assert p._needed(0.34, 1000, 300) == 310  # 340: past 300 + 30, so 340 - 30
+    # A prefix on a few homes keeps the quarter-home band it had.
+    assert p._needed(0.0022, 1000, 2) == 2  # 2.2 needed
+    assert p._needed(0.0023, 1000, 2) == 3  # 2.3: past a quarter
