@@ -109,3 +109,16 @@ def test_a_hot_prefix_gains_a_home_only_past_a_tenth_of_what_it_has() -> None:
     # A prefix on a few homes keeps the quarter-home band it had.
     assert p._needed(0.0022, 1000, 2) == 2  # 2.2 needed
     assert p._needed(0.0023, 1000, 2) == 3  # 2.3: past a quarter
+
+
+async def test_the_decision_time_harness_writes_a_row_per_store_size_and_seed(tmp_path) -> None:
+    from proxy.harness import routing_cost
+
+    out = tmp_path / "rows.json"
+    rows = await routing_cost.main(None, [4, 40], 30, [1, 2])
+    routing_cost.write(rows, str(out))
+    assert [(r["store"], r["backends"], r["seed"]) for r in rows] == [
+        ("memory", 4, 1), ("memory", 40, 1), ("memory", 4, 2), ("memory", 40, 2),
+    ]  # fmt: skip
+    assert all(0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] for r in rows)
+    assert out.read_text().count('"store"') == 4

@@ -1,17 +1,21 @@
 """Routing decision time: `python -m proxy.harness.routing_cost [--redis URL] [--backends 4 8]`.
 
 Each decision is the whole Router.route(): prompt rendering and hashing (4k-token prompts,
-16k chars), the index lookup for every candidate, scoring, picking and recording. Prints
-p50/p99/max per index store and backend count. Not a test: numbers depend on the machine.
+16k chars), the index lookup, placement, scoring, picking and recording. Prints p50/p99/max
+per index store, backend count and seed (`--seeds 1 2 3`: each seed its own prompts and
+loads); `--json FILE` also writes them, for deploy/perf/decision_plot.py. Not a test: numbers
+depend on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from proxy.config import RoutingConfig
@@ -82,24 +86,52 @@ def _row(label: str, times: list[float]) -> str:
     return f"{label:<24} n={len(times):<5} {stats}"
 
 
-async def main(redis_url: str | None, backend_counts: list[int], count: int) -> None:
+async def main(
+    redis_url: str | None,
+    backend_counts: list[int],
+    count: int,
+    seeds: list[int] | None = None,
+) -> list[dict[str, Any]]:
     cfg = RoutingConfig(policy="prefix_aware")
-    for n in backend_counts:
-        times = await measure(build_router(cfg, index=MemoryPrefixIndex()), n, count)
-        print(_row(f"memory, {n} backends", times))
-        if redis_url:
-            prefix = f"wrbench-{uuid.uuid4().hex[:8]}"
-            client = open_redis(redis_url)
-            index = RedisPrefixIndex(client, key_prefix=prefix, owns_client=True)
-            await index.start()
-            try:
-                times = await measure(build_router(cfg, index=index), n, count)
-                print(_row(f"redis, {n} backends", times) + f"  mode={index.mode}")
-            finally:
-                keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]
-                if keys:
-                    await client.delete(*keys)
-                await index.close()
+    rows: list[dict[str, Any]] = []
+
+    def note(store: str, n: int, seed: int, times: list[float], extra: str = "") -> None:
+        label = f"{store}, {n} backends" + (f", seed {seed}" if len(seeds or [1]) > 1 else "")
+        print(_row(label, times) + extra, flush=True)
+        ordered = sorted(times)
+        rows.append(
+            {
+                "store": store,
+                "backends": n,
+                "seed": seed,
+                "p50_ms": percentile(ordered, 0.5) * 1000,
+                "p99_ms": percentile(ordered, 0.99) * 1000,
+                "max_ms": ordered[-1] * 1000,
+            }
+        )
+
+    for seed in seeds or [1]:
+        for n in backend_counts:
+            router = build_router(cfg, index=MemoryPrefixIndex())
+            note("memory", n, seed, await measure(router, n, count, seed))
+            if redis_url:
+                prefix = f"wrbench-{uuid.uuid4().hex[:8]}"
+                client = open_redis(redis_url)
+                index = RedisPrefixIndex(client, key_prefix=prefix, owns_client=True)
+                await index.start()
+                try:
+                    times = await measure(build_router(cfg, index=index), n, count, seed)
+                    note("redis", n, seed, times, f"  mode={index.mode}")
+                finally:
+                    keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]
+                    if keys:
+                        await client.delete(*keys)
+                    await index.close()
+    return rows
+
+
+def write(rows: list[dict[str, Any]], path: str) -> None:
+    Path(path).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
@@ -107,5 +139,9 @@ if __name__ == "__main__":
     parser.add_argument("--redis", default=None, help="e.g. redis://127.0.0.1:6379/0")
     parser.add_argument("--backends", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1])
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
-    asyncio.run(main(args.redis, args.backends, args.requests))
+    rows = asyncio.run(main(args.redis, args.backends, args.requests, args.seeds))
+    if args.json:
+        write(rows, args.json)
