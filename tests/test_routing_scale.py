@@ -408,3 +408,30 @@ def test_the_picker_module_is_the_one_the_shortlist_mirrors() -> None:
 
     assert picker_module.split_by_load is rendezvous.split_by_load
     assert picker_module.hrw_order is rendezvous.hrw_order
+
+
+@pytest.mark.redis
+async def test_a_lookup_trying_the_last_common_depth_first_answers_as_a_search_does() -> None:
+    """Redis: the depth most holders of a head held last time is tried first; whatever it is
+    (deeper or shallower than a holder's, past the prompt's end, for another prompt of the
+    same head), each holder's depth is the binary search's, as the local copy finds it."""
+    kp = unique_prefix("depth")
+    index = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=kp, owns_client=True)
+    await index.start()
+    rng = random.Random(7)
+    try:
+        names = [f"b{i}" for i in range(60)]
+        chain = list(range(1, 121))
+        for name in names:
+            depth = rng.choice((120, 80, 80, 80, 30, 2, 1))
+            index.record(name, chain[:depth])
+        await index.flush()
+        prompts = [chain, chain[:80], chain[:81], chain[:5], chain[:1], chain[:100] + [999, 998]]
+        for _ in range(3):
+            for blocks in prompts:
+                got = await index.holders(blocks, names)
+                assert got == index.local.holders_now(blocks, names), blocks[-1]
+                assert index._depths[blocks[0]] in set(got.values())
+    finally:
+        await index.close()
+        delete_prefix(kp)

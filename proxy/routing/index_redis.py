@@ -11,8 +11,8 @@ import contextlib
 import logging
 import time
 from array import array
-from collections import deque
-from collections.abc import Collection, Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from redis import exceptions as redis_errors
@@ -109,13 +109,19 @@ async def drop_idle_connections(client: Any) -> None:
 # KEYS[1]: the set of backend ZSETs that recorded the prompt's first block (its "head" set,
 # written with each record that starts at block 0). ARGV[1]: the prompt's block hashes, 8 bytes
 # each, packed into one string (one argument instead of hundreds); ARGV[2]: oldest score still
-# valid. Returns, flat, (ZSET key, longest present prefix) for each member holding the first
-# block, found by binary search (see MemoryPrefixIndex); members whose ZSET no longer holds it
-# (trimmed, expired, forgotten) leave the set. The work follows the holders, not the fleet.
+# valid; ARGV[3]: a depth to try first (0: none); ARGV[4]: where the backend's name starts in a
+# member's key. Returns, flat, (backend, longest present prefix) for each member holding the
+# first block, found by binary search (see MemoryPrefixIndex); members whose ZSET no longer
+# holds it (trimmed, expired, forgotten) leave the set. The work follows the holders, not the
+# fleet. A hot prompt has hundreds of holders that mostly hold the same depth (its shared
+# part): the depth most held at the last lookup of this head, tried first, settles each of
+# those in two reads (the first block's own is then implied) instead of a search's nine.
 # The member ZSETs share the head set's hash tag: one Cluster slot, like every key of an index.
 LOOKUP_LUA = """
 local blob = ARGV[1]
 local oldest = tonumber(ARGV[2])
+local hint = tonumber(ARGV[3]) or 0
+local cut = tonumber(ARGV[4]) or 1
 local n = math.floor(#blob / 8)
 local out = {}
 if n == 0 then return out end
@@ -125,16 +131,25 @@ local function present(key, i)
   return s and tonumber(s) >= oldest
 end
 for _, key in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local s = redis.call('ZSCORE', key, first)
-  if not s then
-    redis.call('SREM', KEYS[1], key)
-  elseif tonumber(s) >= oldest then
-    local lo, hi = 1, n
+  local lo, hi = 0, n
+  if hint > 1 and hint <= n and present(key, hint) then
+    lo = hint  -- (and so the first block, recorded with it and never older)
+    if hint < n and not present(key, hint + 1) then hi = hint end
+  else
+    local s = redis.call('ZSCORE', key, first)
+    if not s then
+      redis.call('SREM', KEYS[1], key)
+    elseif tonumber(s) >= oldest then
+      lo = 1
+      if hint > 1 and hint <= n then hi = hint - 1 end
+    end
+  end
+  if lo > 0 then
     while lo < hi do
       local mid = math.floor((lo + hi + 1) / 2)
       if present(key, mid) then lo = mid else hi = mid - 1 end
     end
-    out[#out + 1] = key
+    out[#out + 1] = string.sub(key, cut)
     out[#out + 1] = lo
   end
 end
@@ -180,6 +195,7 @@ for key, cap in pairs(caps) do
 end
 return records
 """
+DEPTHS_KEPT = 4096  # heads whose last common depth a lookup tries first
 HEAD_TTL_MARGIN_S = 60.0  # a head set outlives its members' scores by this (clocks differ)
 RECORDS_PER_CALL = 64  # one call runs atomically in Redis: keep each one short
 
@@ -231,6 +247,8 @@ class RedisPrefixIndex:
         # (backend, blocks, time, index of the first block): only the part not written lately.
         self._pending: deque[tuple[str, Sequence[int], float, int]] = deque(maxlen=max_pending)
         self._script = client.register_script(LOOKUP_LUA)
+        self._depths: OrderedDict[int, int] = OrderedDict()  # head block -> depth to try first
+        self._name_at = len(self.key("")) + 1  # (Lua's strings count from 1)
         self._record_script = client.register_script(RECORD_LUA)
         self._delete_once = client.register_script(DELETE_ONCE_LUA)
         # Backends forgotten here whose shared keys are still to be deleted (departures.py).
@@ -321,9 +339,9 @@ class RedisPrefixIndex:
         ticket = self._timeouts.start()
         try:
             async with asyncio.timeout(self.timeout_s):
-                found = await self._script(
-                    keys=[self.head_key(blocks[0])], args=[_pack(blocks), repr(oldest)]
-                )
+                hint = self._depths.get(blocks[0], 0)
+                args = [_pack(blocks), repr(oldest), hint, self._name_at]
+                found = await self._script(keys=[self.head_key(blocks[0])], args=args)
         except REDIS_DOWN_ERRORS as e:
             _reraise_if_cancelled()
             self.counters["lookup_errors"] += 1
@@ -336,14 +354,23 @@ class RedisPrefixIndex:
             self.counters["fallback_lookups"] += 1
             return self.local.holders_now(blocks, backends)
         self._timeouts.answered()
-        cut = len(self.key(""))
         out: dict[str, int] = {}
         pairs = iter(found)
         for key, n in zip(pairs, pairs, strict=True):
-            name = (key.decode() if isinstance(key, bytes) else str(key))[cut:]
+            name = key.decode() if isinstance(key, bytes) else str(key)
             if name in backends:
                 out[name] = int(n)
+        if out:
+            self._note_depth(blocks[0], out)
         return out
+
+    def _note_depth(self, head: int, held: Mapping[str, int]) -> None:
+        """The depth most holders of `head` hold, tried first at its next lookup."""
+        depths = self._depths
+        depths[head] = Counter(held.values()).most_common(1)[0][0]
+        depths.move_to_end(head)
+        if len(depths) > DEPTHS_KEPT:
+            depths.popitem(last=False)
 
     def head_key(self, block: int) -> str:
         """The set of backend ZSETs that recorded `block` as a prompt's first block."""
