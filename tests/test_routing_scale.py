@@ -426,7 +426,7 @@ async def test_a_lookup_trying_the_last_common_depth_first_answers_as_a_search_d
             depth = rng.choice((120, 80, 80, 80, 30, 2, 1))
             index.record(name, chain[:depth])
         await index.flush()
-        prompts = [chain, chain[:80], chain[:81], chain[:5], chain[:1], chain[:100] + [999, 998]]
+        prompts = [chain, chain[:80], chain[:81], chain[:5], chain[:1], [*chain[:100], 999, 998]]
         for _ in range(3):
             for blocks in prompts:
                 got = await index.holders(blocks, names)

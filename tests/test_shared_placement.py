@@ -70,6 +70,7 @@ async def replicas(url: str, prefix: str, n: int, now: list[float]) -> AsyncIter
             replica_id=f"replica-{r}",
             clock=lambda: now[0],
         )
+        router.claims = shared  # as build_routing wires it
         out.append(Replica(router, shared))
     try:
         yield out
@@ -153,11 +154,23 @@ async def test_a_first_placement_yields_to_an_earlier_one_from_another_replica(
         elsewhere = next(v.name for v in VIEWS if v.name not in first)
         assert b.router.index is not None
         b.router.index.record(elsewhere, ctx.prefix_blocks)
+        # A claimed its first placement in Redis: B takes it on its first sight.
         await b.router.route(chat(SYSTEMS[0], 2), VIEWS)
-        assert list(b.homes.values()) == [(elsewhere,)]
+        assert b.homes == a.homes == {next(iter(a.homes)): first}
+        assert b.shared.info()["claims_placed_elsewhere"] == 1
+        # A prompt B places without a claim (Redis slow, say) goes where B's index says, and
+        # yields at the next exchange to the placement A claimed.
+        ctx = chat(SYSTEMS[1], 3)
+        await a.router.route(ctx, VIEWS)
+        key, ours = next((k, h) for k, h in a.homes.items() if k not in b.homes)
+        elsewhere = next(v.name for v in VIEWS if v.name not in ours)
+        b.router.index.record(elsewhere, ctx.prefix_blocks)
+        b.router.claims = None
+        await b.router.route(chat(SYSTEMS[1], 4), VIEWS)
+        assert b.homes[key] == (elsewhere,)
         assert await a.shared.step()
         assert await b.shared.step()
-        assert b.homes == a.homes == {next(iter(a.homes)): first}
+        assert b.homes == a.homes and a.homes[key] == ours
 
 
 async def _first_sightings(reps: list[Replica], orders: list[list[int]]) -> None:
@@ -286,3 +299,37 @@ async def test_a_redis_restarted_empty_gets_the_placement_back_for_replicas_that
         async with replicas(private.url, "wr", 1, now) as [late]:
             await exchange([late])
             assert late.homes == a.homes == b.homes and len(a.homes) == 8
+
+
+async def test_a_burst_of_new_prompts_spreads_over_the_engines_as_one_proxy_spreads_it(
+    prefix: str,
+) -> None:
+    """Three replicas see eight new prompts interleaved, with no exchange in between: each
+    first placement is claimed in Redis against every replica's, so they agree and the eight
+    sit two per engine, as one proxy places them by load, whatever the prompts; placed alike
+    without the claims (by rendezvous order alone) they agree too, but some sets crowd an
+    engine."""
+    layouts: dict[bool, list[list[int]]] = {True: [], False: []}
+    for batch in range(4):
+        systems = [f"batch {batch} prompt {k}: " + "rules of the house " * 330 for k in range(8)]
+        for claims in (True, False):
+            kp = f"{prefix}-{batch}-{claims}"
+            async with replicas(SHARED_URL, kp, 3, [0.0]) as reps:
+                await exchange(reps)
+                for rep in reps:
+                    if not claims:
+                        rep.router.claims = None
+                for i, system in enumerate(systems):
+                    first, later = reps[i % 3], reps[(i + 1) % 3]
+                    assert (await first.router.route(chat(system, 200 + i), VIEWS)).winner
+                    assert (await later.router.route(chat(system, 300 + i), VIEWS)).winner
+                await exchange(reps)
+                homes = reps[0].homes
+                assert len(homes) == 8 and all(rep.homes == homes for rep in reps)
+                per = [sum(v.name in h for h in homes.values()) for v in VIEWS]
+                layouts[claims].append(sorted(per, reverse=True))
+                if claims:
+                    assert sum(rep.shared.info()["claims"] for rep in reps) == 8
+            delete_prefix(kp)
+    assert all(layout == [2, 2, 2, 2] for layout in layouts[True])
+    assert any(layout != [2, 2, 2, 2] for layout in layouts[False]), layouts

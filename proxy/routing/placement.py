@@ -70,6 +70,7 @@ __all__ = ["Placed", "Placement", "SharedHomes", "Shares"]
 
 REBALANCE_STEP = 256  # units of a rebalance's work carried out per request (see advance)
 GROW_BAND = 0.1  # a prefix gains homes only once it needs this share more than it has
+CLAIM_CHOICES = 8  # backends past the needed homes a shared first placement chooses among
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,7 @@ class Placement:
     # then only places the prefixes it sees first, and adopts the rest.
     leads: bool = True
     adopted: int = 0  # prefixes whose homes were taken from another replica
+    claimed: int = 0  # first placements made together with the other replicas (take_first)
     # What this replica decided since its changes were last taken: prefix -> whether it was a
     # first placement (another replica's, if it has one, wins), and whether it recomputed all.
     dirty: dict[int, bool] = field(default_factory=dict)
@@ -222,6 +224,68 @@ class Placement:
             self.moves += 1
         self.dirty[key] = self.dirty.get(key, first)
         return p.homes
+
+    def first_proposal(
+        self,
+        key: int,
+        blocks: Sequence[int],
+        backends: Sequence[str],
+        weights: Mapping[str, float],
+        capacity: Callable[[str], float],
+        share_of: Callable[[int], float],
+        warm: Mapping[str, int],
+        order: Callable[[int, Sequence[str]], list[str]],
+        warm_blocks: int = 4,
+    ) -> tuple[int, float, int, list[str]] | None:
+        """What a first placement of `key` could choose from, for replicas that place it
+        together (proxy.routing.shared_placement claims it in Redis): (homes needed, its size,
+        how many of `names` already hold it, names), the holders with room first (by
+        rendezvous rank), then the next CLAIM_CHOICES backends with room in its rendezvous
+        order. None: placed here already, or no room for it anywhere (placed for load here)."""
+        if key in self.placed or not backends:
+            return None
+        size = float(len(blocks))
+        share = share_of(key)
+        need = self._needed(0.0 if share < 0.0 else share, len(backends))
+        self.tallies.current(self.placed)
+        _, room = self._accounting(backends, weights, capacity, share_of, skip=key)
+        inside = fast_members(backends)
+        hrw = order(key, backends)
+        rank = rank_of(order, key, backends, hrw)
+        holders = [b for b, n in warm.items() if n >= warm_blocks and b in inside]
+        holders = [b for b in sorted(holders, key=rank.__getitem__) if room[b] >= size][:need]
+        names = list(holders)
+        for b in hrw:
+            if len(names) >= need + CLAIM_CHOICES:
+                break
+            if b not in holders and room[b] >= size:
+                names.append(b)
+        if len(names) < need:
+            return None
+        return need, size, len(holders), names
+
+    def take_first(
+        self,
+        key: int,
+        blocks: Sequence[int],
+        shared: SharedHomes,
+        share_of: Callable[[int], float],
+    ) -> bool:
+        """`key`'s first homes as the replicas agreed on them (claimed in Redis): placed here
+        as they are, and not handed over again (they are shared already)."""
+        if key in self.placed or not shared.homes:
+            return False
+        tallies = self.tallies
+        tallies.current(self.placed)
+        if len(self.placed) >= self.max_keys:
+            self._forget_coolest(share_of)
+        p = self.placed[key] = Placed(shared.homes, float(len(blocks)), blocks)
+        p.overflow = shared.overflow
+        p.share = share_of(key)
+        tallies.track(key, p)
+        tallies.count(p)
+        self.claimed += 1
+        return True
 
     def full_for(
         self, key: int, backends: Sequence[str], measured: Callable[[str], bool] = bool
@@ -654,6 +718,7 @@ class Placement:
             "moves": self.moves,
             "leads": self.leads,
             "adopted": self.adopted,
+            "claimed": self.claimed,
             "prefixes_by_copies": copies,
             "hottest": [
                 {

@@ -26,7 +26,7 @@ from proxy.routing.capacity import CapacityLearner, Outcome
 from proxy.routing.fleet import Fleet, FleetCache
 from proxy.routing.index import DEFAULT_CAPACITY_BLOCKS, PrefixIndex
 from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S, PrefillLearner
-from proxy.routing.placement import Placement
+from proxy.routing.placement import Placement, SharedHomes
 from proxy.routing.popularity import PrefixPopularity
 from proxy.routing.prefix import PrefixHasher
 from proxy.routing.rendezvous import hrw_names
@@ -35,6 +35,14 @@ from proxy.routing.types import BackendView, Decision, Policy, RouteContext, Sco
 
 log = logging.getLogger("warmroute.routing")
 _INFLIGHT = attrgetter("inflight")
+
+
+class FirstPlacements(Protocol):
+    """Where replicas make first placements together (SharedPlacement.claim)."""
+
+    async def claim(
+        self, key: int, need: int, size: float, fleet: int, held: int, names: Sequence[str]
+    ) -> SharedHomes | None: ...
 
 
 class ExactCache(Protocol):
@@ -85,6 +93,8 @@ class Router:
             placement.attach(self.popularity)  # its loads follow the shares it is passed
             self.capacity.listener = placement.pin_room  # its room keeps the sizes it read
         self.placement = placement
+        # Replicas placing together (proxy.routing.shared_placement): first placements claimed.
+        self.claims: FirstPlacements | None = None
         self.fleets = FleetCache()
         # Large fleets: hand the picker a shortlist it decides on as on every candidate.
         self.shortlists = True
@@ -135,6 +145,8 @@ class Router:
                 inflight = list(map(_INFLIGHT, candidates))
                 placed = self.placement is not None and n >= self.warm_blocks
                 if placed:
+                    if record and self.claims is not None:
+                        await self._claim(ctx, head, fleet, held)
                     self._place(ctx, head, candidates, fleet, held, inflight, record)
                 if self.shortlists:
                     picker = self.policy.picker
@@ -196,6 +208,26 @@ class Router:
                     exact.append(name)
             ctx.exact = frozenset(exact)
         return held
+
+    async def _claim(
+        self, ctx: RouteContext, head: int, fleet: Fleet, held: Mapping[str, int]
+    ) -> None:
+        """A prefix new here while other replicas place too: placed together with them."""
+        placement, claims = self.placement, self.claims
+        assert placement is not None and claims is not None
+        if not placement.alike or head in placement.placed:
+            return
+        share = self.popularity.current
+        proposal = placement.first_proposal(
+            head, ctx.prefix_blocks, fleet.names, fleet.weights, self.capacity.capacity, share,
+            held, fleet.rendezvous, self.warm_blocks,
+        )  # fmt: skip
+        if proposal is None:
+            return
+        need, size, holding, names = proposal
+        homes = await claims.claim(head, need, size, len(fleet.names), holding, names)
+        if homes is not None:
+            placement.take_first(head, ctx.prefix_blocks, homes, share)
 
     def _place(
         self,

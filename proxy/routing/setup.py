@@ -172,6 +172,8 @@ def build_routing(config: Any, replica_id: str | None = None) -> Routing:
             key_prefix=rc.key_prefix,
             replica_id=board.replica_id,
         )
+        if router.placement is not None:
+            router.claims = shared
     return Routing(
         router=router,
         index=index,

@@ -18,8 +18,12 @@ that publishes what this replica decided since the last one and, when anything c
   adopt it: one estimate per backend, moved by every replica's responses, as one proxy's is.
 - **First sightings**: a burst of prompts new to every replica reaches all of them before the
   next exchange. While other placing replicas are live (they exchanged within three leases),
-  each places such a prompt by what they all agree on (Placement.alike), so they pick the same
-  homes without talking; alone, a replica places by load as one proxy does.
+  a replica places such a prompt together with them, in one script call on the request's path
+  (`claim`): the homes another replica gave it, or homes chosen from every replica's
+  placements and written before anyone else can choose, so the burst spreads as one proxy
+  would spread it. If Redis is slow or away, it places the prompt by what they all agreed on
+  before (Placement.alike): the same homes on every replica without talking, but not spread
+  by load. Alone, a replica places by load as one proxy does, with no round trip.
 
 Nothing here is on the hot path; a request reads only the local copies. When Redis stops
 answering, the local copies stay as they were, and after `lease_s` without an exchange this
@@ -33,6 +37,8 @@ Redis layout (one hash tag, so one script touches one slot under Cluster)::
     {key_prefix}:{{key_prefix}:place}:version   STRING  bumped by every change
     {key_prefix}:{{key_prefix}:place}:leader    STRING  the leading replica, with a TTL (lease)
     {key_prefix}:{{key_prefix}:place}:replicas  ZSET  placing replica -> last exchange (ms)
+    {key_prefix}:{{key_prefix}:place}:hosted    HASH  backend -> placed prefixes homed there
+                                                (counted for first placements: CLAIM_LUA)
     {key_prefix}:{{key_prefix}:place}!departed:{departure}:{backend}   STRING  a departure's
                                                 guard: its entries were deleted (departures.py)
 """
@@ -171,6 +177,81 @@ return n
 """
 
 
+# A first placement made together: KEYS: homes hash, version, hosted hash (backend -> placed
+# prefixes homed there, "#" -> their sum, "@" -> the version they were counted at). ARGV: prefix,
+# homes needed, size, fleet size, choices, TTL ms, how many of the names hold the prompt; then
+# the names (the holders with room first, then the next backends with room in its rendezvous
+# order, as the claiming replica sees them). A prefix placed already returns {0, its entry}.
+# Otherwise the holders come first, then, of the rest, the less crowded of the first two, or
+# the least crowded when the first hosts more than a fair count (Placement._first_alike's rule,
+# over the counts of every replica's placements); the entry is written under a new version and
+# returned as {1, entry}. The counts are kept as claims add homes and counted again from the
+# homes hash whenever anything else changed it (an exchange, the leader's assignment, a
+# departure).
+CLAIM_LUA = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur then return {0, cur} end
+local need, size, fleet = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local choices, ttl, held = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
+local ver = tonumber(redis.call('GET', KEYS[2]) or '0')
+if tonumber(redis.call('HGET', KEYS[3], '@') or '-1') ~= ver then
+  redis.call('DEL', KEYS[3])
+  local counts, total = {}, 0
+  local all = redis.call('HGETALL', KEYS[1])
+  for i = 2, #all, 2 do
+    local v = all[i]
+    local bar = string.find(v, '|', 1, true)
+    local ok, entry = false, nil
+    if bar then ok, entry = pcall(cjson.decode, string.sub(v, bar + 1)) end
+    if ok and type(entry) == 'table' and type(entry[1]) == 'table' then
+      for _, b in ipairs(entry[1]) do
+        counts[b] = (counts[b] or 0) + 1
+        total = total + 1
+      end
+    end
+  end
+  counts['#'] = total
+  for b, c in pairs(counts) do redis.call('HSET', KEYS[3], b, c) end
+end
+local names = {}
+for i = 8, #ARGV do names[#names + 1] = ARGV[i] end
+local got = redis.call('HMGET', KEYS[3], unpack(names))
+local hosted, rank = {}, {}
+for i, b in ipairs(names) do
+  hosted[b] = tonumber(got[i]) or 0
+  rank[b] = i
+end
+local fair = (tonumber(redis.call('HGET', KEYS[3], '#')) or 0) / math.max(fleet, 1)
+local chosen, spare = {}, {}
+for i = 1, #names do
+  if i <= held and #chosen < need then chosen[#chosen + 1] = names[i]
+  elseif i > held then spare[#spare + 1] = names[i] end
+end
+if #chosen < need and #spare > 0 then
+  if #spare > 1 and choices > 1 and hosted[spare[2]] < hosted[spare[1]] then
+    spare[1], spare[2] = spare[2], spare[1]
+  end
+  if hosted[spare[1]] > fair then
+    table.sort(spare, function(a, b)
+      local ca, cb = hosted[a] > fair, hosted[b] > fair
+      if ca ~= cb then return cb end
+      if hosted[a] ~= hosted[b] then return hosted[a] < hosted[b] end
+      return rank[a] < rank[b]
+    end)
+  end
+  for i = 1, math.min(need - #chosen, #spare) do chosen[#chosen + 1] = spare[i] end
+end
+local nextv = redis.call('INCR', KEYS[2])
+local entry = nextv .. '|' .. cjson.encode({chosen, size, false})
+redis.call('HSET', KEYS[1], ARGV[1], entry)
+for _, b in ipairs(chosen) do redis.call('HINCRBY', KEYS[3], b, 1) end
+redis.call('HINCRBY', KEYS[3], '#', #chosen)
+redis.call('HSET', KEYS[3], '@', nextv)
+for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ttl) end
+return {1, entry}
+"""
+
+
 class SharedPlacement:
     """Exchanges this replica's placement decisions and learned capacities with the others."""
 
@@ -188,6 +269,7 @@ class SharedPlacement:
         timeout_s: float = 1.0,
         ttl_s: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
+        claim_timeout_s: float = 0.1,
     ) -> None:
         self.client = client
         self.placement = placement
@@ -213,6 +295,8 @@ class SharedPlacement:
         self._script = client.register_script(SYNC_LUA)
         self._resign = client.register_script(RESIGN_LUA)
         self._forget = client.register_script(FORGET_LUA)
+        self._claim = client.register_script(CLAIM_LUA)
+        self.claim_timeout_s = claim_timeout_s
         # Departed backends whose shared entries are still to be deleted (once, by whichever
         # replica gets there first), and since when each is gone: until the guard lapses, an
         # entry another replica published before it forgot is not adopted back.
@@ -229,6 +313,9 @@ class SharedPlacement:
             "published_capacities": 0,
             "adopted_homes": 0,
             "adopted_capacities": 0,
+            "claims": 0,  # first placements written to Redis by this replica
+            "claims_placed_elsewhere": 0,  # ... found placed there by another replica
+            "claim_errors": 0,  # ... not made (Redis away or slow): placed alike instead
         }
 
     @property
@@ -308,6 +395,39 @@ class SharedPlacement:
             for backend in [b for b, at in gone.items() if at < since]:
                 del gone[backend]
         return set(gone)
+
+    async def claim(
+        self, key: int, need: int, size: float, fleet: int, held: int, names: Sequence[str]
+    ) -> SharedHomes | None:
+        """Place the prefix `key`, new to this replica, together with the others, in one
+        round trip on the request's path (Placement.first_proposal gives the arguments): the
+        homes another replica gave it, or the ones chosen now from `names` by every replica's
+        placements, written before anyone else can choose. A burst of new prompts reaches every
+        replica before an exchange; placed apart, by what they agreed on before it, they
+        crowded one engine (3/2/2/1 of eight prompts on four) where one proxy places by load.
+        None: Redis is away or slow (placed alike, published at the next exchange)."""
+        placement = self.placement
+        if placement is None or not self._up or not names:
+            return None
+        keys = self.keys
+        hosted = f"{self.key_prefix}:{{{self.key_prefix}:place}}:hosted"
+        args: list[Any] = [str(key), need, round(size), fleet, placement.choices]
+        args += [int(self.ttl_s * 1000), held, *names]
+        try:
+            async with asyncio.timeout(self.claim_timeout_s):
+                made, entry = await self._claim(keys=[keys[0], keys[2], hosted], args=args)
+        except REDIS_DOWN_ERRORS:
+            _reraise_if_cancelled()
+            self.counters["claim_errors"] += 1
+            return None
+        self.counters["claims" if int(made) else "claims_placed_elsewhere"] += 1
+        try:
+            homes, blocks, overflow = orjson.loads(_text(entry).partition("|")[2])
+        except (ValueError, TypeError):
+            return None
+        gone = self._departed()
+        kept = tuple(h for h in map(str, homes) if h not in gone)
+        return SharedHomes(kept, float(blocks), bool(overflow)) if kept else None
 
     async def sync(self) -> None:
         """One exchange: publish what this replica decided, adopt what the others did."""
