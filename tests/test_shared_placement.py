@@ -333,3 +333,16 @@ async def test_a_burst_of_new_prompts_spreads_over_the_engines_as_one_proxy_spre
             delete_prefix(kp)
     assert all(layout == [2, 2, 2, 2] for layout in layouts[True])
     assert any(layout != [2, 2, 2, 2] for layout in layouts[False]), layouts
+
+
+async def test_a_replica_starting_exchanges_once_before_it_routes(prefix: str) -> None:
+    """A replica joining a running fleet (a restart, a scale-out) has the shared homes before
+    its first request: start() makes one exchange before it returns."""
+    async with replicas(SHARED_URL, prefix, 2, [0.0]) as (a, b):
+        await exchange([a])
+        await a.send(8)
+        await exchange([a])
+        await b.shared.start()
+        assert b.shared.info()["syncs"] >= 1
+        assert b.homes == a.homes and len(b.homes) == 8
+        assert b.router.placement is not None and b.router.placement.alike

@@ -331,7 +331,13 @@ class SharedPlacement:
         ]
 
     async def start(self) -> None:
+        """One exchange first (bounded by timeout_s), so that a replica joining a running fleet
+        (a restart, a scale-out) routes its first requests by the shared placement instead of
+        placing from an empty view; then the background exchanges."""
         if self._task is None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.timeout_s):
+                    await self.step()
             self._task = asyncio.create_task(self._loop(), name="shared-placement")
 
     async def close(self) -> None:
