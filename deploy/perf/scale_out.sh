@@ -14,6 +14,8 @@
 #   REDIS_URL=redis://10.0.0.9:6379/0 deploy/perf/scale_out.sh
 #   git archive HEAD~3 | tar -x -C /tmp/old && BASE=/tmp/old deploy/perf/scale_out.sh
 #   SETUPS="1:redis 3:redis" RUNS=2 SEEDS="1 2 3" deploy/perf/scale_out.sh   # only these, twice
+#   BALANCER=nginx deploy/perf/scale_out.sh        # nginx round robin in front (apt: nginx)
+#   RESTART_AT=3 BALANCER=nginx deploy/perf/scale_out.sh   # replica 1 restarted 3 s into a run
 #
 # Prints one line per run (hit ratio, of the first 50 requests too, TTFT p50/p99; with several replicas, on how many of the
 # hot prompts their placements agree at the end, and the spread of their learned capacities)
@@ -32,14 +34,22 @@ REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
 OUT="${OUT:-/tmp/warmroute-scale-out}"
 SETUPS="${SETUPS:-1:redis $REPLICAS:redis $REPLICAS:none 1:none}"  # proxies:redis|none
 RUNS="${RUNS:-1}"                  # times each seed is run (alternating with the others)
+BALANCER="${BALANCER:-client}"     # client: the load generator round-robins; nginx: nginx does
+RESTART_AT="${RESTART_AT:-}"       # seconds into each multi-replica run: replica 1 is stopped
+                                   # (SIGTERM, drained) and started again; empty: never
 MOCK_PORT=9401
+NGINX_PORT=9460
 PROXY_PORT=9410
 ADMIN_PORT=9430
 if [[ -n "${BASE:-}" ]]; then export PYTHONPATH="$BASE${PYTHONPATH:+:$PYTHONPATH}"; fi
 mkdir -p "$OUT"
 
 pids=()
-cleanup() { for p in "${pids[@]:-}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+cleanup() {
+  if [[ -f "$OUT/restarted.pid" ]]; then pids+=("$(cat "$OUT/restarted.pid")"); rm -f "$OUT/restarted.pid"; fi
+  for p in "${pids[@]:-}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
 trap cleanup EXIT
 
 wait_http() {
@@ -54,29 +64,96 @@ start_mock() {
   for i in 0 1 2 3; do wait_http "http://127.0.0.1:$((MOCK_PORT + i))/v1/models"; done
 }
 
-start_proxies() {  # count, redis url or "" (each replica its own in-memory index)
-  local count=$1 redis=$2 backends=() extra=()
+replica_pids=()
+start_replica() {  # index, redis url or ""
+  local r=$1 redis=$2 backends=() extra=()
   for i in 0 1 2 3; do backends+=(--backend "http://127.0.0.1:$((MOCK_PORT + i))"); done
   if [[ -n "$redis" ]]; then extra=(--redis "$redis"); fi
-  for ((r = 0; r < count; r++)); do
-    WARMROUTE_REDIS__KEY_PREFIX="scale-out-$$-$run" warmroute serve --port $((PROXY_PORT + r)) \
-      --admin-port $((ADMIN_PORT + r)) --log-level warning "${backends[@]}" "${extra[@]}" \
-      >"$OUT/proxy-$r.log" 2>&1 &
-    pids+=($!)
-  done
+  WARMROUTE_REDIS__KEY_PREFIX="scale-out-$$-$run" warmroute serve --port $((PROXY_PORT + r)) \
+    --admin-port $((ADMIN_PORT + r)) --log-level warning "${backends[@]}" "${extra[@]}" \
+    >>"$OUT/proxy-$r.log" 2>&1 &
+  pids+=($!)
+  replica_pids[r]=$!
+}
+
+start_proxies() {  # count, redis url or "" (each replica its own in-memory index)
+  local count=$1 redis=$2
+  for ((r = 0; r < count; r++)); do start_replica "$r" "$redis"; done
   for ((r = 0; r < count; r++)); do wait_http "http://127.0.0.1:$((PROXY_PORT + r))/ready"; done
+}
+
+restart_replica() {  # seconds to wait, redis url or "": replica 1 stopped and started again
+  # (in the background: the new pid goes through a file, picked up by bench)
+  local old=${replica_pids[1]}
+  sleep "$1"
+  kill -TERM "$old" 2>/dev/null || true
+  while kill -0 "$old" 2>/dev/null; do sleep 0.05; done
+  start_replica 1 "$2"
+  echo "${replica_pids[1]}" >"$OUT/restarted.pid"
+  wait_http "http://127.0.0.1:$((PROXY_PORT + 1))/ready"
+  echo "run $run: replica 1 restarted ${1}s in" >>"$OUT/restarts.log"
+}
+
+start_nginx() {  # count: one upstream of every replica, round robin, kept-alive connections
+  local count=$1 servers=""
+  for ((r = 0; r < count; r++)); do servers+="    server 127.0.0.1:$((PROXY_PORT + r));"$'\n'; done
+  mkdir -p "$OUT/nginx"
+  cat >"$OUT/nginx/nginx.conf" <<CONF
+daemon off;
+worker_processes 1;
+pid $OUT/nginx/nginx.pid;
+error_log $OUT/nginx/error.log warn;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  upstream replicas {
+$servers    keepalive 64;
+  }
+  server {
+    listen 127.0.0.1:$NGINX_PORT;
+    location / {
+      proxy_pass http://replicas;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      # A replica stopping (RESTART_AT) closes its idle kept-alive connections; a request nginx
+      # sent on one at that moment is reset unread: try it on another replica.
+      proxy_next_upstream error timeout non_idempotent;
+      proxy_read_timeout 300s;
+    }
+  }
+}
+CONF
+  nginx -c "$OUT/nginx/nginx.conf" -p "$OUT/nginx" >"$OUT/nginx/stdout.log" 2>&1 &
+  pids+=($!)
+  wait_http "http://127.0.0.1:$NGINX_PORT/ready"
 }
 
 stop_all() { cleanup; pids=(); }
 
 bench() {  # label, proxy count
   local label=$1 count=$2 targets=()
-  for ((r = 0; r < count; r++)); do targets+=(--direct "http://127.0.0.1:$((PROXY_PORT + r))"); done
+  if [[ $BALANCER == nginx ]]; then
+    targets=(--direct "http://127.0.0.1:$NGINX_PORT")
+  else
+    for ((r = 0; r < count; r++)); do targets+=(--direct "http://127.0.0.1:$((PROXY_PORT + r))"); done
+  fi
   # --direct repeated, round-robin: one load generator in front of every replica.
+  local restarter=""
+  if [[ -n "$RESTART_AT" && $count -gt 1 ]]; then
+    restart_replica "$RESTART_AT" "$redis_now" &
+    restarter=$!
+  fi
   warmroute bench --workload shared-prefix --prefixes 8 --system-chars 8000 --zipf 0 \
     --requests "$REQUESTS" --concurrency "$CONCURRENCY" --max-tokens 16 --seed "$seed" \
     --no-progress --label "$label" --out "$OUT/$label-s$seed-r$pass.json" "${targets[@]}" \
     --direct-affinity round-robin >/dev/null
+  if [[ -n "$restarter" ]]; then
+    wait "$restarter" || true
+    replica_pids[1]=$(cat "$OUT/restarted.pid")
+    pids+=("${replica_pids[1]}")
+    rm -f "$OUT/restarted.pid"
+  fi
   python - "$OUT/$label-s$seed-r$pass.json" "$label" "$seed" "$pass" <<'EOF'
 import json, sys
 run = json.load(open(sys.argv[1]))
@@ -130,7 +207,9 @@ for ((pass = 1; pass <= RUNS; pass++)); do
       count=${setup%%:*} store=${setup#*:}
       run=$((run + 1))
       start_mock
-      start_proxies "$count" "$([[ $store == redis ]] && echo "$REDIS_URL" || true)"
+      redis_now="$([[ $store == redis ]] && echo "$REDIS_URL" || true)"
+      start_proxies "$count" "$redis_now"
+      if [[ $BALANCER == nginx ]]; then start_nginx "$count"; fi
       bench "${count}-proxy-${store}" "$count"
       stop_all
     done
