@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -20,7 +22,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import engines
-from proxy.config import BackendConfig, Config
+from proxy.config import BackendConfig, Config, HealthConfig
 from proxy.outlier import Breaker
 from proxy.routing.types import BackendView, EngineLoad
 
@@ -166,6 +168,10 @@ class Backend:
             self.models = frozenset(self.cfg.models)
         self._idle = asyncio.Event()
         self._idle.set()
+        # Set by each request routed here and each change of state: an idle backend's poll
+        # task wakes on it and plans again (a request: back to the busy cadence at once)
+        # instead of sleeping out its idle interval.
+        self._wake = asyncio.Event()
 
     def is_up(self, now: float) -> bool:
         return (
@@ -178,6 +184,7 @@ class Backend:
         self.streams.add(request)
         self.attached += 1
         self._idle.clear()
+        self._wake.set()
 
     def detach(self, request: Any) -> None:
         self.streams.discard(request)
@@ -192,6 +199,7 @@ class Backend:
         if state != self.state:
             self.state = state
             self.since = time.monotonic()
+            self._wake.set()
 
     def reconfigure(self, cfg: BackendConfig) -> None:
         """The same address listed with other keys (role, weight, models, ...)."""
@@ -232,18 +240,44 @@ GONE_KEPT = 64  # departed backends /admin/backends still shows
 # scans every connection it holds for each request it assigns (httpcore), which in front of 256
 # engines cost more than half a core while idle (deploy/perf/idle_cpu.py).
 CONTROL_LIMITS = httpx.Limits(max_connections=2, max_keepalive_connections=1)
+# Where in its interval a backend's first check and scrape fall (0..1); tests pin it.
+JITTER: Callable[[], float] = random.random
+
+
+def has_work(b: Backend, seen: int) -> bool:
+    """Whether `b` has traffic: a request routed to it since the last scrape (`seen`: its
+    `attached` count then), one on it now, or requests on it at the last scrape (an engine
+    busy with other replicas' traffic says so)."""
+    if b.attached != seen or b.streams:
+        return True
+    return bool(b.load.waiting) or bool(b.load.running)
 
 
 def scrape_due(b: Backend, seen: int, checked: bool) -> bool:
     """Whether a poll round scrapes `b`'s load: always with its health check, and between
-    health checks only while it has work: a request routed to it since the last scrape
-    (`seen`: its `attached` count then), one on it now, or requests on it at the last scrape
-    (an engine busy with other replicas' traffic says so). An idle engine costs one health
-    check and one scrape per health interval, so the background cost of a fleet grows with
-    its busy engines, not with every engine (deploy/perf/idle_cpu.py)."""
-    if checked or b.attached != seen or b.streams:
-        return True
-    return bool(b.load.waiting) or bool(b.load.running)
+    health checks only while it has work (has_work). An idle engine costs one health check
+    and one scrape per idle interval, so the background cost of a fleet grows with its busy
+    engines, not with every engine (deploy/perf/idle_cpu.py)."""
+    return checked or has_work(b, seen)
+
+
+def check_interval(
+    h: HealthConfig, *, healthy: bool, busy: bool, ejected: bool, idle_backends: int
+) -> float:
+    """Seconds from a backend's last health check to its next: proportional to need.
+
+    Unhealthy: as often as the scrape interval allows (to see it come back; it gets no
+    request until then). With traffic (has_work) or an open breaker: `interval_s`. Idle and
+    healthy: `idle_interval_s` (never more often than `interval_s`), stretched to
+    `idle_backends / idle_checks_per_s` so the idle checks of a whole fleet cost at most that
+    many a second however many engines idle (Envoy's no_traffic_interval, with a fleet-wide
+    cap). A request routed to an idle backend wakes its poll task: it is busy from then on.
+    """
+    if not healthy:
+        return min(h.interval_s, h.metrics_scrape_s)
+    if busy or ejected:
+        return h.interval_s
+    return max(h.interval_s, h.idle_interval_s, idle_backends / h.idle_checks_per_s)
 
 
 class BackendRegistry:
@@ -270,6 +304,7 @@ class BackendRegistry:
         # Called with (name, what changed) when the engine at an address is not the one it was.
         self.on_restart: Callable[[Backend, str], None] | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._idle: set[str] = set()  # backends on the idle cadence (check_interval's count)
         self._closing: set[asyncio.Task[None]] = set()
         self._started = False
 
@@ -309,6 +344,7 @@ class BackendRegistry:
         task = self._tasks.pop(name, None)
         if task is not None:
             task.cancel()
+        self._idle.discard(name)
         client = self._clients.pop(name, None)
         if client is not None:
             closing = asyncio.create_task(client.aclose(), name=f"close {name}")
@@ -396,6 +432,7 @@ class BackendRegistry:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
+        self._idle.clear()
         clients, self._clients = list(self._clients.values()), {}
         for c in clients:
             await c.aclose()
@@ -472,9 +509,10 @@ class BackendRegistry:
             b.load = load
 
     async def _join(self, b: Backend) -> None:
-        """Health and the model list first, at the health interval until both answered."""
+        """Health and the model list first, at the health interval until both answered (or
+        it is no longer joining: drained meanwhile)."""
         h = self.config.health
-        while True:
+        while b.state == "joining":
             await self._check(b, discover=True)
             if b.healthy and b.state == "joining":
                 b.set_state("serving")
@@ -484,25 +522,55 @@ class BackendRegistry:
             await asyncio.sleep(min(h.interval_s, 1.0))
 
     async def _poll(self, b: Backend) -> None:
+        """One backend's background work, each piece when it is due (check_interval and
+        scrape_due) and the task asleep in between: an idle fleet's tasks wake once per idle
+        interval each, not every scrape interval. The first scrape and the first check after
+        start (or a join) fall at a random point of their interval, so a fleet started
+        together is not checked in the same tick."""
         h = self.config.health
-        if b.state == "joining":
-            await self._join(b)
-            await self._scrape(b)
-        next_health = time.monotonic() + h.interval_s
-        next_models = time.monotonic() + h.models_refresh_s
-        seen = -1  # the first round scrapes
+        phase = JITTER()
+        first_check = first_scrape = True
+        checked_at = scraped_at = models_at = time.monotonic()
+        seen = b.attached
         while True:
-            await asyncio.sleep(min(h.metrics_scrape_s, h.interval_s))
-            now = time.monotonic()
-            checked = True
-            if now >= next_models:
-                next_models = now + h.models_refresh_s
-                await self._check(b, discover=True)
-            elif now >= next_health or not b.healthy:
-                next_health = now + h.interval_s
-                await self._check(b, discover=False)
+            if b.state == "joining":  # added, or resumed while unhealthy
+                await self._join(b)
+                await self._scrape(b)
+                seen, first_scrape = b.attached, False
+                checked_at = scraped_at = models_at = time.monotonic()
+            b._wake.clear()  # a request or a change of state from here on ends the wait below
+            busy = has_work(b, seen)
+            ejected = b.breaker is not None and b.breaker.state != "closed"
+            idle = b.healthy and not busy and not ejected
+            if idle:
+                self._idle.add(b.name)
             else:
-                checked = False
-            if scrape_due(b, seen, checked):
-                seen = b.attached
+                self._idle.discard(b.name)
+            interval = check_interval(
+                h, healthy=b.healthy, busy=busy, ejected=ejected, idle_backends=len(self._idle)
+            )
+            check_at = checked_at + interval * (phase if first_check else 1.0)
+            scrape_at = math.inf  # the first scrape is due whatever: load, KV pool, engine
+            if busy or first_scrape:
+                scrape_at = scraped_at + h.metrics_scrape_s * (phase if first_scrape else 1.0)
+            delay = min(check_at, scrape_at) - time.monotonic()
+            if delay > 0:
+                if busy:  # woken by the clock: no wake-up per request while it has traffic
+                    await asyncio.sleep(delay)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(delay):
+                            await b._wake.wait()
+                continue  # what is due now may have changed while asleep
+            now = time.monotonic()
+            checked = now >= check_at
+            if checked:
+                discover = now >= models_at + h.models_refresh_s  # rides on a health check
+                checked_at, first_check = now, False
+                if discover:
+                    models_at = now
+                await self._check(b, discover=discover)
+            if first_scrape or scrape_due(b, seen, checked):
+                seen, first_scrape = b.attached, False
+                scraped_at = time.monotonic()
                 await self._scrape(b)

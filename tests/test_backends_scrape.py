@@ -103,7 +103,8 @@ def test_an_idle_engine_is_scraped_with_its_health_check_a_busy_one_between_them
 @pytest.mark.e2e
 def test_an_idle_fleet_is_scraped_no_more_often_than_its_health_is_checked(proxy_server):
     """The background cost of idle engines: one scrape per health check, not one per scrape
-    interval (here 20 scrape intervals fit in one health interval)."""
+    interval (here 20 scrape intervals fit in one health interval; the idle interval is
+    brought down to it to count checks: tests/test_backends_idle.py has the idle cadence)."""
     hits = {"/health": 0, "/metrics": 0}
 
     async def engine(scope, receive, send):  # an idle vLLM: no requests waiting or running
@@ -122,7 +123,7 @@ def test_an_idle_fleet_is_scraped_no_more_often_than_its_health_is_checked(proxy
             [e.url],
             config={
                 "backends": [{"url": e.url, "engine": "vllm"}],
-                "health": {"metrics_scrape_s": 0.01, "interval_s": 0.2},
+                "health": {"metrics_scrape_s": 0.01, "interval_s": 0.2, "idle_interval_s": 0.2},
             },
         )
         until(lambda: hits["/health"] >= 2, "two health checks")
