@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -434,4 +435,34 @@ async def test_a_lookup_trying_the_last_common_depth_first_answers_as_a_search_d
                 assert index._depths[blocks[0]] in set(got.values())
     finally:
         await index.close()
+        delete_prefix(kp)
+
+
+@pytest.mark.redis
+async def test_a_replica_judges_a_shared_backend_by_every_replicas_records() -> None:
+    """Redis: the capacity learner's evidence reads the shared index, not this replica's
+    share of it: occupancy is what the backend's ZSET holds after the last write (behind a
+    round robin of three, the local copy holds about a third), and a match another replica
+    recorded counts as just recorded (its age unknown: a miss on it proves no eviction)."""
+    kp = unique_prefix("occupancy")
+    a = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=kp, owns_client=True)
+    b = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=kp, owns_client=True)
+    await a.start()
+    await b.start()
+    try:
+        theirs, ours = list(range(1, 51)), list(range(1000, 1005))
+        a.record("x", theirs)
+        await a.flush()
+        b.record("x", ours)
+        await b.flush()
+        assert b.local.occupancy("x") == 5
+        assert b.occupancy("x") == 55
+        matched = (await b.holders(theirs, ["x"]))["x"]
+        assert matched == 50
+        seen = b.probe("x", theirs, matched).last_seen
+        assert seen is not None and abs(seen - time.time()) < 5
+        assert b.probe("x", ours, 5).last_seen == b.local.probe("x", ours, 5).last_seen
+    finally:
+        await a.close()
+        await b.close()
         delete_prefix(kp)

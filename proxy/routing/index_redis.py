@@ -163,7 +163,8 @@ return out
 # (ms); then per record: packed block hashes, record time, index of its first block in the
 # prompt, capacity, KEYS index of its head set (0: none). Later blocks get slightly older
 # scores so that trimming by rank drops a prompt's tail first. Scores are formatted with
-# %.17g: Lua's default number-to-string keeps 14 digits, too few.
+# %.17g: Lua's default number-to-string keeps 14 digits, too few. Returns, flat, each written
+# ZSET's key and the blocks it holds after trimming (what every replica recorded there).
 RECORD_LUA = """
 local step, ttl, oldest = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local records, head_ttl = tonumber(ARGV[4]), ARGV[5]
@@ -188,12 +189,15 @@ for j = 1, records do
     redis.call('PEXPIRE', KEYS[head], head_ttl)
   end
 end
+local held = {}
 for key, cap in pairs(caps) do
   redis.call('ZREMRANGEBYSCORE', key, '-inf', oldest)
   redis.call('ZREMRANGEBYRANK', key, 0, -cap - 1)
   redis.call('PEXPIRE', key, ttl)
+  held[#held + 1] = key
+  held[#held + 1] = redis.call('ZCARD', key)
 end
-return records
+return held
 """
 DEPTHS_KEPT = 4096  # heads whose last common depth a lookup tries first
 HEAD_TTL_MARGIN_S = 60.0  # a head set outlives its members' scores by this (clocks differ)
@@ -249,6 +253,7 @@ class RedisPrefixIndex:
         self._script = client.register_script(LOOKUP_LUA)
         self._depths: OrderedDict[int, int] = OrderedDict()  # head block -> depth to try first
         self._name_at = len(self.key("")) + 1  # (Lua's strings count from 1)
+        self._held: dict[str, int] = {}  # backend -> blocks its shared ZSET held at the last write
         self._record_script = client.register_script(RECORD_LUA)
         self._delete_once = client.register_script(DELETE_ONCE_LUA)
         # Backends forgotten here whose shared keys are still to be deleted (departures.py).
@@ -406,6 +411,7 @@ class RedisPrefixIndex:
         (`departure`: a token every replica shares for this change, see departures.py)."""
         self.local.forget(backend)
         self._capacity.pop(backend, None)
+        self._held.pop(backend, None)
         if any(r[0] == backend for r in self._pending):
             kept = [r for r in self._pending if r[0] != backend]
             self._pending.clear()
@@ -438,11 +444,23 @@ class RedisPrefixIndex:
             raise
 
     def probe(self, backend: str, blocks: Sequence[int], matched: int) -> Probe:
-        # The local copy holds what this replica recorded (wall-clock times, as Redis does).
-        return self.local.probe(backend, blocks, matched)
+        """The local copy's probe (it holds what this replica recorded, in wall-clock times as
+        Redis does). A match this replica never recorded there was another replica's: when,
+        it cannot tell, so it is taken as just now. A miss on it is then no evidence that the
+        engine evicted it (it may be prefilling still, for the replica that sent it): behind a
+        round robin, such misses right after a placement change shrank the learned caches."""
+        found = self.local.probe(backend, blocks, matched)
+        if found.last_seen is None and matched > 0:
+            return Probe(self.local.clock(), found.ghost_blocks)
+        return found
 
     def occupancy(self, backend: str) -> int:
-        return self.local.occupancy(backend)
+        """Blocks held for `backend` in the shared index, as of this replica's last write
+        there (every replica's records; the local copy holds only this replica's, which
+        behind a round robin of N is about 1/N of them), or the local copy's if larger."""
+        local = self.local.occupancy(backend)
+        shared = self._held.get(backend)
+        return local if shared is None or shared < local else shared
 
     # -- background --------------------------------------------------------------------------
 
@@ -493,8 +511,13 @@ class RedisPrefixIndex:
                             hk = self.head_key(blocks[0])
                             at = heads.setdefault(hk, len(chunk) + len(heads) + 1)
                         args += [_pack(blocks), repr(ts), first, cap, at]
-                    await self._record_script(keys=keys + list(heads), args=args)
+                    held = await self._record_script(keys=keys + list(heads), args=args)
                     done = i + len(chunk)
+                    cut = len(self.key(""))
+                    pairs = iter(held or ())
+                    for key, n in zip(pairs, pairs, strict=True):
+                        name = (key.decode() if isinstance(key, bytes) else str(key))[cut:]
+                        self._held[name] = int(n)
             self.counters["writes"] += 1
         except REDIS_DOWN_ERRORS as e:
             self.counters["write_errors"] += 1
