@@ -239,7 +239,13 @@ GONE_KEPT = 64  # departed backends /admin/backends still shows
 # One connection pool per backend for the background checks: a pool shared by a whole fleet
 # scans every connection it holds for each request it assigns (httpcore), which in front of 256
 # engines cost more than half a core while idle (deploy/perf/idle_cpu.py).
-CONTROL_LIMITS = httpx.Limits(max_connections=2, max_keepalive_connections=1)
+# A pooled connection is not reused past 2 s idle: engines' servers close theirs (uvicorn's
+# keep-alive, which vLLM and SGLang serve with, is 5 s), and a check sent on a connection the
+# server is closing fails with "Server disconnected without sending a response".
+CONTROL_LIMITS = httpx.Limits(max_connections=2, max_keepalive_connections=1, keepalive_expiry=2.0)
+# What a request sent on a kept-alive connection the server closed under it fails with: tried
+# once more at once (a new connection) before it counts against the backend.
+STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 # Where in its interval a backend's first check and scrape fall (0..1); tests pin it.
 JITTER: Callable[[], float] = random.random
 
@@ -449,13 +455,26 @@ class BackendRegistry:
     def _headers(self, b: Backend) -> dict[str, str]:
         return {"authorization": f"Bearer {b.api_key}"} if b.api_key else {}
 
+    async def _get(
+        self, b: Backend, url: str, limit_s: float, headers: dict[str, str] | None = None
+    ) -> httpx.Response:
+        """A background GET, sent again once at once if the connection it went out on was
+        closed under it (the server's keep-alive ran out first): a race, not an outage. One
+        such lost check used to mark a busy engine unhealthy, and placement moved its prompts
+        away and back, each move a cold prefill."""
+        client = self.client(b)
+        try:
+            return await client.get(url, headers=headers, timeout=limit_s)
+        except STALE_CONNECTION:
+            return await client.get(url, headers=headers, timeout=limit_s)
+
     async def _check(self, b: Backend, *, discover: bool) -> None:
         timeout = self.config.timeouts.health_s
         was = b.healthy
         try:
             if discover and b.cfg.models is None:
                 url = engines.backend_url(b.url, "/v1/models")
-                r = await self.client(b).get(url, headers=self._headers(b), timeout=timeout)
+                r = await self._get(b, url, timeout, self._headers(b))
                 r.raise_for_status()
                 ids = frozenset(m["id"] for m in r.json().get("data", []) if "id" in m)
                 if ids != b.models:
@@ -465,11 +484,8 @@ class BackendRegistry:
                 b.models = ids
             fetched_models = discover and b.cfg.models is None
             if not (fetched_models and HEALTH_PATH[b.cfg.engine] == "/v1/models"):
-                r = await self.client(b).get(
-                    engines.backend_url(b.url, HEALTH_PATH[b.cfg.engine]),
-                    headers=self._headers(b),
-                    timeout=timeout,
-                )
+                url = engines.backend_url(b.url, HEALTH_PATH[b.cfg.engine])
+                r = await self._get(b, url, timeout, self._headers(b))
                 r.raise_for_status()
             b.healthy = True
             if b.breaker is not None:
@@ -493,7 +509,7 @@ class BackendRegistry:
             return
         try:
             url = engines.backend_url(b.url, "/metrics")
-            r = await self.client(b).get(url, timeout=self.config.timeouts.health_s)
+            r = await self._get(b, url, self.config.timeouts.health_s)
             r.raise_for_status()
         except httpx.HTTPError as e:
             log.debug("metrics scrape of %s failed: %s", b.name, e)
