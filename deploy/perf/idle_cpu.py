@@ -10,9 +10,12 @@ proxy asked of the engines).
   deploy/perf/idle_cpu.py                          # 4, 64 and 256 engines, as vLLM (scraped)
   FLEETS="4 256" ENGINE=openai deploy/perf/idle_cpu.py   # engines with no load metrics
   REPEATS=3 MEASURE_S=30 deploy/perf/idle_cpu.py
+  REQUESTS=300 FLEETS="4 256" deploy/perf/idle_cpu.py   # and CPU per request after the idle part
 
 Environment: FLEETS ("4 64 256"), ENGINE (vllm: the proxy scrapes /metrics as it would a vLLM;
-openai: nothing to scrape), WARM_S (10), MEASURE_S (20), REPEATS (1), OUT
+openai: nothing to scrape), WARM_S (10), MEASURE_S (20), REPEATS (1), REQUESTS (0: none; else
+that many chat completions through the proxy after the idle part, c=8, and its CPU per
+request, background work included), OUT
 (/tmp/warmroute-idle-cpu). Prints one line per run and writes OUT/idle_cpu.json.
 """
 
@@ -54,7 +57,26 @@ def wait_ready(url: str, within_s: float) -> None:
     raise RuntimeError(f"{url} not ready within {within_s:g}s")
 
 
-def run(n: int, engine: str, warm_s: float, measure_s: float, out: Path) -> dict[str, float]:
+def per_request(pid: int, port: int, requests: int, out: Path) -> dict[str, float]:
+    """The proxy's CPU per request while `requests` chat completions (8 shared 2k-token system
+    prompts, c=8, streamed) go through it, background work included."""
+    before = cpu_s(pid)
+    subprocess.run(
+        [
+            sys.executable, "-m", "proxy", "bench", "--workload", "shared-prefix",
+            "--prefixes", "8", "--system-chars", "8000", "--requests", str(requests),
+            "--concurrency", "8", "--max-tokens", "16", "--no-progress", "--out", str(out),
+            "--direct", f"http://127.0.0.1:{port}",
+        ],
+        check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    used = cpu_s(pid) - before
+    return {"requests": requests, "proxy_cpu_ms_per_request": round(1000 * used / requests, 3)}
+
+
+def run(
+    n: int, engine: str, warm_s: float, measure_s: float, out: Path, requests: int = 0
+) -> dict[str, float]:
     first = free_ports(n)[0]
     (port,) = free_ports(1)
     mock_log = (out / f"mock-{n}.log").open("wb")
@@ -96,13 +118,16 @@ def run(n: int, engine: str, warm_s: float, measure_s: float, out: Path) -> dict
         time.sleep(measure_s)
         p1, m1, t1 = cpu_s(proxy.pid), cpu_s(mock.pid), time.monotonic()
         wall = t1 - t0
-        return {
+        result = {
             "engines": n,
             "wall_s": round(wall, 2),
             "proxy_cpu_s": round(p1 - p0, 3),
             "proxy_core_share": round((p1 - p0) / wall, 4),
             "mock_cpu_s": round(m1 - m0, 3),
         }
+        if requests:
+            result |= per_request(proxy.pid, port, requests, out / f"bench-{n}.json")
+        return result
     finally:
         for p in (proxy, mock):
             if p is not None:
@@ -122,17 +147,22 @@ def main() -> int:
     engine = env("ENGINE", "vllm")
     warm_s, measure_s = float(env("WARM_S", "10")), float(env("MEASURE_S", "20"))
     repeats = int(env("REPEATS", "1"))
+    requests = int(env("REQUESTS", "0"))
     out = Path(env("OUT", "/tmp/warmroute-idle-cpu"))
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for r in range(repeats):
         for n in fleets:
-            res = run(n, engine, warm_s, measure_s, out) | {"repeat": r + 1, "engine": engine}
+            res = run(n, engine, warm_s, measure_s, out, requests)
+            res |= {"repeat": r + 1, "engine": engine}
             results.append(res)
+            busy = ""
+            if requests:
+                busy = f"  {res['proxy_cpu_ms_per_request']:.2f} ms CPU per request ({requests})"
             print(
                 f"{n:5d} engines ({engine})  proxy {res['proxy_cpu_s']:.2f} s CPU in "
                 f"{res['wall_s']:.0f} s ({100 * res['proxy_core_share']:.1f}% of a core)  "
-                f"mock {res['mock_cpu_s']:.2f} s",
+                f"mock {res['mock_cpu_s']:.2f} s{busy}",
                 flush=True,
             )
     (out / "idle_cpu.json").write_text(json.dumps(results, indent=1))
