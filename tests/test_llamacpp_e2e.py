@@ -166,7 +166,17 @@ def test_engine_metrics_feed_load_signals(
     with running_servers(llamacpp_engine, 1, parallel=1, ctx=4096) as [server]:
         proxy = proxy_server(
             [server.url],
-            config={"backends": _backends([server]), "health": {"metrics_scrape_s": 0.05}},
+            # The requests go to the engine directly (as another replica's would): to this
+            # proxy the engine is idle, scraped at the idle interval, brought down to count.
+            config={
+                "backends": _backends([server]),
+                "health": {
+                    "metrics_scrape_s": 0.05,
+                    "interval_s": 0.05,
+                    "idle_interval_s": 0.05,
+                    "idle_checks_per_s": 1000,
+                },
+            },
         )
         threads = [
             threading.Thread(
