@@ -125,9 +125,14 @@ class BoundedLoadPicker:
         spill = f"; {len(over)} over the load bound" if over else ""
         homes = [b for b in candidates if b.name in ctx.homes] if blocks and ctx.homes else []
         if homes:
-            # A backend holding clearly more of this prompt than any home (a conversation's
-            # earlier turns, placed there before a move or by a spill) counts as a home too.
-            reach = max(matched.get(b.name, 0) for b in homes) + warm
+            # A backend holding clearly more of this prompt than any home, and more than the
+            # part its prefix's requests share (a conversation's earlier turns, placed there
+            # before a move), counts as a home too. Not one holding the shared part alone (a
+            # spill's copy): after a home lost the prompt, that sent the prompt's traffic to
+            # the copy, whose engine then evicted its own prompts, and so on round the fleet.
+            most = max(matched.get(b.name, 0) for b in homes)
+            shared = ctx.shared_blocks
+            reach = (most if most > shared else shared) + warm
             homes += [
                 b for b in candidates if b.name not in ctx.homes and matched.get(b.name, 0) >= reach
             ]

@@ -122,3 +122,34 @@ async def test_the_decision_time_harness_writes_a_row_per_store_size_and_seed(tm
     ]  # fmt: skip
     assert all(0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] for r in rows)
     assert out.read_text().count('"store"') == 4
+
+
+def test_a_copy_of_only_the_shared_part_does_not_count_as_a_home() -> None:
+    """The picker counts a non-home as a home only when it holds more of the prompt than any
+    home and than the part its prefix's requests share (a conversation's earlier turns). A
+    backend holding the shared part alone (a spill's copy) is not one, even when the home
+    lost the prompt: sending the prompt's traffic there made that engine evict its own."""
+    import dataclasses
+
+    from plugins.bounded_load_picker import BoundedLoadPicker
+    from proxy.routing.types import BackendView, EngineLoad, RouteContext
+
+    def view(name: str, inflight: int) -> BackendView:
+        return BackendView(
+            name=name, url=f"http://{name}", engine="openai", role="mixed", weight=1.0,
+            healthy=True, inflight=inflight, load=EngineLoad(), models=frozenset({"m"}),
+        )  # fmt: skip
+
+    picker = BoundedLoadPicker()
+    views = [view("home", 3), view("copy", 0), view("other", 2)]
+    ctx = RouteContext("r1", "m", "chat", {}, {}, 0.0)
+    ctx.prefix_blocks = list(range(120))
+    ctx.homes = ("home",)
+    ctx.shared_blocks = 100.0  # the system prompt: 100 blocks; the rest is this request's
+    ctx.matched_blocks = {"home": 0, "copy": 100, "other": 0}  # the home lost it
+    order, reason = picker.pick(ctx, views, {})
+    assert order[0] == "home", reason
+    # Holding the request's own earlier turns (past the shared part) makes it a home.
+    history = dataclasses.replace(ctx, matched_blocks={"home": 0, "copy": 110, "other": 0})
+    order, reason = picker.pick(history, views, {})
+    assert order[0] == "copy" and "homes" in reason, reason

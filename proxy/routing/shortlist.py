@@ -130,7 +130,9 @@ def _placed(
     matched = ctx.matched_blocks
     got = list(map(matched.get, home_names, repeat(0)))
     most = max(got)
-    reach = most + warm  # a non-home holding this much counts as a home (the picker's rule)
+    # A non-home holding this much counts as a home (the picker's rule, home_reach).
+    shared = ctx.shared_blocks
+    reach = (most if most > shared else shared) + warm
     homes_set = frozenset(ctx.homes)
     extra = sorted(
         index[b] for b, m in held.items() if m >= reach and b not in homes_set and b in index
