@@ -12,7 +12,7 @@ import logging
 import time
 from array import array
 from collections import Counter, OrderedDict, deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from redis import exceptions as redis_errors
@@ -114,6 +114,14 @@ RECORDS_PER_CALL = 64  # one call runs atomically in Redis: keep each one short
 
 def _pack(blocks: Sequence[int]) -> bytes:
     return array("Q", blocks).tobytes()
+
+
+def _counts(flat: Sequence[Any] | None, cut: int = 0) -> Iterator[tuple[str, int]]:
+    """A script's flat (name, count, name, count, ...) reply as pairs, each name from `cut` on
+    (0: whole, as the lookup sends backend names; the writer's reply names whole keys)."""
+    pairs = iter(flat or ())
+    for key, n in zip(pairs, pairs, strict=True):
+        yield (key.decode() if isinstance(key, bytes) else str(key))[cut:], int(n)
 
 
 async def _run(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -267,12 +275,7 @@ class RedisPrefixIndex:
             self.counters["fallback_lookups"] += 1
             return self.local.holders_now(blocks, backends)
         self._timeouts.answered()
-        out: dict[str, int] = {}
-        pairs = iter(found)
-        for key, n in zip(pairs, pairs, strict=True):
-            name = key.decode() if isinstance(key, bytes) else str(key)
-            if name in backends:
-                out[name] = int(n)
+        out = {name: n for name, n in _counts(found) if name in backends}
         if out:
             self._note_depth(blocks[0], out)
         return out
@@ -421,11 +424,7 @@ class RedisPrefixIndex:
                         args += [_pack(blocks), repr(ts), first, cap, at]
                     held = await self._record_script(keys=keys + list(heads), args=args)
                     done = i + len(chunk)
-                    cut = len(self.key(""))
-                    pairs = iter(held or ())
-                    for key, n in zip(pairs, pairs, strict=True):
-                        name = (key.decode() if isinstance(key, bytes) else str(key))[cut:]
-                        self._held[name] = int(n)
+                    self._held.update(_counts(held, self._name_at - 1))
             self.counters["writes"] += 1
         except REDIS_DOWN_ERRORS as e:
             self.counters["write_errors"] += 1

@@ -253,8 +253,7 @@ class Router:
             placement.observe(head, ctx.prefix_blocks)
             if placement.due():
                 placement.start_rebalance(names, weights, self.capacity.capacity, share, order)
-            if placement.rebalancing:
-                placement.advance()
+            placement.advance()  # (a rebalance under way, if any: REBALANCE_STEP of it)
         index = fleet.index
 
         def busy(name: str) -> float:
