@@ -1,11 +1,19 @@
 """Filter: drop backends at their in-flight bound (always), and backends marked unhealthy
-unless none is healthy (then try them all: a health check can lag a recovery)."""
+unless none is healthy (then try them all: a health check can lag a recovery).
+
+The common case (no bound configured, every backend up) is recognised in two C-level passes
+and hands the candidates back as they are."""
 
 from __future__ import annotations
 
+from itertools import compress
+from operator import attrgetter
 from typing import Any
 
 from proxy.routing.types import BackendView, RouteContext
+
+_BOUND = attrgetter("max_inflight")
+_HEALTHY = attrgetter("healthy")
 
 
 class HealthFilter:
@@ -19,22 +27,22 @@ class HealthFilter:
     def filter(
         self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]
     ) -> list[BackendView]:
-        bounded = [b for b in candidates if b.max_inflight is not None]
-        if bounded:
-            full = [b for b in bounded if b.inflight >= (b.max_inflight or 0)]
-            for b in full:
-                dropped[b.name] = f"at its in-flight bound ({b.max_inflight})"
-            if full:
-                candidates = [b for b in candidates if b not in full]
-        healthy = [b for b in candidates if b.healthy]
-        if not healthy:
-            # A health check can lag a recovery; trying is better than refusing outright.
+        bounds = list(map(_BOUND, candidates))
+        if bounds.count(None) != len(bounds):
+            free = [b.max_inflight is None or b.inflight < b.max_inflight for b in candidates]
+            if not all(free):
+                for b, ok in zip(candidates, free, strict=True):
+                    if not ok:
+                        dropped[b.name] = f"at its in-flight bound ({b.max_inflight})"
+                candidates = list(compress(candidates, free))
+        healthy = list(map(_HEALTHY, candidates))
+        if all(healthy) or not any(healthy):
+            # None healthy: a health check can lag a recovery; trying beats refusing outright.
             return candidates
-        if len(healthy) < len(candidates):
-            for b in candidates:
-                if not b.healthy:
-                    dropped[b.name] = "unhealthy"
-        return healthy
+        for b, ok in zip(candidates, healthy, strict=True):
+            if not ok:
+                dropped[b.name] = "unhealthy"
+        return list(compress(candidates, healthy))
 
 
 PLUGINS = [HealthFilter]

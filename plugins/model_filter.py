@@ -1,10 +1,19 @@
-"""Filter: only backends that serve the requested model (or whose models are not known yet)."""
+"""Filter: only backends that serve the requested model (or whose models are not known yet).
+
+A fleet has few distinct model lists (often one), so the verdict is reached once per distinct
+list and applied to every backend in C-level passes: in front of 1,024 backends a per-backend
+call was the largest single cost of a decision.
+"""
 
 from __future__ import annotations
 
+from itertools import compress
+from operator import attrgetter
 from typing import Any
 
 from proxy.routing.types import BackendView, RouteContext
+
+_MODELS = attrgetter("models")
 
 
 class ModelFilter:
@@ -18,13 +27,16 @@ class ModelFilter:
     def filter(
         self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]
     ) -> list[BackendView]:
-        kept = []
-        for b in candidates:
-            if b.serves(ctx.model):
-                kept.append(b)
-            else:
-                dropped[b.name] = f"does not serve model {ctx.model!r}"
-        return kept
+        model = ctx.model
+        lists = list(map(_MODELS, candidates))
+        verdict = {m: m is None or model in m for m in set(lists)}
+        if all(verdict.values()):
+            return candidates
+        serves = list(map(verdict.__getitem__, lists))
+        for b, ok in zip(candidates, serves, strict=True):
+            if not ok:
+                dropped[b.name] = f"does not serve model {model!r}"
+        return list(compress(candidates, serves))
 
 
 PLUGINS = [ModelFilter]

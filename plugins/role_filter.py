@@ -1,10 +1,16 @@
-"""Filter: keep backends whose role can serve a whole request (mixed, or decode with fallback)."""
+"""Filter: keep backends whose role can serve a whole request (mixed, or decode with fallback).
+
+Decided per distinct role (a fleet has at most three), applied in C-level passes."""
 
 from __future__ import annotations
 
+from itertools import compress
+from operator import attrgetter
 from typing import Any
 
 from proxy.routing.types import ROLE_REASON_PREFIX, BackendView, RouteContext
+
+_ROLE = attrgetter("role")
 
 
 class RoleFilter:
@@ -13,6 +19,7 @@ class RoleFilter:
 
     def __init__(self, roles: tuple[str, ...] = ("mixed",)) -> None:
         self.roles = roles
+        self._roles = frozenset(roles)
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> RoleFilter:
@@ -21,17 +28,18 @@ class RoleFilter:
     def filter(
         self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]
     ) -> list[BackendView]:
-        kept = [b for b in candidates if b.role in self.roles]
-        if not kept:
+        roles = list(map(_ROLE, candidates))
+        if self._roles.issuperset(roles):
+            return candidates  # (disagg off: every backend is mixed)
+        keep = list(map(self._roles.__contains__, roles))
+        if not any(keep):
             # Only prefill/decode-role backends: a plain request still needs a home.
             return candidates
-        if len(kept) < len(candidates):  # (disagg off: every backend is mixed)
-            for b in candidates:
-                if b.role not in self.roles:
-                    dropped[b.name] = (
-                        f"{ROLE_REASON_PREFIX}{b.role} is not one of {', '.join(self.roles)}"
-                    )
-        return kept
+        allowed = ", ".join(self.roles)
+        for b, ok in zip(candidates, keep, strict=True):
+            if not ok:
+                dropped[b.name] = f"{ROLE_REASON_PREFIX}{b.role} is not one of {allowed}"
+        return list(compress(candidates, keep))
 
 
 PLUGINS = [RoleFilter]

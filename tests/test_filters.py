@@ -1,10 +1,12 @@
-"""The role and health filters (plugins/role_filter.py, plugins/health_filter.py): what they
-keep, and the reason they record for each backend they drop (what /admin/route/explain and
-the 503's message show)."""
+"""The model, role and health filters (plugins/): what they keep, and the reason they record
+for each backend they drop (what /admin/route/explain and the 503's message show)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from plugins.health_filter import HealthFilter
+from plugins.model_filter import ModelFilter
 from plugins.role_filter import RoleFilter
 from proxy.routing.types import BackendView, EngineLoad, RouteContext
 
@@ -47,3 +49,32 @@ def test_unhealthy_backends_are_dropped_with_the_reason_unless_none_is_healthy()
     assert HealthFilter().filter(CTX, both, dropped) == both and dropped == {}
     down = [view("a", healthy=False), view("b", healthy=False)]
     assert HealthFilter().filter(CTX, down, dropped) == down and dropped == {}
+
+
+def test_backends_not_serving_the_model_are_dropped_and_unknown_lists_kept() -> None:
+    dropped: dict[str, str] = {}
+    other = replace(view("o"), models=frozenset({"other"}))
+    unknown = replace(view("u"), models=None)
+    fleet = [view("a"), other, unknown, view("b")]
+    assert [b.name for b in ModelFilter().filter(CTX, fleet, dropped)] == ["a", "u", "b"]
+    assert dropped == {"o": "does not serve model 'm'"}
+    dropped.clear()
+    same = [view("a"), unknown, view("b")]
+    assert ModelFilter().filter(CTX, same, dropped) is same and dropped == {}
+    assert ModelFilter().filter(CTX, [other], dropped) == [] and dropped == {
+        "o": "does not serve model 'm'"
+    }
+
+
+def test_backends_at_their_bound_are_dropped_before_health_is_read() -> None:
+    dropped: dict[str, str] = {}
+    full = replace(view("f"), inflight=2, max_inflight=2)
+    room = replace(view("r"), inflight=1, max_inflight=2)
+    sick = view("s", healthy=False)
+    kept = HealthFilter().filter(CTX, [full, room, sick, view("a")], dropped)
+    assert [b.name for b in kept] == ["r", "a"]
+    assert dropped == {"f": "at its in-flight bound (2)", "s": "unhealthy"}
+    dropped.clear()
+    # Every backend with room is unhealthy: they are all tried, the full one still is not.
+    kept = HealthFilter().filter(CTX, [full, sick], dropped)
+    assert [b.name for b in kept] == ["s"] and dropped == {"f": "at its in-flight bound (2)"}
