@@ -313,7 +313,20 @@ def _from_within(
     every: list[str],
 ) -> list[str] | None:
     """first_spares, knowing `every` backend within the bound: those with room head the
-    spare order; the others (over the bound) follow in rendezvous order, found by walking it."""
+    spare order; the others (over the bound) follow in rendezvous order, found by walking it.
+
+    Most calls need only the first few of that order: walking the rendezvous order until
+    `want` of them turn up (then, if the first is crowded, until `r` hosting nothing do) reads
+    a handful of backends where sorting every one within the bound read the fleet."""
+    head = _first_fitting(hrw, frozenset(every), chosen, fits, want, None)
+    if head is not None:
+        if choices == 2 and swap(head[0], head[1]):
+            head[0], head[1] = head[1], head[0]
+        if hosted.get(head[0], 0) <= fair:
+            return head[:r]
+        empty = _first_fitting(hrw, frozenset(every), chosen, fits, r, hosted)
+        if empty is not None:
+            return empty  # hosting nothing sorts first: never over a fair count
     fitting = [b for b in every if b not in chosen and fits(b)]
     fitting.sort(key=rank.__getitem__)
     over: list[str] = []
@@ -348,6 +361,26 @@ def _from_within(
                 if len(fitting) + len(rest) >= r:
                     return fitting + rest
     return fitting + rest
+
+
+def _first_fitting(
+    hrw: Sequence[str],
+    inside: frozenset[str],
+    chosen: Collection[str],
+    fits: Callable[[str], bool],
+    count: int,
+    hosting: Mapping[str, int] | None,
+) -> list[str] | None:
+    """The first `count` backends of `hrw` inside the bound, not chosen, with room (and, with
+    `hosting`, hosting no placed prefix), or None when fewer exist."""
+    out: list[str] = []
+    for b in hrw:
+        if b in inside and b not in chosen and (hosting is None or not hosting.get(b, 0)):
+            if fits(b):
+                out.append(b)
+                if len(out) >= count:
+                    return out
+    return None
 
 
 def spare_homes(
