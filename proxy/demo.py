@@ -2,6 +2,11 @@
 
 Each policy gets a fresh fleet (cold caches) and the same seeded workload, so the numbers
 differ only by routing. Every process the demo starts is stopped on success, error or Ctrl-C.
+It ends on a few lines saying what the run showed, with the doctor's verdict on the default
+policy's run; `--verbose` adds the doctor's whole report and the proxy's own /metrics lines.
+
+Size: the options, the two runners (real sockets and virtual time) and the report they share
+read one argument namespace; the disagg scenario is apart, in demo_disagg.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import plugins
 from proxy import presets
 from proxy.bench.results import RequestResult
 from proxy.bench.workloads import WORKLOADS
+from proxy.config import RoutingConfig
 from proxy.stack import Stack, StackError, free_ports
 
 EPILOG = """\
@@ -33,7 +39,8 @@ examples:
   warmroute demo --scenario disagg                 # prefill/decode split: when and why
   warmroute demo --virtual --workload multi-turn --prefixes 32 --system-chars 16000 \\
       --system-chars-min 4000 --requests 2000 --concurrency 32 --kv-blocks 2000
-                                                   # README's simulated-fleet benchmark
+                                                   # docs/benchmarks.md's simulated fleet
+  warmroute demo --verbose                         # + the doctor's report, raw /metrics lines
 """
 
 
@@ -48,6 +55,12 @@ def _positive(text: str) -> int:
 
 
 STATIC_AFFINITY = "static_affinity"  # as proxy.harness.virtual names it (imported lazily)
+DEFAULT_POLICY = RoutingConfig().policy  # what `warmroute serve` routes with unless told
+# The engines' prefill chunk: vLLM's --max-num-batched-tokens. A whole 2k-token prompt in one
+# scheduler step stalls every stream decoding beside it (ITL p99 ~9x p50, the doctor's
+# prefill_interference); 512 tokens, vLLM's long-time chunked-prefill default, is what a tuned
+# engine runs with, so the demo's fleet is one the doctor has nothing against.
+PREFILL_CHUNK_TOKENS = 512
 
 
 def register(sub: Any) -> None:
@@ -120,6 +133,14 @@ def register(sub: Any) -> None:
         "--max-tokens", type=_positive, default=48, help="output tokens per chat (default 48)"
     )
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive,
+        default=PREFILL_CHUNK_TOKENS,
+        help="the engines' token budget per step, i.e. their prefill chunk, as vLLM's flag "
+        f"(default {PREFILL_CHUNK_TOKENS}; 2048 lets a long prompt stall the streams decoding "
+        "beside it, which the doctor reports as prefill_interference)",
+    )
+    p.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
@@ -153,6 +174,12 @@ def register(sub: Any) -> None:
         help="with --virtual: the engines publish their KV events and the router reads each "
         "engine's cache from them (requests keyed by the engine's own token blocks) instead of "
         "the learned prefix index",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print the doctor's whole report on the default policy's run (the last "
+        "policy's if the default did not run) and the proxy's own Prometheus lines for it",
     )
     p.add_argument(
         "--keep-running",
@@ -305,7 +332,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         # Checked here, not in a child process's log: an unknown device, a pool too small,
         # an unknown workload, a minimum prompt length above the maximum...
-        sim = SimConfig.from_preset(args.device, kv_blocks=args.kv_blocks, seed=args.seed)
+        sim = SimConfig.from_preset(
+            args.device,
+            kv_blocks=args.kv_blocks,
+            seed=args.seed,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
         workload = make_workload(
             args.workload,
             seed=args.seed,
@@ -329,6 +361,8 @@ def run(args: argparse.Namespace) -> int:
         args.device,
         "--kv-blocks",
         str(args.kv_blocks),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
         "--time-scale",
         str(args.time_scale),
         "--seed",
@@ -348,8 +382,11 @@ def run(args: argparse.Namespace) -> int:
     )
     runs: list[Any] = []
     summaries: list[dict[str, Any]] = []
+    # The doctor and the proxy's /metrics are read on one run: the default policy's, since
+    # that is what `warmroute serve` would do; the last policy's when the default is not run.
+    diagnosed = DEFAULT_POLICY if DEFAULT_POLICY in policies else policies[-1]
     excerpt = ""
-    doctor = ""  # the doctor's report on the last policy's run
+    doctor: dict[str, Any] | str = ""  # the report, or a sentence saying why there is none
     if args.virtual:
         from proxy.doctor import diagnose
         from proxy.doctor.hardware import declared
@@ -370,11 +407,12 @@ def run(args: argparse.Namespace) -> int:
                     on_finish=recorder.finished,
                 )
             )
-            doctor = doctor_text(diagnose(recorder.windows()).as_dict(), policy)
+            if policy == diagnosed:
+                doctor = diagnose(recorder.windows()).as_dict()
             runs.append(run)
             summaries.append(summarize(run))
             print(f"  {policy}: {format_engine_balance(engine_stats(fleet))}", file=sys.stderr)
-        return _report(args, out, workload, runs, summaries, excerpt, doctor)
+        return _report(args, out, workload, runs, summaries, excerpt, doctor, diagnosed)
     try:
         with Stack(log_dir=str(out / "logs")) as stack:
             for n, policy in enumerate(policies):
@@ -403,9 +441,9 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 last = n == len(policies) - 1
-                if last:
+                if policy == diagnosed:
                     excerpt = proxy_metrics_excerpt(proxy)
-                    doctor = fetch_doctor(f"http://127.0.0.1:{admin_port}", policy)
+                    doctor = fetch_doctor(f"http://127.0.0.1:{admin_port}")
                 if last and args.keep_running:
                     _keep_running(proxy, sims)
                 stack.stop_all()
@@ -417,7 +455,7 @@ def run(args: argparse.Namespace) -> int:
             "\nwarmroute demo: interrupted; every process it started was stopped.", file=sys.stderr
         )
         return 130
-    return _report(args, out, workload, runs, summaries, excerpt, doctor)
+    return _report(args, out, workload, runs, summaries, excerpt, doctor, diagnosed)
 
 
 def doctor_text(report: dict[str, Any], policy: str) -> str:
@@ -427,14 +465,14 @@ def doctor_text(report: dict[str, Any], policy: str) -> str:
     return render_text(report, color=use_color(sys.stdout), source=f"the {policy} run")
 
 
-def fetch_doctor(admin_url: str, policy: str) -> str:
-    """GET /admin/doctor from the proxy's admin port, as text (a note if it cannot)."""
+def fetch_doctor(admin_url: str) -> dict[str, Any] | str:
+    """GET /admin/doctor from the proxy's admin port (a sentence saying why if it cannot)."""
     from proxy.doctor.cli import fetch
 
     try:
-        return doctor_text(fetch(admin_url, timeout=30), policy)
+        return fetch(admin_url, timeout=30)
     except RuntimeError as e:
-        return f"warmroute doctor: {e}\n"
+        return str(e)
 
 
 def format_engine_balance(stats: Sequence[dict[str, Any]]) -> str:
@@ -445,6 +483,85 @@ def format_engine_balance(stats: Sequence[dict[str, Any]]) -> str:
     return f"mean in-flight per engine {shares} (max/min {ratio:.2f})"
 
 
+def _ratio(ours: float, theirs: float) -> str:
+    if ours <= 0 or theirs <= 0:
+        return ""
+    if ours < theirs:
+        return f" ({theirs / ours:.2f}x lower)"
+    return f" ({ours / theirs:.2f}x higher)" if ours > theirs else " (the same)"
+
+
+def doctor_verdict(report: dict[str, Any] | str, policy: str) -> str:
+    """One line: what the doctor found on `policy`'s run (ids by severity, backends counted)."""
+    if isinstance(report, str):
+        return f"no report on the {policy} run: {report}" if report else ""
+    findings = report.get("findings", [])
+    backends = len(report.get("backends", []))
+    if not findings:
+        return (
+            f"no finding on the {policy} run: none of {backends} engines is queueing, short "
+            "of cache, prefill-bound or stalled by long prefills"
+        )
+    parts = []
+    for severity in ("critical", "warning"):
+        ids: dict[str, int] = {}
+        for f in findings:
+            if f["severity"] == severity:
+                ids[f["id"]] = ids.get(f["id"], 0) + 1
+        parts += [
+            f"{severity.upper()} {fid} on {n} of {backends} backends" for fid, n in ids.items()
+        ]
+    return f"on the {policy} run: {'; '.join(parts)} (--verbose prints the report)"
+
+
+def format_summary(
+    summaries: Sequence[dict[str, Any]],
+    oracle: float | None,
+    policy: str,
+    verdict: str,
+) -> str:
+    """What the run showed, in a few lines: the diagnosed policy against the weakest other one
+    (round_robin when it ran), what every policy served, and the doctor's verdict."""
+    by_label = {s["label"]: s for s in summaries}
+    ours = by_label.get(policy)
+    lines = [f"What this demo showed ({policy} is warmroute's default policy):"]
+    if policy != DEFAULT_POLICY:
+        lines[0] = (
+            f"What this demo showed (for {policy}; the default, {DEFAULT_POLICY}, did not run):"
+        )
+    others = [s for s in summaries if s["label"] != policy]
+    base = by_label.get("round_robin") if policy != "round_robin" else None
+    if base is None and others:
+        base = min(others, key=lambda s: s.get("prefix_cache_hit_ratio") or 0.0)
+    if ours is not None:
+        hit = ours.get("prefix_cache_hit_ratio")
+        if hit is not None:
+            text = f"  cache   {policy} served {hit:.1%} of prompt tokens from the engines' caches"
+            if oracle:
+                text += f", {hit / oracle:.0%} of the {oracle:.1%} any router could"
+            base_hit = None if base is None else base.get("prefix_cache_hit_ratio")
+            if base is not None and base_hit is not None:
+                text += f"; {base['label']} {base_hit:.1%}"
+            lines.append(text)
+        t = ours["ttft_s"]
+        if base is not None and t["mean"] is not None and base["ttft_s"]["mean"] is not None:
+            b = base["ttft_s"]
+            text = (
+                f"  TTFT    mean {_ms(t['mean'])} against {base['label']}'s {_ms(b['mean'])}"
+                f"{_ratio(t['mean'], b['mean'])}, p99 {_ms(t['p99'])} against {_ms(b['p99'])}"
+            )
+            lines.append(text)
+        elif t["mean"] is not None:
+            lines.append(f"  TTFT    mean {_ms(t['mean'])}, p99 {_ms(t['p99'])}")
+    sent = sum(s["requests_sent"] for s in summaries)
+    done = sum(s["completed"] for s in summaries)
+    every = "every policy" if len(summaries) > 1 else "the policy"
+    lines.append(f"  served  {done} of {sent} requests answered under {every}")
+    if verdict:
+        lines.append(f"  doctor  {verdict}")
+    return "\n".join(lines)
+
+
 def _report(
     args: argparse.Namespace,
     out: Path,
@@ -452,7 +569,8 @@ def _report(
     runs: list[Any],
     summaries: list[dict[str, Any]],
     excerpt: str,
-    doctor: str = "",
+    doctor: dict[str, Any] | str,
+    diagnosed: str,
 ) -> int:
     from proxy.bench import plot_cdfs, results_document, write_json
 
@@ -474,8 +592,8 @@ def _report(
     )
     if args.virtual:
         print("(virtual time: the simulated device's latencies; no network, no proxy CPU)")
-    if excerpt:
-        print("\nThe proxy measured the same requests itself (its GET /metrics, last policy):")
+    if excerpt and args.verbose:
+        print(f"\nThe proxy measured the same requests itself (its GET /metrics, {diagnosed}):")
         print(excerpt)
     print(f"\nResults: {out / 'results.json'}; plots: {', '.join(str(p) for p in plots)}")
     print(
@@ -487,11 +605,14 @@ def _report(
         "           or `docker compose up` and open http://127.0.0.1:16686\n"
         "  rehearse `warmroute demo --keep-running`, then `warmroute bench --base-url ...`\n"
         "  diagnose `warmroute serve --admin-port 8081 ...`, then "
-        "`warmroute doctor --url http://127.0.0.1:8081`"
+        "`warmroute doctor --url http://127.0.0.1:8081`\n"
+        "  details  `warmroute demo --verbose` adds the doctor's report and raw /metrics lines"
     )
-    if doctor:
-        print("\nThe doctor on what just ran (docs/doctor.md):\n")
-        print(doctor, end="")
+    if args.verbose and isinstance(doctor, dict):
+        print(f"\nThe doctor on the {diagnosed} run (docs/doctor.md):\n")
+        print(doctor_text(doctor, diagnosed), end="")
+    print()
+    print(format_summary(summaries, oracle, diagnosed, doctor_verdict(doctor, diagnosed)))
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
@@ -24,7 +25,8 @@ def test_demo_compares_policies_and_cleans_up(tmp_path):
             "proxy",
             "demo",
             "--policies",
-            "round_robin,least_inflight",
+            "prefix_aware,round_robin",
+            "--verbose",
             "--engines",
             "2",
             "--requests",
@@ -51,16 +53,22 @@ def test_demo_compares_policies_and_cleans_up(tmp_path):
     lines = r.stdout.splitlines()
     header = next(line for line in lines if line.startswith("policy"))
     assert "TTFT p50" in header and "ITL p99" in header and "cache hit" in header
-    rows = {line.split()[0]: line for line in lines if line.startswith(("round_robin", "least_"))}
-    assert set(rows) == {"round_robin", "least_inflight"}
+    rows = {line.split()[0]: line for line in lines if line.startswith(("round_robin", "prefix_"))}
+    assert set(rows) == {"round_robin", "prefix_aware"}
     assert all("24/24" in row for row in rows.values())
     doc = orjson.loads((out / "results.json").read_bytes())
-    assert [run["label"] for run in doc["runs"]] == ["round_robin", "least_inflight"]
+    assert [run["label"] for run in doc["runs"]] == ["prefix_aware", "round_robin"]
     assert (out / "ttft_cdf.png").stat().st_size > 5000
-    # it ends with the doctor's report, read from the last proxy's admin port
-    doctor = r.stdout.split("The doctor on what just ran")[-1]
-    assert "warmroute doctor: the least_inflight run, last 300 s; 2 backend(s)" in doctor
+    # --verbose: the proxy's own /metrics lines and the doctor's report, both read from the
+    # default policy's proxy (not the last one's), then the summary
+    metrics = r.stdout.split("its GET /metrics, prefix_aware):")[-1]
+    assert "time_to_first_token_seconds_count" in metrics.split("Results:")[0]
+    doctor = r.stdout.split("The doctor on the prefix_aware run")[-1]
+    assert "warmroute doctor: the prefix_aware run, last 300 s; 2 backend(s)" in doctor
     assert "TTFT" in doctor and "Where to look next" not in doctor
+    summary = r.stdout.split("What this demo showed")[-1]
+    assert "cache   prefix_aware served" in summary and "48 of 48 requests" in summary
+    assert "doctor  " in summary
     # Every proxy it started is gone: nothing listens on their ports any more.
     ports = [int(f.stem.split("-")[1]) for f in (out / "logs").glob("proxy-*.log")]
     assert ports
@@ -71,9 +79,10 @@ def test_demo_compares_policies_and_cleans_up(tmp_path):
 
 def test_virtual_demo_runs_the_multi_turn_benchmark_without_processes(tmp_path):
     out = tmp_path / "virtual"
-    args = "--virtual --workload multi-turn --policies round_robin,prefix_aware --engines 2 "
+    args = "--virtual --workload multi-turn --policies prefix_aware,round_robin --engines 2 "
     args += "--requests 60 --concurrency 6 --prefixes 4 --system-chars 4000 "
-    args += f"--system-chars-min 1000 --turns 3 --max-tokens 8 --kv-blocks 400 --out {out}"
+    args += f"--system-chars-min 1000 --turns 3 --max-tokens 8 --kv-blocks 400 --out {out} "
+    args += "--verbose"
     r = subprocess.run(
         [sys.executable, "-m", "proxy", "demo", *args.split()],
         capture_output=True,
@@ -85,14 +94,117 @@ def test_virtual_demo_runs_the_multi_turn_benchmark_without_processes(tmp_path):
     assert set(rows) == {"round_robin", "prefix_aware"}
     assert "virtual time" in r.stdout and "oracle" in r.stdout
     assert "mean in-flight per engine" in r.stderr
-    # it ends with the doctor's report on the last policy's run, in the same virtual time
-    doctor = r.stdout.split("The doctor on what just ran")[-1]
+    # --verbose: the doctor's report on the default policy's run (not the last policy's), in
+    # the same virtual time, before the summary
+    doctor = r.stdout.split("The doctor on the prefix_aware run")[-1]
     assert "warmroute doctor: the prefix_aware run; 2 backend(s)" in doctor
     assert "l40s/8b/bf16" in doctor and "Where to look next" not in doctor
+    assert doctor.index("warmroute doctor:") < doctor.index("What this demo showed")
     assert not (out / "logs").exists()  # no child process was started
     doc = orjson.loads((out / "results.json").read_bytes())
     turns = {req["turn"] for run in doc["runs"] for req in run["requests"]}
     assert turns == {0, 1, 2}
+
+
+def test_the_default_demo_ends_on_its_summary_with_a_clean_doctor_on_the_default_policy(
+    tmp_path,
+):
+    """The default fleet and workload (virtual time: seconds, and the same on every machine),
+    with `session` run last, as `warmroute demo` runs it: the ending is the summary, the doctor
+    is read on prefix_aware's run and finds nothing, and no raw dump is printed."""
+    out = tmp_path / "default"
+    args = ["--virtual", "--policies", "round_robin,prefix_aware,session", "--out", str(out)]
+    r = subprocess.run(
+        [sys.executable, "-m", "proxy", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    *_, summary = r.stdout.split("\nWhat this demo showed")
+    lines = summary.strip().splitlines()
+    assert lines[0] == "(prefix_aware is warmroute's default policy):"
+    assert lines[1].startswith("  cache   prefix_aware served ") and "round_robin" in lines[1]
+    assert lines[2].startswith("  TTFT    mean ") and "x lower" in lines[2]
+    assert lines[3] == "  served  720 of 720 requests answered under every policy"
+    assert lines[4].startswith("  doctor  no finding on the prefix_aware run")
+    assert len(lines) == 5  # nothing after it
+    assert "CRITICAL" not in r.stdout and "WARNING" not in r.stdout
+    # the raw dumps stay behind --verbose
+    assert "The doctor on" not in r.stdout and "_sum" not in r.stdout and "--verbose" in r.stdout
+
+
+def test_the_summary_names_what_the_doctor_found_and_the_policy_it_read() -> None:
+    from proxy.demo import doctor_verdict, format_summary
+
+    def summary(label: str, hit: float, mean: float, p99: float) -> dict[str, object]:
+        ttft = {"mean": mean, "p99": p99}
+        return {"label": label, "prefix_cache_hit_ratio": hit, "ttft_s": ttft,
+                "requests_sent": 10, "completed": 10}  # fmt: skip
+
+    rows = [summary("least_inflight", 0.5, 0.2, 0.9), summary("session", 0.6, 0.1, 0.8)]
+    report = {
+        "backends": [{}, {}],
+        "findings": [
+            {"id": "queueing", "severity": "warning"},
+            {"id": "queueing", "severity": "warning"},
+            {"id": "kv_pressure", "severity": "critical"},
+        ],
+    }
+    verdict = doctor_verdict(report, "session")
+    assert verdict == (
+        "on the session run: CRITICAL kv_pressure on 1 of 2 backends; WARNING queueing on 2 "
+        "of 2 backends (--verbose prints the report)"
+    )
+    text = format_summary(rows, 0.8, "session", verdict)
+    assert text.splitlines()[0].endswith("the default, prefix_aware, did not run):")
+    assert "session served 60.0%" in text and "75% of the 80.0%" in text
+    assert "least_inflight 50.0%" in text  # no round_robin: the weakest other policy
+    assert "mean 100 ms against least_inflight's 200 ms (2.00x lower)" in text
+    assert "20 of 20 requests" in text and "doctor  on the session run: CRITICAL" in text
+    assert doctor_verdict("could not reach the proxy", "x") == (
+        "no report on the x run: could not reach the proxy"
+    )
+
+
+def test_cdf_plots_tick_labels_do_not_overlap(tmp_path, monkeypatch):
+    """Latencies spanning a decade and more get a log axis whose labels stay apart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from proxy.bench.report import plot_cdfs
+    from proxy.bench.results import RequestResult, RunResult
+
+    figures = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", figures.append)  # keep each figure to measure it
+    runs = []
+    for label, scale in (("a", 1.0), ("b", 1.7)):
+        requests = [
+            RequestResult(i, "t", "chat", start=float(i), ok=True, ttft=0.018 * scale * 1.05**i)
+            for i in range(80)
+        ]
+        for req in requests:
+            req.itl = [0.02 * scale * (1.08 ** (req.index % 60))]
+        runs.append(RunResult(label, ["t"], {}, "m", "chat", 1, None, 80, "", requests=requests))
+    plot_cdfs(runs, tmp_path)
+    assert len(figures) == 2
+    for fig in figures:
+        [ax] = fig.axes
+        assert ax.get_xscale() == "log"
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        box = ax.get_window_extent(renderer)
+        ticks = [*ax.get_xticklabels(minor=False), *ax.get_xticklabels(minor=True)]
+        shown = [t.get_window_extent(renderer) for t in ticks if t.get_visible() and t.get_text()]
+        shown = [b for b in shown if box.x0 - 1 <= (b.x0 + b.x1) / 2 <= box.x1 + 1]
+        assert len(shown) >= 3
+        shown.sort(key=lambda b: b.x0)
+        for left, right in itertools.pairwise(shown):
+            assert left.x1 < right.x0, "x tick labels overlap"
+        close(fig)
 
 
 @pytest.mark.parametrize(

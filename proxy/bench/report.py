@@ -217,6 +217,14 @@ def plot_cdfs(runs: Sequence[RunResult], out_dir: str | Path) -> list[Path]:
         # Log x only when the samples span decades (tails); otherwise it loses its ticks.
         if lo > 0 and hi / lo > 30:
             ax.set_xscale("log")
+            # Plain numbers on a 1-2-5 series (1, 2, 5 per decade up to three decades): the
+            # default labels minor ticks as 3x10^1, 4x10^1..., which run into each other.
+            from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+            subs = (1.0, 2.0, 5.0) if hi / lo <= 1000 else (1.0,)
+            ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(f"{key.upper()} (ms)")
         ax.set_ylabel("fraction of samples ≤ x")
         ax.set_title(f"{title}: CDF per run")
