@@ -3,7 +3,8 @@
 Errors name the key, what was wrong and how to fix it (ConfigError), never a bare traceback.
 
 Size: one tree on purpose (a newcomer finds every key and its check in one file); the fleet's
-discovery entries added ~100 lines.
+discovery entries added ~100 lines, and where each telemetry key came from (`serve --check`)
+and the closest valid key for a misspelt one ~100 more.
 """
 
 from __future__ import annotations
@@ -631,11 +632,56 @@ def _lines(err: ValidationError) -> list[str]:
         key = ".".join(str(p) for p in loc) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key; check its spelling against `warmroute serve --help`"
+            msg = _unknown_key(e["loc"])
         elif "input" in e and not isinstance(e["input"], dict | list):
             msg += f" (got {e['input']!r})"
         lines.append(f"  {key}: {msg}")
     return lines
+
+
+EXAMPLE_FILE = "deploy/warmroute.example.yaml"
+
+
+def _unknown_key(loc: tuple[Any, ...]) -> str:
+    """The hint for a misspelt key: the closest valid key at its level, and the others."""
+    import difflib
+
+    valid = _keys_at(loc[:-1])
+    if not valid:
+        return f"unknown key; every key is listed in {EXAMPLE_FILE}"
+    close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key; did you mean {close[0]!r}? (every key: {EXAMPLE_FILE})"
+    return f"unknown key; valid here: {', '.join(valid)} (every key: {EXAMPLE_FILE})"
+
+
+def _keys_at(path: tuple[Any, ...]) -> list[str]:
+    """The keys of the section at `path` (a validation error's location), [] if unknown."""
+    model: type[BaseModel] | None = Config
+    for part in path:
+        if isinstance(part, int):
+            continue
+        if part in _ENTRY_TAGS:
+            model = BackendConfig if part == "listed" else DiscoveryConfig
+            continue
+        field = model.model_fields.get(str(part)) if model else None
+        model = _section_model(field.annotation) if field else None
+        if model is None:
+            return []
+    return sorted(model.model_fields) if model else []
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The config section a field holds: its model, inside Optional or list if need be."""
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _section_model(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def load_config(
@@ -644,15 +690,39 @@ def load_config(
     env: Mapping[str, str] | None = None,
 ) -> Config:
     """Build the config from a YAML file, then WARMROUTE_* env vars, then flags (last wins)."""
+    tree: dict[str, Any] = {}
+    for _, layer in config_layers(file, flags, env):
+        tree = _merge(tree, layer)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_describe(e)) from None
+
+
+def config_layers(
+    file: str | os.PathLike[str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> list[tuple[str, dict[str, Any]]]:
+    """(source, keys it sets) for each layer, lowest first: the standard OTEL_* variables,
+    the YAML file, WARMROUTE_* variables, flags. load_config merges them in this order."""
     env = os.environ if env is None else env
     file = file or env.get(ENV_PREFIX + "CONFIG")
-    tree: dict[str, Any] = _read_yaml(Path(file)) if file else {}
     try:  # the standard OTEL_* variables, under everything of warmroute's own
-        tree = _merge({"telemetry": otel_env.telemetry_defaults(env)}, tree)
+        otel = {"telemetry": otel_env.telemetry_defaults(env)}
     except otel_env.OtelEnvError as e:
         raise ConfigError(str(e)) from None
-    tree = _merge(tree, _env_overrides(env))
-    for name, value in (flags or {}).items():
+    return [
+        ("OTEL_* environment", otel),
+        (f"config file {file}", _read_yaml(Path(file)) if file else {}),
+        ("WARMROUTE_* environment", _env_overrides(env)),
+        ("flags", _flag_tree(flags or {})),
+    ]
+
+
+def _flag_tree(flags: Mapping[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, value in flags.items():
         if value is None:
             continue
         if name == "backends":
@@ -662,7 +732,42 @@ def load_config(
             _set(tree, FLAT_KEYS[name], value)
         else:
             raise ConfigError(f"unknown option {name!r}")
-    try:
-        return Config.model_validate(tree)
-    except ValidationError as e:
-        raise ConfigError(_describe(e)) from None
+    return tree
+
+
+def telemetry_sources(
+    file: str | os.PathLike[str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Where each `telemetry:` key's value comes from: the OTEL_* variable, the config file,
+    the WARMROUTE_* variable or the flag that set it last, else `default`."""
+    env = os.environ if env is None else env
+    otel = {k: var for k, (_, var) in otel_env.telemetry_settings(env).items()}
+    sources = dict.fromkeys(TelemetryConfig.model_fields, "default")
+    for source, layer in config_layers(file, flags, env):
+        for key in layer.get("telemetry") or {}:
+            if key not in sources:
+                continue
+            if source.startswith("OTEL_"):
+                sources[key] = f"env {otel[key]}"
+            elif source.startswith("WARMROUTE_"):
+                sources[key] = f"env {_env_var_of(env, key)}"
+            elif source == "flags":
+                sources[key] = "flag --" + _flag_of(key).replace("_", "-")
+            else:
+                sources[key] = source
+    return sources
+
+
+def _env_var_of(env: Mapping[str, str], key: str) -> str:
+    """The WARMROUTE_* variable that sets telemetry.`key`."""
+    flat = [name for name, dotted in FLAT_KEYS.items() if dotted == f"telemetry.{key}"]
+    for var in [ENV_PREFIX + name.upper() for name in flat]:
+        if var in env:
+            return var
+    return f"{ENV_PREFIX}TELEMETRY__{key.upper()}"
+
+
+def _flag_of(key: str) -> str:
+    return next((n for n, d in FLAT_KEYS.items() if d == f"telemetry.{key}"), key)

@@ -19,7 +19,9 @@ Variables that choose *what* is exported map to `telemetry:` keys here:
 Unset, the specification's default exporter is `otlp` to localhost; warmroute exports traces
 only once a destination is named (OTEL_EXPORTER_OTLP_ENDPOINT or ..._TRACES_ENDPOINT), and
 pushes metrics only when asked (OTEL_METRICS_EXPORTER=otlp or ..._METRICS_ENDPOINT): a trace
-store such as Jaeger takes no metrics, and Prometheus scrapes /metrics.
+store such as Jaeger takes no metrics, and Prometheus scrapes /metrics. telemetry_settings()
+also names the variable behind each key, and otlp_endpoint() the URL each signal goes to:
+`serve --check` shows both (proxy/telemetry/effective.py).
 
 OTEL_EXPORTER_OTLP_[{TRACES,METRICS}_]TIMEOUT is in milliseconds, as the specification
 defines it; the Python SDK (1.45) reads it as seconds, so warmroute converts it and hands the
@@ -164,30 +166,88 @@ def otlp_tls_files(
 
 def telemetry_defaults(env: Mapping[str, str]) -> dict[str, Any]:
     """The `telemetry:` keys the standard OTEL_* variables in `env` ask for."""
+    return {key: value for key, (value, _) in telemetry_settings(env).items()}
+
+
+def telemetry_settings(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """Each `telemetry:` key the OTEL_* variables in `env` set, as (value, the variable that
+    set it): what `serve --check` names as the key's source."""
     for signal in ("TRACES", "METRICS"):
         otlp_timeout_s(env, signal)  # a bad value stops the start here, naming the variable
-    out: dict[str, Any] = {}
+    out: dict[str, tuple[Any, str]] = {}
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        out["enabled"] = False
-    service = env.get("OTEL_SERVICE_NAME", "").strip() or _resource_service_name(env)
-    if service:
-        out["service_name"] = service
-    traces = _exporter(
-        _names(env, "OTEL_TRACES_EXPORTER", TRACES_EXPORTERS), "OTEL_TRACES_EXPORTER"
-    )
-    if traces is None and (
-        env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    ):
-        traces = "otlp"
+        out["enabled"] = (False, "OTEL_SDK_DISABLED")
+    if env.get("OTEL_SERVICE_NAME", "").strip():
+        out["service_name"] = (env["OTEL_SERVICE_NAME"].strip(), "OTEL_SERVICE_NAME")
+    elif service := _resource_service_name(env):
+        out["service_name"] = (service, "OTEL_RESOURCE_ATTRIBUTES")
+    traces = _traces_exporter(env)
     if traces is not None:
         out["traces_exporter"] = traces
-    metric_names = _names(env, "OTEL_METRICS_EXPORTER", METRICS_EXPORTERS)
-    metrics = _exporter(metric_names, "OTEL_METRICS_EXPORTER")
-    if metrics is None and not metric_names and env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
-        metrics = "otlp"
+    metrics = _metrics_exporter(env)
     if metrics is not None:
         out["metrics_exporter"] = metrics
     protocol = _protocol(env)
     if protocol is not None:
-        out["otlp_protocol"] = protocol
+        out["otlp_protocol"] = (protocol, _protocol_var(env))
     return out
+
+
+def _traces_exporter(env: Mapping[str, str]) -> tuple[str, str] | None:
+    var = "OTEL_TRACES_EXPORTER"
+    traces = _exporter(_names(env, var, TRACES_EXPORTERS), var)
+    if traces is not None:
+        return traces, var
+    for endpoint in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        if env.get(endpoint):
+            return "otlp", endpoint
+    return None
+
+
+def _metrics_exporter(env: Mapping[str, str]) -> tuple[str, str] | None:
+    var = "OTEL_METRICS_EXPORTER"
+    names = _names(env, var, METRICS_EXPORTERS)
+    metrics = _exporter(names, var)
+    if metrics is not None:
+        return metrics, var
+    if not names and env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+        return "otlp", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
+    return None
+
+
+def _protocol_var(env: Mapping[str, str]) -> str:
+    for var in (
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ):
+        if env.get(var, "").strip():
+            return var
+    return "OTEL_EXPORTER_OTLP_PROTOCOL"
+
+
+# Where the SDK sends OTLP when no variable names a destination (the specification's defaults).
+DEFAULT_ENDPOINTS = {"http/protobuf": "http://localhost:4318", "grpc": "http://localhost:4317"}
+
+
+def otlp_endpoint(env: Mapping[str, str], signal: str, protocol: str) -> tuple[str, str]:
+    """(URL, where it came from) that the SDK's OTLP exporter for `signal` (TRACES or METRICS)
+    sends to when warmroute's telemetry.otlp_endpoint is not set: the per-signal variable as
+    written, else the general one (with /v1/traces or /v1/metrics over HTTP), else the
+    specification's default."""
+    own = f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"
+    if env.get(own, "").strip():
+        return env[own].strip(), own
+    general = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+    if general:
+        return signal_url(general, protocol, signal), "OTEL_EXPORTER_OTLP_ENDPOINT"
+    default = DEFAULT_ENDPOINTS.get(protocol, DEFAULT_ENDPOINTS["http/protobuf"])
+    return signal_url(default, protocol, signal), "default"
+
+
+def signal_url(base: str, protocol: str, signal: str) -> str:
+    """A base URL like OTEL_EXPORTER_OTLP_ENDPOINT as one signal's: over HTTP with its path
+    (/v1/traces, /v1/metrics), over gRPC as it is."""
+    if protocol == "grpc":
+        return base
+    return base.rstrip("/") + f"/v1/{signal.lower()}"

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import uvicorn
 
-from proxy.config import Config, ConfigError, load_config
+from proxy.config import Config, ConfigError, load_config, telemetry_sources
 from proxy.limits import LimitedHttpToolsProtocol, default_max_connections, raise_open_file_limit
 from proxy.redact import install_safe_formatter, redacted_config
 
@@ -119,7 +119,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         "bootstrap_port=8998'; env: WARMROUTE_BACKENDS=url1,url2)",
     )
     p.add_argument(
-        "--policy", help="routing policy: round_robin, least_inflight, ... (env: WARMROUTE_POLICY)"
+        "--policy",
+        help="routing policy: prefix_aware (the default: a warm prefix cache, weighed against "
+        "load), round_robin, least_inflight, session (env: WARMROUTE_POLICY)",
     )
     p.add_argument(
         "--redis",
@@ -144,6 +146,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--log-level",
+        type=str.lower,  # --log-level DEBUG as well
         choices=["debug", "info", "warning", "error"],
         help="log verbosity (default info; env: WARMROUTE_LOG_LEVEL)",
     )
@@ -226,9 +229,16 @@ class PortTaken(Exception):
     """The address to listen on is in use or not ours to take; the message says which."""
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
+# How the serving listener and the admin listener are chosen: (port option, its variable,
+# address option), for the hint when one cannot be had.
+SERVING = ("--port", "WARMROUTE_PORT", "--host")
+ADMIN = ("--admin-port", "WARMROUTE_ADMIN_PORT", "--admin-host")
+
+
+def listen_socket(host: str, port: int, options: tuple[str, str, str] = SERVING) -> socket.socket:
     """The server's listening socket, bound before the app starts: a port in use is one clean
-    error, not a started proxy that logs it is ready and then exits."""
+    error, not a started proxy that logs it is ready and then exits. `options` name what
+    chose the address (SERVING or ADMIN), for the hint."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -236,11 +246,12 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
+        port_option, port_env, host_option = options
         hint = (
             "another process listens there (another warmroute?); stop it, or pick another "
-            "port with --port or WARMROUTE_PORT"
+            f"port with {port_option} or {port_env}"
             if e.errno == errno.EADDRINUSE
-            else "check --host (an address of this machine) and --port"
+            else f"check {host_option} (an address of this machine) and {port_option}"
         )
         raise PortTaken(f"cannot listen on {host}:{port}: {e.strerror}; {hint}") from None
     sock.set_inheritable(True)  # worker processes serve on it
@@ -252,7 +263,7 @@ def admin_sockets(config: Config) -> list[socket.socket]:
     s = config.server
     if s.admin_port is None or s.admin_port == s.port:
         return []
-    return [listen_socket(s.admin_host, s.admin_port)]
+    return [listen_socket(s.admin_host, s.admin_port, ADMIN)]
 
 
 def app_factory() -> Any:
@@ -359,12 +370,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         from proxy.app import check_config, create_app
+        from proxy.telemetry.effective import effective_telemetry, telemetry_line
 
         check_config(config)
+        file = args.config or os.environ.get("WARMROUTE_CONFIG")
+        flags = serve_flags(args)
+        settings = effective_telemetry(config.telemetry, telemetry_sources(file, flags))
         if args.check:
-            print(json.dumps(redacted_config(config.model_dump(mode="json")), indent=2))
+            dump = {**config.model_dump(mode="json"), "effective_telemetry": settings}
+            print(json.dumps(redacted_config(dump), indent=2))
             return 0
         setup_logging(config.server.log_level)
+        logging.getLogger("warmroute").info("%s", telemetry_line(config.telemetry, settings))
         # Before the app exists: its default server.max_connections is half the limit, and
         # worker processes inherit it.
         before, after = raise_open_file_limit()
@@ -373,8 +390,6 @@ def run(args: argparse.Namespace) -> int:
                 "open-file limit raised from %d to %d", before, after
             )
         # SIGHUP re-reads the same file with the same flags (proxy/fleet/reload.py).
-        file = args.config or os.environ.get("WARMROUTE_CONFIG")
-        flags = serve_flags(args)
         if config.server.workers > 1:
             os.environ[CONFIG_ENV] = config.model_dump_json()
             os.environ[RELOAD_ENV] = json.dumps([file, flags])
