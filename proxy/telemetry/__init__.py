@@ -4,6 +4,7 @@ attempt, metrics recorded once per request from the stream meter's facts, and /m
 The modules, from the bottom up:
   sdk_bridge   every use of the SDK's private internals, behind a version guard
   wire         the OTLP protobuf wire format for spans, written by hand
+  export_health  one log line when OTLP export starts failing, one when it recovers, a count
   batcher      the export queue for spans that arrive encoded
   transport    the OTLP/HTTP exporter with that encoder, over a keep-alive connection
   histograms   pre-aggregated histograms and counts, and their bucket bounds
@@ -13,6 +14,7 @@ The modules, from the bottom up:
   attributes   the span attribute model: every attribute written once
   record       one request's spans and metrics (RequestRecord, AttemptRecord)
   providers    Telemetry: the providers, exporters and /metrics
+  effective    what is exported where and which setting decided it (serve, serve --check)
 """
 
 from proxy.telemetry.histograms import (

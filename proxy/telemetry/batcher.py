@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from proxy.telemetry import sdk_bridge
+from proxy.telemetry.export_health import ExportHealth
 from proxy.telemetry.wire import envelope, ld, span_bytes, varint
 
 log = logging.getLogger("warmroute.telemetry")
@@ -36,9 +37,14 @@ class EncodedBatcher(SpanProcessor):
     """
 
     def __init__(
-        self, exporter: SpanExporter, resource: Resource, scope: InstrumentationScope
+        self,
+        exporter: SpanExporter,
+        resource: Resource,
+        scope: InstrumentationScope,
+        health: ExportHealth | None = None,
     ) -> None:
         self._exporter: Any = exporter
+        self._health = health  # while export fails, drops are counted there, not logged
         self._delay_s = _env_int("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
         self._max_queue = _env_int("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
         self._max_batch = min(_env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512), self._max_queue)
@@ -88,7 +94,9 @@ class EncodedBatcher(SpanProcessor):
                 batch = [queue.popleft() for _ in range(n)]
                 ok = self._export(batch) and ok
             if self._dropped:
-                log.warning("dropped %d spans: the export queue was full", self._dropped)
+                health = self._health
+                if health is None or health.spans_dropped(self._dropped):
+                    log.warning("dropped %d spans: the export queue was full", self._dropped)
                 self._dropped = 0
         return ok
 

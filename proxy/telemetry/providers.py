@@ -34,6 +34,7 @@ from proxy import otel_env
 from proxy.config import ConfigError, TelemetryConfig
 from proxy.telemetry import sdk_bridge
 from proxy.telemetry.batcher import EncodedBatcher
+from proxy.telemetry.export_health import ExportHealths
 from proxy.telemetry.metrics import RequestMetrics
 from proxy.telemetry.record import DISABLED, RequestRecord
 from proxy.telemetry.spans import Spans
@@ -64,6 +65,7 @@ class Telemetry:
         self.resource = Resource.create({"service.name": cfg.service_name})
         self.scope = InstrumentationScope(SCOPE)
         self._exporters: list[Any] = []  # OTLP exporters, to cut short at shutdown
+        self.export_health = ExportHealths()  # one log line when export fails, one when back
         self.spans = self._tracing(span_exporter)
         self.metrics = RequestMetrics()
         # Called once per finished request: (model, backend, facts, error, decision, t0).
@@ -85,8 +87,9 @@ class Telemetry:
         elif cfg.traces_exporter == "otlp":
             exporter = otlp_span_exporter(cfg)
             self._exporters.append(exporter)
+            health = self.export_health.watch(exporter, "traces", otlp_endpoint_of(cfg, "traces"))
             if EncodedBatcher.can_use(exporter):
-                processor = EncodedBatcher(exporter, self.resource, self.scope)
+                processor = EncodedBatcher(exporter, self.resource, self.scope, health)
             else:  # gRPC, or an SDK whose HTTP exporter we do not know
                 processor = BatchSpanProcessor(exporter)
         elif cfg.traces_exporter == "console":
@@ -109,6 +112,7 @@ class Telemetry:
         if cfg.metrics_exporter == "otlp" and self.enabled:
             metric_exporter = _otlp_metric_exporter(cfg)
             self._exporters.append(metric_exporter)
+            self.export_health.watch(metric_exporter, "metrics", otlp_endpoint_of(cfg, "metrics"))
             readers.append(PeriodicExportingMetricReader(metric_exporter))
         elif cfg.metrics_exporter == "console" and self.enabled:
             from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
@@ -120,10 +124,28 @@ class Telemetry:
             exemplar_filter=TraceBasedExemplarFilter(),
         )
         if self.enabled:
-            self.metrics.observe_with(provider.get_meter(SCOPE))
+            meter = provider.get_meter(SCOPE)
+            self.metrics.observe_with(meter)
+            self._observe_export_health(meter)
             for reader in readers:
                 sdk_bridge.wrap_collect(reader, self._with_histograms)
         return provider
+
+    def _observe_export_health(self, meter: Any) -> None:
+        health = self.export_health
+        meter.create_observable_counter(
+            "warmroute.telemetry.export.failures",
+            [health.observe_failures],
+            unit="{export}",
+            description="Failed OTLP exports (each after the SDK's retries), by "
+            "warmroute.telemetry.signal (traces, metrics).",
+        )
+        meter.create_observable_gauge(
+            "warmroute.telemetry.export.failing",
+            [health.observe_failing],
+            unit="1",
+            description="1 while OTLP export of warmroute.telemetry.signal fails, else 0.",
+        )
 
     # -- metrics export -------------------------------------------------------------------------
     def _with_histograms(self, data: MetricsData | None) -> MetricsData | None:
@@ -259,6 +281,7 @@ class Telemetry:
             timer.cancel()
 
     def _stop_exporters(self) -> None:
+        self.export_health.stop()
         log.warning(
             "telemetry: the OTLP collector did not take the last export in time; dropping it "
             "(the SDK may then warn that its exporters are already shut down)"
@@ -274,9 +297,16 @@ def _otlp_endpoint(cfg: TelemetryConfig, signal: str) -> str | None:
     """cfg.otlp_endpoint is a base URL like OTEL_EXPORTER_OTLP_ENDPOINT; None defers to env."""
     if not cfg.otlp_endpoint:
         return None
-    if cfg.otlp_protocol == "grpc":
-        return cfg.otlp_endpoint
-    return cfg.otlp_endpoint.rstrip("/") + f"/v1/{signal}"
+    return otel_env.signal_url(cfg.otlp_endpoint, cfg.otlp_protocol, signal)
+
+
+def otlp_endpoint_of(cfg: TelemetryConfig, signal: str) -> str:
+    """Where the OTLP exporter of `signal` (traces, metrics) sends: telemetry.otlp_endpoint,
+    else what the OTEL_EXPORTER_OTLP_* variables (or their defaults) say."""
+    own = _otlp_endpoint(cfg, signal)
+    if own is not None:
+        return own
+    return otel_env.otlp_endpoint(os.environ, signal.upper(), cfg.otlp_protocol)[0]
 
 
 def _grpc_missing() -> ConfigError:
