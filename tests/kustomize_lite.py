@@ -1,9 +1,10 @@
 """A small Kustomize for the kustomizations in deploy/kubernetes, for machines without kubectl.
 
-It implements only the fields those files use: resources (files and directories), namespace,
-labels (with includeSelectors), images, replicas and configMapGenerator (files; behavior
-create or replace), in kustomize's order: a base is built with its own transformations, then
-the overlay's apply to everything. Anything else in a kustomization is an error, not ignored.
+It implements only the fields those files use: resources (files and directories), components
+(of resources only), namespace, labels (with includeSelectors), images, replicas and
+configMapGenerator (files; behavior create or replace), in kustomize's order: a base is built
+with its own transformations, a component's resources join the overlay's, then the overlay's
+transformations apply to everything. Anything else in a kustomization is an error, not ignored.
 The generated ConfigMap's name suffix is a content hash like kustomize's, but not its
 algorithm; tests/test_deploy_kubernetes.py checks this renderer against `kubectl kustomize`
 wherever kubectl is installed, suffixes aside.
@@ -23,6 +24,7 @@ SUPPORTED = {
     "apiVersion",
     "kind",
     "resources",
+    "components",
     "namespace",
     "labels",
     "images",
@@ -63,6 +65,13 @@ def _build(directory: Path) -> tuple[list[dict[str, Any]], dict[str, dict[str, A
             docs += sub_docs
             generated.update(sub_generated)
         else:
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for comp in k.get("components", []):
+        c = yaml.safe_load((directory / comp / "kustomization.yaml").read_text())
+        if c.get("kind") != "Component" or set(c) - {"apiVersion", "kind", "resources"}:
+            raise ValueError(f"{directory / comp}: kustomize_lite takes a Component of resources")
+        for res in c.get("resources", []):
+            path = directory / comp / res
             docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
     for gen in k.get("configMapGenerator", []):
         data = {Path(f).name: (directory / f).read_text() for f in gen["files"]}

@@ -24,7 +24,7 @@ from tests.support import ServerThread, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy/kubernetes"
-OVERLAYS = [KUBE / "base", KUBE / "overlays/example", KUBE / "overlays/discover-vllm"]
+OVERLAYS = [KUBE / "base", *sorted((KUBE / "overlays").iterdir())]
 K8S_VERSION = "1.31.0"  # schemas shipped with kubernetes-validate
 CRDS = {"ServiceMonitor"}  # no schema offline: checked by hand below
 
@@ -291,3 +291,74 @@ def test_the_discovery_overlay_follows_a_service_it_deploys() -> None:
     _, pod, _ = _proxy(docs)
     selector = service["spec"]["selector"].items()
     assert not selector <= pod["metadata"]["labels"].items(), "it must not select the proxy"
+
+
+# The API groups of a cluster with nothing installed (Kubernetes 1.31's built-in ones).
+BUILT_IN_GROUPS = {"", "apps", "autoscaling", "policy", "networking.k8s.io"}
+BUILT_IN_GROUPS |= {"rbac.authorization.k8s.io", "discovery.k8s.io"}
+
+
+def test_every_overlay_lists_in_the_parametrized_set() -> None:
+    names = {p.name for p in OVERLAYS}
+    assert {"example", "discover-vllm", "try-simulated", "prometheus-operator"} <= names
+
+
+@pytest.mark.parametrize("directory", OVERLAYS, ids=lambda p: p.name)
+def test_only_the_prometheus_operator_overlay_needs_crds(directory: Path) -> None:
+    """The base and the example apply on a bare cluster: the ServiceMonitor, whose CRD comes
+    with the Prometheus Operator, is an optional component (components/servicemonitor)."""
+    docs = render(directory)
+    groups = {d["apiVersion"].rpartition("/")[0] for d in docs}
+    if directory.name != "prometheus-operator":
+        assert groups <= BUILT_IN_GROUPS, groups - BUILT_IN_GROUPS
+        return
+    assert groups - BUILT_IN_GROUPS == {"monitoring.coreos.com"}
+    [monitor] = by_kind(docs, "ServiceMonitor")
+    assert monitor["metadata"]["namespace"] == "llm"  # beside the Service it selects
+    example = {(d["kind"], d["metadata"]["name"]) for d in render(KUBE / "overlays/example")}
+    assert {(d["kind"], d["metadata"]["name"]) for d in docs} == example | {
+        ("ServiceMonitor", "warmroute")
+    }
+
+
+def _images(docs: list[dict[str, Any]]) -> dict[str, str]:
+    return {
+        f"{d['kind']}/{d['metadata']['name']}": c["image"]
+        for d in docs
+        for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+    }
+
+
+def test_the_simulated_engines_are_the_backends_the_example_config_names() -> None:
+    """try-simulated: `warmroute sim` pods answer at the URLs the example's config lists, from
+    the same image as the proxy, on a port the proxy's NetworkPolicy lets it reach."""
+    docs = render(KUBE / "overlays/try-simulated")
+    [engines] = by_kind(docs, "StatefulSet")
+    [service] = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "vllm"]
+    assert engines["spec"]["serviceName"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"  # pod names resolve: vllm-0.vllm
+    pod = engines["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    [container] = pod["spec"]["containers"]
+    [port] = container["ports"]
+    args = build_parser("sim").parse_args(container["args"])
+    assert (args.host, args.port) == ("0.0.0.0", port["containerPort"])
+    names = {f"{engines['metadata']['name']}-{i}" for i in range(engines["spec"]["replicas"])}
+    config = Config.model_validate(yaml.safe_load(_config(docs)))
+    urls = {b.url for b in config.listed}
+    assert urls == {
+        f"http://{n}.{service['metadata']['name']}:{port['containerPort']}" for n in names
+    }
+    images = _images(docs)
+    assert images["StatefulSet/vllm"] == images["Deployment/warmroute"], images
+    assert (
+        images["Deployment/warmroute"]
+        == _images(render(KUBE / "overlays/example"))["Deployment/warmroute"]
+    ), "set the same image in overlays/example and overlays/try-simulated"
+    egress = {
+        p["port"]
+        for policy in by_kind(docs, "NetworkPolicy")
+        for rule in policy["spec"].get("egress", [])
+        for p in rule.get("ports", [])
+    }
+    assert port["containerPort"] in egress
