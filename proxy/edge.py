@@ -70,6 +70,7 @@ class Edge:
             )
         )
         self.auth_refused = {"api": 0, "admin": 0}
+        self.telemetry = telemetry  # API refusals are counted there (warmroute.requests.refused)
         self.client_requests: dict[str, int] = {}
         _json_errors(inner)
         if telemetry is not None:
@@ -113,11 +114,13 @@ class Edge:
         if self.keys:
             client = self._client(scope)
             if client is None:  # refusals carry the request id, as the endpoint's answers do
+                self._refused(401, "invalid_api_key")
                 await _refuse_key(_with_request_id(send, _request_id(scope)), scope)
                 return
         admission = self.admission
         refused = await admission.enter()
         if refused is not None:
+            self._refused(503, "overloaded")
             await _error(
                 _with_request_id(send, _request_id(scope)),
                 503,
@@ -140,6 +143,10 @@ class Edge:
                 CLIENT.reset(tokens[0])
                 if tokens[1] is not None:
                     TENANT.reset(tokens[1])
+
+    def _refused(self, status: int, code: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.refused(status, code)
 
     def _client(self, scope: Scope) -> str | None:
         client = self.keys.match(bearer(scope["headers"]))
@@ -173,6 +180,7 @@ class Edge:
             )
             return
         elif path == "/v1/models" and self.keys and self._client(scope) is None:
+            self._refused(401, "invalid_api_key")
             await _refuse_key(send, scope)
             return
         token = TENANT.set(tenant) if tenant else None

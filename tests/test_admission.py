@@ -4,6 +4,7 @@ past it a 503 `overloaded` with Retry-After in OpenAI's error shape, counted in 
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -268,4 +269,8 @@ def test_with_no_queue_an_overloaded_proxy_refuses_at_once_and_counts_it(
     assert mine.status_code == 503 and mine.headers["x-request-id"] == "r-1"
     metrics = admission_metrics(proxy.url)
     assert (metrics["rejected.queue_full"], metrics["inflight"]) == (4, 1)
+    text = httpx.get(proxy.url + "/metrics", timeout=10).text  # and on the error panels' metric
+    assert re.search(
+        r'warmroute_requests_refused_total\{[^}]*error_type="overloaded"[^}]*\} 4\.0', text
+    )
     release.set()

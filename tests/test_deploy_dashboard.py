@@ -11,6 +11,7 @@ nothing measures fails here.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -106,6 +107,8 @@ def test_every_metric_a_dashboard_panel_queries_is_exposed_after_traffic() -> No
         return create_sim_app(cfg)
 
     engines = [sim(), sim(), sim(error_rate=1.0)]
+    key = "sk-dashboard"
+    auth = {"authorization": f"Bearer {key}"}
     with contextlib.ExitStack() as stack:
         a, b, c = (stack.enter_context(ServerThread(e, **e.uvicorn_kwargs())) for e in engines)
         port = free_port()
@@ -116,11 +119,18 @@ def test_every_metric_a_dashboard_panel_queries_is_exposed_after_traffic() -> No
                 "port": port,
                 "admin_port": port,
             },
-            env={"WARMROUTE_HEALTH__METRICS_SCRAPE_S": "0.1"},
+            env={
+                "WARMROUTE_HEALTH__METRICS_SCRAPE_S": "0.1",
+                "WARMROUTE_SERVER__API_KEYS": f"team:{hashlib.sha256(key.encode()).hexdigest()}",
+            },
         )
         with ServerThread(create_app(config), port=port, http=NoDelayHttpToolsProtocol) as proxy:
             system = "You answer questions about the warmroute deployment. " * 40
-            with httpx.Client(base_url=proxy.url, timeout=30) as client:
+            with httpx.Client(base_url=proxy.url, timeout=30, headers=auth) as client:
+                # refused by the proxy itself: the error panels count it too
+                unkeyed = {"model": "sim-8b", "messages": [{"role": "user", "content": "hi"}]}
+                r = httpx.post(proxy.url + "/v1/chat/completions", json=unkeyed, timeout=10)
+                assert r.status_code == 401
                 for i in range(12):
                     body = {
                         "model": "sim-8b",
@@ -137,6 +147,58 @@ def test_every_metric_a_dashboard_panel_queries_is_exposed_after_traffic() -> No
                 texts = [client.get("/metrics").text] + [
                     httpx.get(s.url + "/metrics", timeout=10).text for s in (a, b)
                 ]
+    assert re.search(
+        r'warmroute_requests_refused_total\{[^}]*error_type="invalid_api_key"[^}]*\} 1\.0', texts[0]
+    )
     have = set().union(*(exposed(t) for t in texts))
     missing = sorted(used - have)
     assert not missing, f"the dashboard or an alert queries series nothing exposes: {missing}"
+
+
+def _targets() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    d = json.loads(DASHBOARD.read_text())
+    return [(p, t) for p in d["panels"] for t in p.get("targets", [])]
+
+
+def test_every_by_backend_query_groups_by_address_and_port() -> None:
+    """Two engines on one host (compose's sim:8001 and sim:8002) are two lines: wherever a
+    query groups, filters or labels by server_address, it does so by server_port too (the
+    warmroute_backend label is the backend's name, host:port unless named: one label)."""
+    grouped = 0
+    for panel, target in _targets():
+        expr, where = target["expr"], f"panel {panel['title']!r}: {target['expr']}"
+        for labels in re.findall(r"\bby\s*\(([^)]*)\)", expr):
+            names = {n.strip() for n in labels.split(",")}
+            if "server_address" in names:
+                assert "server_port" in names, where
+                grouped += 1
+        for selector in re.findall(r"\{([^}]*)\}", expr):
+            if "server_address" in selector:
+                assert 'server_port=~"$port"' in selector, where
+        legend = target.get("legendFormat", "")
+        if "{{server_address}}" in legend:
+            assert "{{server_port}}" in legend, where
+    assert grouped >= 1  # the TTFT-by-backend panel, at least
+    variables = {v["name"]: v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
+    port = variables["port"]["definition"]
+    assert "server_port" in port and 'server_address=~"$backend"' in port  # chained to $backend
+    assert variables["port"]["allValue"] == ".*"  # All also matches refusals without a backend
+
+
+def test_refusals_reach_the_error_panels() -> None:
+    """Requests the proxy refused itself (401, 404, 503 overloaded) have no backend: both
+    error panels add warmroute_requests_refused_total, and the backend filters' All value
+    matches series without server_address (429 and 503 no_backend, recorded after routing)."""
+    by_title = {p["title"]: [t["expr"] for t in p.get("targets", [])] for p, _ in _targets()}
+    for title in ("Requests / s by outcome", "Error ratio"):
+        assert any("warmroute_requests_refused_total" in e for e in by_title[title]), title
+    variables = json.loads(DASHBOARD.read_text())["templating"]["list"]
+    assert all(v.get("allValue") == ".*" for v in variables)
+
+
+def test_exemplar_overlays_say_they_need_the_compose_collector() -> None:
+    panels = {p["title"]: p for p, t in _targets() if t.get("exemplar")}
+    assert len(panels) == 4
+    for title, panel in panels.items():
+        text = panel.get("description", "").lower()
+        assert "compose" in text and "collector" in text and "empty" in text, title

@@ -35,6 +35,7 @@ from proxy.config import ConfigError, TelemetryConfig
 from proxy.telemetry import sdk_bridge
 from proxy.telemetry.batcher import EncodedBatcher
 from proxy.telemetry.export_health import ExportHealths
+from proxy.telemetry.histograms import Counts
 from proxy.telemetry.metrics import RequestMetrics
 from proxy.telemetry.record import DISABLED, RequestRecord
 from proxy.telemetry.spans import Spans
@@ -66,6 +67,8 @@ class Telemetry:
         self.scope = InstrumentationScope(SCOPE)
         self._exporters: list[Any] = []  # OTLP exporters, to cut short at shutdown
         self.export_health = ExportHealths()  # one log line when export fails, one when back
+        # Requests the proxy answered itself before any backend (401, 404, 503 overloaded...)
+        self.c_refused = Counts(("http.response.status_code", "error.type"))
         self.spans = self._tracing(span_exporter)
         self.metrics = RequestMetrics()
         # Called once per finished request: (model, backend, facts, error, decision, t0).
@@ -132,6 +135,15 @@ class Telemetry:
         return provider
 
     def _observe_export_health(self, meter: Any) -> None:
+        meter.create_observable_counter(
+            "warmroute.requests.refused",
+            [self.c_refused.observe],
+            unit="{request}",
+            description="API requests the proxy refused itself, before any backend, by "
+            "http.response.status_code and error.type (401 invalid_api_key, 404 "
+            "model_not_found, 503 overloaded, ...). Refusals after routing (429, 503 no_backend) "
+            "are in gen_ai.server.request.duration with their error.type.",
+        )
         health = self.export_health
         meter.create_observable_counter(
             "warmroute.telemetry.export.failures",
@@ -199,6 +211,12 @@ class Telemetry:
         if not self.enabled:
             return DISABLED
         return RequestRecord(self, request_id, api, model, stream, params, headers, t0)
+
+    def refused(self, status: int, code: str) -> None:
+        """Count one API request the proxy refused before any backend (the error's code:
+        a few fixed values, never client input)."""
+        if self.enabled:
+            self.c_refused.add((status, code))
 
     def observe_routing(self, policy: str, reason: str, decision_s: float) -> None:
         """Count one routing decision and time it (called once per decision, not per attempt)."""
