@@ -185,3 +185,13 @@ def test_log_level_is_accepted_in_any_case() -> None:
     assert _args("--log-level", "Warning").log_level == "warning"
     with pytest.raises(SystemExit):
         _args("--log-level", "loud")
+
+
+def test_the_start_line_says_when_telemetry_is_off_and_which_setting_did_it() -> None:
+    from proxy.config import telemetry_sources
+    from proxy.telemetry.effective import effective_telemetry, telemetry_line
+
+    env = {"OTEL_SDK_DISABLED": "true"}
+    cfg = load_config(flags={"backends": [BACKEND]}, env=env).telemetry
+    line = telemetry_line(cfg, effective_telemetry(cfg, telemetry_sources(env=env), env))
+    assert line.startswith("telemetry: off (telemetry.enabled: false, from env OTEL_SDK_DISABLED)")
