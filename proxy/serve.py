@@ -381,7 +381,6 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(redacted_config(dump), indent=2))
             return 0
         setup_logging(config.server.log_level)
-        logging.getLogger("warmroute").info("%s", telemetry_line(config.telemetry, settings))
         # Before the app exists: its default server.max_connections is half the limit, and
         # worker processes inherit it.
         before, after = raise_open_file_limit()
@@ -424,6 +423,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("warmroute").info(
             "admin on http://%s:%d/admin", config.server.admin_host, config.server.admin_port
         )
+    # After the sockets: a start that fails (a port in use) says so in one line, alone.
+    logging.getLogger("warmroute").info("%s", telemetry_line(config.telemetry, settings))
     if config.server.workers > 1:
         supervisor = supervisor_class()
         if "target" in inspect.signature(supervisor.__init__).parameters:  # uvicorn < 0.36
