@@ -96,6 +96,7 @@ def test_collector_down_costs_one_line_failing_one_recovered_and_a_count_between
         [failing] = _lines(caplog)
         assert "traces export to " + endpoint + " is failing" in failing
         assert "refused" in failing.lower()  # the SDK's reason, once
+        assert "retrying in" not in failing  # nothing retries once this line is out
         assert health.failures == 3 and health.failing
         start_collector()
         assert exporter.export_encoded(REQUEST)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,7 +29,8 @@ SDK_EXPORT_LOGGERS = (
     "opentelemetry.exporter.otlp.common.http",
 )
 # The SDK's per-attempt lines that an ExportHealth replaces.
-_RETRY_LINES = ("Transient error", "Failed to export")
+_RETRY_LINES = ("Transient error", "Failed to export", "Shutdown in progress")
+_TRANSIENT = re.compile(r"Transient error (?P<cause>.*?) encountered while exporting", re.S)
 SIGNAL_ATTR = "warmroute.telemetry.signal"
 _current = threading.local()  # the ExportHealth whose export runs on this thread, if any
 
@@ -164,8 +166,15 @@ class _QuietRetryLines(logging.Filter):
         health: ExportHealth | None = getattr(_current, "health", None)
         if health is None or not str(record.msg).startswith(_RETRY_LINES):
             return True
-        health.note(record.getMessage())
+        health.note(_cause(record.getMessage()))
         return False
+
+
+def _cause(sdk_message: str) -> str:
+    """The cause in the SDK's retry line, without its "retrying in 1.17s" (nothing retries
+    once the ExportHealth line is out)."""
+    m = _TRANSIENT.match(sdk_message)
+    return m["cause"] if m else sdk_message
 
 
 _QUIET = _QuietRetryLines()
