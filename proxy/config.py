@@ -316,6 +316,11 @@ class ServerConfig(_Model):
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)  # empty: no client keys
     isolate_tenants: bool = True  # with keys: each key's prompts hash apart (its own salt)
 
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _any_case(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v  # DEBUG as well, in a file or variable
+
     @field_validator("admin_token_sha256")
     @classmethod
     def _token_hex(cls, v: str | None) -> str | None:

@@ -185,6 +185,8 @@ def test_log_level_is_accepted_in_any_case() -> None:
     assert _args("--log-level", "Warning").log_level == "warning"
     with pytest.raises(SystemExit):
         _args("--log-level", "loud")
+    level = load_config(flags={"backends": [BACKEND]}, env={"WARMROUTE_LOG_LEVEL": "DEBUG"})
+    assert level.server.log_level == "debug"  # the variable and the file, too
 
 
 def test_the_start_line_says_when_telemetry_is_off_and_which_setting_did_it() -> None:
