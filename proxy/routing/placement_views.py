@@ -268,9 +268,9 @@ def first_spares(
             head[0], head[1] = head[1], head[0]
         if hosted.get(head[0], 0) <= fair:
             return head[:r]
-        empty = _first_fitting(hrw, within, chosen, fits, r, hosted)
-        if empty is not None:
-            return empty  # hosting nothing sorts first: never over a fair count
+        idle = _first_fitting(hrw, within, chosen, fits, r, hosted)
+        if idle is not None:
+            return idle  # hosting nothing sorts first: never over a fair count
     every = within_all() if within_all is not None else None
     if every is not None:
         return _from_within(hrw, chosen, r, want, choices, fits, swap, hosted, fair, rank, every)
