@@ -127,6 +127,7 @@ class ProxyEndpoint:
             except (RequestError, BodyTooLarge) as exc:
                 e = exc if isinstance(exc, RequestError) else too_large(exc.size, exc.limit)
                 log.info("request %s rejected (%d %s): %s", request_id, e.status, e.code, e.message)
+                fw.recorder.refused(e.status, e.code or "invalid_request")
                 await respond(send, e.status, e.body(), request_id)
                 return
             await self._handle(ex, scope.get("client"), receive, send)

@@ -131,6 +131,8 @@ def test_every_metric_a_dashboard_panel_queries_is_exposed_after_traffic() -> No
                 unkeyed = {"model": "sim-8b", "messages": [{"role": "user", "content": "hi"}]}
                 r = httpx.post(proxy.url + "/v1/chat/completions", json=unkeyed, timeout=10)
                 assert r.status_code == 401
+                unknown = {**unkeyed, "model": "no-such-model"}
+                assert client.post("/v1/chat/completions", json=unknown).status_code == 404
                 for i in range(12):
                     body = {
                         "model": "sim-8b",
@@ -149,6 +151,9 @@ def test_every_metric_a_dashboard_panel_queries_is_exposed_after_traffic() -> No
                 ]
     assert re.search(
         r'warmroute_requests_refused_total\{[^}]*error_type="invalid_api_key"[^}]*\} 1\.0', texts[0]
+    )
+    assert re.search(
+        r'warmroute_requests_refused_total\{[^}]*error_type="model_not_found"[^}]*\} 1\.0', texts[0]
     )
     have = set().union(*(exposed(t) for t in texts))
     missing = sorted(used - have)
