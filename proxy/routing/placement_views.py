@@ -259,18 +259,6 @@ def first_spares(
     less loaded (`swap`) and exactly two are compared; and when the first hosts more placed
     prefixes than `fair`, sorted again by (within, crowded, hosted, rank)."""
     want = (r if r > 2 else 2) if choices <= 2 else (r if r > 3 else 3)
-    # Most calls need only the head of the order: walking it until `want` backends within the
-    # bound with room turn up (then, if the first is crowded, until `r` hosting nothing do)
-    # reads a handful of backends where listing every one within the bound read the fleet.
-    head = _first_fitting(hrw, within, chosen, fits, want, None)
-    if head is not None:
-        if choices == 2 and swap(head[0], head[1]):
-            head[0], head[1] = head[1], head[0]
-        if hosted.get(head[0], 0) <= fair:
-            return head[:r]
-        idle = _first_fitting(hrw, within, chosen, fits, r, hosted)
-        if idle is not None:
-            return idle  # hosting nothing sorts first: never over a fair count
     every = within_all() if within_all is not None else None
     if every is not None:
         return _from_within(hrw, chosen, r, want, choices, fits, swap, hosted, fair, rank, every)
@@ -360,26 +348,6 @@ def _from_within(
                 if len(fitting) + len(rest) >= r:
                     return fitting + rest
     return fitting + rest
-
-
-def _first_fitting(
-    hrw: Sequence[str],
-    within: Callable[[str], bool],
-    chosen: Collection[str],
-    fits: Callable[[str], bool],
-    count: int,
-    hosting: Mapping[str, int] | None,
-) -> list[str] | None:
-    """The first `count` backends of `hrw` not chosen, within the bound, with room (and, with
-    `hosting`, hosting no placed prefix: the tallies keep no zero), or None if fewer exist."""
-    out: list[str] = []
-    for b in hrw:
-        if b not in chosen and (hosting is None or b not in hosting):
-            if fits(b) and within(b):
-                out.append(b)
-                if len(out) >= count:
-                    return out
-    return None
 
 
 def spare_homes(
