@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import importlib.util
 import inspect
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,7 @@ __all__ = [
     "free_port",
     "load_script",
     "process",
+    "readme_first_command",
     "serve_lifespan",
     "serving",
     "until",
@@ -47,6 +49,15 @@ def load_script(path: str, name: str) -> Any:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def readme_first_command() -> str:
+    """The README's first ```bash block: the command a newcomer runs first (its "Two commands"
+    section), as the tests that check or run it read it."""
+    text = (ROOT / "README.md").read_text()
+    found = re.search(r"```bash\n(.*?)\n```", text, re.S)
+    assert found, "README.md has no ```bash block"
+    return found.group(1)
 
 
 def until(

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import free_port
+from tests.support import free_port, readme_first_command
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -72,8 +72,7 @@ def test_the_base_install_leaves_out_the_bench_and_grpc_dependencies() -> None:
 
 
 def test_the_readme_first_command_installs_what_the_demo_needs() -> None:
-    readme = (ROOT / "README.md").read_text()
-    first = re.search(r"```bash\n(.*?)\n```", readme, re.S).group(1)  # type: ignore[union-attr]
+    first = readme_first_command()
     assert "warmroute demo" in first and ".[bench]" in first, first
 
 
