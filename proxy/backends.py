@@ -165,7 +165,7 @@ class Backend:
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.api_key = self.cfg.api_key()
         if self.cfg.models:
-            self.models = frozenset(self.cfg.models)
+            self.models = one_copy(frozenset(self.cfg.models))
         self._idle = asyncio.Event()
         self._idle.set()
         # Set by each request routed here and each change of state: an idle backend's poll
@@ -206,7 +206,7 @@ class Backend:
         self.cfg = cfg
         self.api_key = cfg.api_key()
         if cfg.models:
-            self.models = frozenset(cfg.models)
+            self.models = one_copy(frozenset(cfg.models))
 
     def view(
         self,
@@ -215,14 +215,16 @@ class Backend:
         prefill_tokens_per_s: float | None = None,
         mean_prefill_s: float | None = None,
         backlog_tokens: float = 0.0,
+        up: bool | None = None,
     ) -> BackendView:
+        """`up`: is_up(now), where the caller has read it."""
         return BackendView(
             name=self.name,
             url=self.url,
             engine=self.cfg.engine,
             role=self.cfg.role,
             weight=self.cfg.weight,
-            healthy=self.is_up(now),
+            healthy=self.is_up(now) if up is None else up,
             inflight=inflight,
             load=self.load,
             models=self.models,
@@ -231,6 +233,22 @@ class Backend:
             backlog_tokens=backlog_tokens,
             max_inflight=self.cfg.max_inflight,
         )
+
+
+_MODEL_LISTS: dict[frozenset[str], frozenset[str]] = {}
+MODEL_LISTS_KEPT = 1024  # distinct model lists remembered (a fleet serves a few)
+
+
+def one_copy(models: frozenset[str]) -> frozenset[str]:
+    """The one object for this model list, whichever backend reported it: a fleet serves a
+    few lists, and the model filter decides once per distinct object instead of once per
+    backend (comparing equal sets held apart costs a set comparison each)."""
+    found = _MODEL_LISTS.get(models)
+    if found is None:
+        if len(_MODEL_LISTS) >= MODEL_LISTS_KEPT:
+            _MODEL_LISTS.clear()  # (engines making up lists: no more than a cold cache)
+        found = _MODEL_LISTS[models] = models
+    return found
 
 
 GONE_KEPT = 64  # departed backends /admin/backends still shows
@@ -481,7 +499,7 @@ class BackendRegistry:
                     log.info("backend %s serves %s", b.name, ", ".join(sorted(ids)) or "no models")
                     if b.models is not None and b.state != "joining" and self.on_restart:
                         self.on_restart(b, "its model list changed")
-                b.models = ids
+                b.models = one_copy(ids)
             fetched_models = discover and b.cfg.models is None
             if not (fetched_models and HEALTH_PATH[b.cfg.engine] == "/v1/models"):
                 url = engines.backend_url(b.url, HEALTH_PATH[b.cfg.engine])

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import attrgetter, itemgetter, ne
 from typing import TYPE_CHECKING, Any
 
+from proxy.outlier import CLOSED
 from proxy.ports import Fleet, Recorder, UpstreamClient, UpstreamResponseLike
+from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S
 
 __all__ = [
     "AppState",
@@ -34,42 +38,109 @@ __all__ = [
 if TYPE_CHECKING:
     import httpx
 
-    from proxy.backends import BackendRegistry
+    from proxy.backends import Backend, BackendRegistry
     from proxy.config import Config
     from proxy.exchange import Exchange
     from proxy.fleet.reconciler import Reconciler
     from proxy.meter import StreamFacts
+    from proxy.routing.inflight import InflightBoard
+    from proxy.routing.learn import PrefillLearner
     from proxy.routing.router import Router
     from proxy.routing.setup import Routing
     from proxy.routing.types import BackendView, Decision, RouteContext
     from proxy.telemetry import RequestRecord, Telemetry
 
 
+_NAME = attrgetter("name")
+_HEALTHY = attrgetter("healthy")
+_BREAKER = attrgetter("breaker")
+_LOAD = attrgetter("load")
+_MODELS = attrgetter("models")
+_CFG = attrgetter("cfg")
+_RATE = itemgetter(0)
+_MEAN = itemgetter(1)
+
+
+class ViewCache:
+    """Every routable backend's view, read per request in C-level passes, each view made again
+    only when something it shows changed (its health, in-flight count, scraped load, models,
+    learned prefill, backlog or configuration): in front of 256 engines making every view
+    afresh was the largest cost of a request. Views are read-only snapshots, so one that
+    still holds is handed out again."""
+
+    __slots__ = ("_keys", "_names", "_position", "_views", "made")
+
+    def __init__(self) -> None:
+        self._names: list[str] = []
+        self._position: dict[str, int] = {}
+        self._keys: list[tuple[Any, ...] | None] = []
+        self._views: list[Any] = []
+        self.made = 0  # views made (the rest were reused)
+
+    def read(
+        self,
+        backends: list[Backend],
+        now: float,
+        board: InflightBoard,
+        learner: PrefillLearner,
+        router: Router,
+    ) -> list[BackendView]:
+        n = len(backends)
+        names = list(map(_NAME, backends))
+        if names != self._names:
+            self._names, self._position = names, dict(zip(names, range(n), strict=True))
+            self._keys, self._views = [None] * n, [None] * n
+        up = _up(backends, now)
+        inflight = board.counts(names)
+        fits = learner.fits(names)
+        rates, means = list(map(_RATE, fits)), list(map(_MEAN, fits))
+        backlogs = router.backlog.levels(self._position, rates, DEFAULT_PREFILL_TOKENS_PER_S)
+        loads, models, cfgs = map(_LOAD, backends), map(_MODELS, backends), map(_CFG, backends)
+        keys: list[tuple[Any, ...] | None]
+        keys = list(zip(up, inflight, loads, models, rates, means, backlogs, cfgs, strict=True))
+        changed = list(map(ne, keys, self._keys))
+        if True in changed:
+            views = self._views
+            for i in compress(range(n), changed):
+                views[i] = backends[i].view(
+                    now, inflight[i], rates[i], means[i], backlogs[i], up=up[i]
+                )
+                self.made += 1
+            self._keys = keys
+        return list(self._views)
+
+
+def _up(backends: list[Backend], now: float) -> list[bool]:
+    """Backend.is_up(now) for each of `backends` (all serving: the registry's routable ones);
+    a breaker is asked only where it is not closed (asking may move it to half-open)."""
+    up = list(map(_HEALTHY, backends))
+    n = len(backends)
+    breakers = list(map(_BREAKER, backends))
+    states = list(map(getattr, breakers, repeat("state", n), repeat(CLOSED, n)))
+    if states.count(CLOSED) != n:
+        for i in range(n):
+            if up[i] and states[i] != CLOSED:
+                up[i] = breakers[i].allows(now)
+    return up
+
+
 class RequestRouting:
     """The routing facade: route a request, note where it went, learn from how it went."""
 
-    __slots__ = ("_board", "_learner", "_registry", "router")
+    __slots__ = ("_board", "_learner", "_registry", "_views", "router")
 
     def __init__(self, routing: Routing, registry: BackendRegistry) -> None:
         self.router: Router = routing.router
         self._board = routing.board
         self._learner = routing.learner
         self._registry = registry
+        self._views = ViewCache()
 
     def views(self) -> list[BackendView]:
         """What routing may know of every backend now: health, load, shared in-flight."""
-        now = time.monotonic()
-        board, learner, router = self._board, self._learner, self.router
-        return [
-            b.view(
-                now,
-                board.get(b.name),
-                learner.rate(b.name),
-                learner.mean_prefill_s(b.name),
-                router.backlog_tokens(b.name),
-            )
-            for b in self._registry.routable()
-        ]
+        return self._views.read(
+            self._registry.routable(), time.monotonic(), self._board, self._learner, self.router
+        )
 
     async def route(self, ctx: RouteContext, *, record: bool = True) -> Decision:
         return await self.router.route(ctx, self.views(), record=record)

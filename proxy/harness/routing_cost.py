@@ -26,21 +26,30 @@ from proxy.routing.types import BackendView, EngineLoad, RouteContext
 from proxy.stats import percentile
 
 
-def _backends(n: int, rng: random.Random) -> list[BackendView]:
+def _fleet(n: int) -> list[tuple[str, str]]:
+    """Each backend's name and URL, made once: a registry's backends keep theirs."""
+    return [(f"engine-{i}", f"http://10.0.{i // 256}.{i % 256}:8000") for i in range(n)]
+
+
+MODELS = frozenset({"m"})  # the one copy of a model list the registry hands every view
+
+
+def _backends(fleet: list[tuple[str, str]], rng: random.Random) -> list[BackendView]:
+    """Fresh views, as RequestRouting.views() makes per request: every backend's load new."""
     return [
         BackendView(
-            name=f"engine-{i}",
-            url=f"http://10.0.0.{i}:8000",
+            name=name,
+            url=url,
             engine="vllm",
             role="mixed",
             weight=1.0,
             healthy=True,
             inflight=rng.randint(0, 8),
             load=EngineLoad(waiting=rng.randint(0, 3), running=8, kv_usage=rng.random()),
-            models=frozenset({"m"}),
+            models=MODELS,
             prefill_tokens_per_s=8000.0,
         )
-        for i in range(n)
+        for name, url in fleet
     ]
 
 
@@ -65,8 +74,9 @@ async def measure(router: Router, n_backends: int, count: int, seed: int = 1) ->
     rng = random.Random(seed)
     bodies = _requests(count, rng)
     times = []
+    fleet = _fleet(n_backends)
     for i, body in enumerate(bodies):
-        backends = _backends(n_backends, rng)
+        backends = _backends(fleet, rng)
         ctx = RouteContext(f"r{i}", "m", "chat", body, {}, time.monotonic())
         start = time.perf_counter()
         await router.route(ctx, backends)

@@ -13,7 +13,7 @@ Per proxy replica; the scraped gauges carry what the other replicas sent.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 
 class PrefillBacklog:
@@ -31,6 +31,29 @@ class PrefillBacklog:
         rate = 0.0 if tokens_per_s < 0.0 else tokens_per_s
         left = tokens - (self.clock() - at) * rate
         return 0.0 if left < 0.0 else left
+
+    def levels(
+        self, position: Mapping[str, int], tokens_per_s: Sequence[float | None], default: float
+    ) -> list[float]:
+        """level() for the backends `position` numbers (name -> index into the result and into
+        `tokens_per_s`, each one's drain rate, `default` where None). Reads the backends with
+        a backlog only: one that has drained is dropped (level() reads a missing one as 0.0)."""
+        out = [0.0] * len(tokens_per_s)
+        level = self._level
+        if not level:
+            return out
+        now = self.clock()
+        for b, (tokens, at) in list(level.items()):
+            i = position.get(b)
+            if i is None:
+                continue  # not routable now: kept for when it is
+            rate = tokens_per_s[i] or default
+            left = tokens - (now - at) * (0.0 if rate < 0.0 else rate)
+            if left > 0.0:
+                out[i] = left
+            else:
+                del level[b]
+        return out
 
     def add(self, backend: str, tokens: float, tokens_per_s: float) -> None:
         """`backend` was just handed a prompt with `tokens` uncached tokens."""

@@ -10,6 +10,7 @@ not identifiable; the estimate then falls back to tokens over time through the o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # Prompt tokens/s assumed for a backend the learner has not measured yet.
@@ -111,6 +112,12 @@ class PrefillLearner:
     min_samples: int = 4
     rates: dict[str, PrefillRate] = field(default_factory=dict)
 
+    # backend -> (rate, mean_prefill_s) as of its last observation (read per request for the
+    # whole fleet; a fit changes only when a request on that backend finishes)
+    _known: dict[str, tuple[float | None, float | None]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+
     def observe(
         self, backend: str, uncached_tokens: float, ttft_s: float, queue_s: float = 0.0
     ) -> None:
@@ -118,6 +125,18 @@ class PrefillLearner:
         if est is None:
             est = self.rates[backend] = PrefillRate(self.half_life, self.min_samples)
         est.observe(uncached_tokens, ttft_s, queue_s)
+        self._known.pop(backend, None)
+
+    def fits(self, backends: Sequence[str]) -> list[tuple[float | None, float | None]]:
+        """(rate(b), mean_prefill_s(b)) for each of `backends`, each computed once per
+        observation."""
+        known = self._known
+        found = list(map(known.get, backends))
+        if None in found:
+            for i, b in enumerate(backends):
+                if found[i] is None:
+                    found[i] = known[b] = (self.rate(b), self.mean_prefill_s(b))
+        return found  # type: ignore[return-value]  # (no None left)
 
     def rate(self, backend: str) -> float | None:
         est = self.rates.get(backend)
@@ -134,6 +153,7 @@ class PrefillLearner:
         """`backend` left the fleet: its fit goes. (A restarted engine keeps it: the same
         hardware prefills at the same speed, whatever its cache lost.)"""
         self.rates.pop(backend, None)
+        self._known.pop(backend, None)
 
     def snapshot(self) -> dict[str, dict[str, float | None]]:
         return {
