@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 _NAME = attrgetter("name")
 _HEALTHY = attrgetter("healthy")
 _BREAKER = attrgetter("breaker")
+_BREAKER_STATE = attrgetter("breaker.state")
 _LOAD = attrgetter("load")
 _MODELS = attrgetter("models")
 _CFG = attrgetter("cfg")
@@ -115,12 +116,16 @@ def _up(backends: list[Backend], now: float) -> list[bool]:
     a breaker is asked only where it is not closed (asking may move it to half-open)."""
     up = list(map(_HEALTHY, backends))
     n = len(backends)
-    breakers = list(map(_BREAKER, backends))
-    states = list(map(getattr, breakers, repeat("state", n), repeat(CLOSED, n)))
+    try:
+        states = list(map(_BREAKER_STATE, backends))
+    except AttributeError:  # a backend with no breaker (the registry gives each one)
+        breakers = map(_BREAKER, backends)
+        states = list(map(getattr, breakers, repeat("state", n), repeat(CLOSED, n)))
     if states.count(CLOSED) != n:
         for i in range(n):
-            if up[i] and states[i] != CLOSED:
-                up[i] = breakers[i].allows(now)
+            breaker = backends[i].breaker
+            if up[i] and states[i] != CLOSED and breaker is not None:
+                up[i] = breaker.allows(now)
     return up
 
 

@@ -130,3 +130,14 @@ def test_an_unchanged_fleet_gets_the_same_views_and_a_change_remakes_one() -> No
     third = cache.read(fleet, clock.now, board, learner, router)  # type: ignore[arg-type]
     assert [a is b for a, b in zip(first, third, strict=True)] == [1, 1, 0, 1, 1, 1]
     assert third[2].inflight == 1
+
+
+def test_a_backend_without_a_breaker_is_up_while_healthy() -> None:
+    clock = Clock()
+    board, learner = InflightBoard(None), PrefillLearner()
+    router = RouterLike(learner, clock)
+    bare = Backend(BackendConfig(url="http://127.0.0.1:9999"))
+    ejected = backend(1)
+    assert ejected.breaker is not None and ejected.breaker.failure("connect", clock.now)
+    views = ViewCache().read([bare, ejected], clock.now, board, learner, router)  # type: ignore[arg-type]
+    assert [v.healthy for v in views] == [True, False]
