@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy import engines
 from proxy.config import BackendConfig, Config, HealthConfig
 from proxy.outlier import Breaker
-from proxy.routing.types import BackendView, EngineLoad
+from proxy.routing.types import BackendView, EngineLoad, one_copy
 
 log = logging.getLogger("warmroute.backends")
 
@@ -233,22 +233,6 @@ class Backend:
             backlog_tokens=backlog_tokens,
             max_inflight=self.cfg.max_inflight,
         )
-
-
-_MODEL_LISTS: dict[frozenset[str], frozenset[str]] = {}
-MODEL_LISTS_KEPT = 1024  # distinct model lists remembered (a fleet serves a few)
-
-
-def one_copy(models: frozenset[str]) -> frozenset[str]:
-    """The one object for this model list, whichever backend reported it: a fleet serves a
-    few lists, and the model filter decides once per distinct object instead of once per
-    backend (comparing equal sets held apart costs a set comparison each)."""
-    found = _MODEL_LISTS.get(models)
-    if found is None:
-        if len(_MODEL_LISTS) >= MODEL_LISTS_KEPT:
-            _MODEL_LISTS.clear()  # (engines making up lists: no more than a cold cache)
-        found = _MODEL_LISTS[models] = models
-    return found
 
 
 GONE_KEPT = 64  # departed backends /admin/backends still shows

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import proxy.routing.types as routing_types
 from plugins.health_filter import HealthFilter
 from plugins.model_filter import ModelFilter
 from plugins.role_filter import RoleFilter
-from proxy.routing.types import BackendView, EngineLoad, RouteContext
+from proxy.routing.types import MODEL_LISTS_KEPT, BackendView, EngineLoad, RouteContext, one_copy
 
 CTX = RouteContext("r1", "m", "chat", {"model": "m", "messages": []}, {}, 0.0)
 
@@ -78,3 +79,11 @@ def test_backends_at_their_bound_are_dropped_before_health_is_read() -> None:
     # Every backend with room is unhealthy: they are all tried, the full one still is not.
     kept = HealthFilter().filter(CTX, [full, sick], dropped)
     assert [b.name for b in kept] == ["s"] and dropped == {"f": "at its in-flight bound (2)"}
+
+
+def test_equal_model_lists_are_one_object_and_the_table_stays_bounded() -> None:
+    a, b = one_copy(frozenset({"m", "n"})), one_copy(frozenset({"n", "m"}))
+    assert a is b
+    for i in range(MODEL_LISTS_KEPT + 5):
+        one_copy(frozenset({f"made-up-{i}"}))
+    assert len(routing_types._MODEL_LISTS) <= MODEL_LISTS_KEPT

@@ -57,6 +57,22 @@ class BackendView:
         return self.models is None or model in self.models
 
 
+_MODEL_LISTS: dict[frozenset[str], frozenset[str]] = {}
+MODEL_LISTS_KEPT = 1024  # distinct model lists remembered (a fleet serves a few)
+
+
+def one_copy(models: frozenset[str]) -> frozenset[str]:
+    """The one object for this model list, whichever backend reported it: a fleet serves a
+    few lists, and the model filter decides once per distinct object instead of once per
+    backend (comparing equal sets held apart costs a set comparison each)."""
+    found = _MODEL_LISTS.get(models)
+    if found is None:
+        if len(_MODEL_LISTS) >= MODEL_LISTS_KEPT:
+            _MODEL_LISTS.clear()  # (engines making up lists: no more than a cold cache)
+        found = _MODEL_LISTS[models] = models
+    return found
+
+
 @dataclass(slots=True)
 class RouteContext:
     """The per-request facts a routing decision is made from."""
