@@ -27,7 +27,7 @@ queue far longer than the others'; they stay in the ranking, last, as retry targ
 
 Why stay on copies: with prompts of a few thousand tokens, a cold prefill costs more than
 queueing behind several decoding requests, and every extra copy evicts other prefixes from a
-full KV pool. Measured in virtual time (README, Benchmarks): on tight pools this took the hit
+full KV pool. Measured in virtual time (docs/benchmarks.md): on tight pools this took the hit
 ratio from 71-74% to 90-96% of the oracle's, with hot-prompt load still even.
 """
 

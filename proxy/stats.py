@@ -1,8 +1,9 @@
 """The one percentile every part of warmroute reports (pure; no imports of the proxy).
 
 Linear interpolation between the two nearest ranks: numpy's default (`np.percentile(...,
-method="linear")`, Hyndman and Fan's type 7), which `vllm bench serve` uses and the README's
-benchmark numbers were computed with. docs/measurement.md ("Percentiles") says so for readers.
+method="linear")`, Hyndman and Fan's type 7), which `vllm bench serve` uses and
+docs/benchmarks.md's numbers were computed with. docs/measurement.md ("Percentiles") says so
+for readers.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the doctor keeps the last 2,000 finished requests per (backend, model) with thei
 gaps (all windows' gaps within one budget). This fills each to its bound with the classes the
 proxy runs and prints the Python heap each holds: the numbers to size a container's memory
 limit by (docs/deployment.md, *Memory*). The interpreter, libraries and buffers of in-flight
-streams come on top (about 65 MB at start, see the README's soak).
+streams come on top (about 65 MB at start, see the soak in docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ Sizes: the bench's --system-chars 8000 is ~2700 tokens here (3 characters each),
 
 def make_app(chunks: int = 64, model: str = "mock") -> Callable[..., Awaitable[None]]:
     """Zero latency: every byte of the answer made once, so that any latency or CPU a proxy
-    adds in front of it is the proxy's (the README's overhead numbers were measured on it)."""
+    adds in front of it is the proxy's (docs/benchmarks.md's overhead numbers were measured
+    on it)."""
     event = sse
     base = {"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 0, "model": model}
     body_chunks = [
