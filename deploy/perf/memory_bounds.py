@@ -52,6 +52,19 @@ def full_index(capacity: int, seed: int = 1) -> MemoryPrefixIndex:
     return index
 
 
+def shared_index(backends: int, capacity: int, seed: int = 1) -> MemoryPrefixIndex:
+    """`backends` backends that all hold the same `capacity` blocks (prompts every engine
+    serves: the (block, backend) entries share their hashes), none trimmed."""
+    rng = random.Random(seed)
+    index = MemoryPrefixIndex(capacity_blocks=capacity, clock=lambda: 0.0)
+    names = [f"b{i}" for i in range(backends)]
+    for n in range(0, capacity, 16):
+        prompt = [rng.getrandbits(63) for _ in range(16)]
+        for name in names:
+            index.record_now(name, prompt, now=float(n))
+    return index
+
+
 def stream(tokens: int) -> StreamFacts:
     gaps = [0.01] * (tokens - 1)
     return StreamFacts(
@@ -82,9 +95,23 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
 
     mb, index = heap_mb(lambda: full_index(DEFAULT_CAPACITY_BLOCKS))
-    live, ghosts = len(index._lru["b"]), len(index._ghost["b"])
+    live, ghosts = index.occupancy("b"), len(index._ghost["b"])
     rows.append(
-        {"what": f"prefix index, 1 backend ({live:,} blocks + {ghosts:,} trimmed)", "mb": mb}
+        {
+            "what": f"prefix index, 1 backend ({live:,} blocks + {ghosts:,} trimmed;"
+            f" {mb * 1e6 / live:.0f} B a block)",
+            "mb": mb,
+        }
+    )
+    fleet = 16
+    mb, index = heap_mb(lambda: shared_index(fleet, DEFAULT_CAPACITY_BLOCKS))
+    entries = sum(index.occupancy(b) for b in index.backends())
+    rows.append(
+        {
+            "what": f"prefix index, {fleet} backends holding the same {entries // fleet:,} blocks"
+            f" ({mb * 1e6 / entries:.0f} B a (block, backend) entry)",
+            "mb": mb,
+        }
     )
     for backends, tokens in ((1, 128), (1, 4096), (4, 4096), (16, 4096)):
         mb, c = heap_mb(lambda: full_windows(backends, tokens))  # noqa: B023 (called at once)
