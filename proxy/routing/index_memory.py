@@ -33,6 +33,9 @@ def capacity_blocks_from_tokens(
 class PrefixIndex(Protocol):
     """What the router needs from a prefix index store."""
 
+    # Blocks kept per backend until its engine's reports size it (the capacity learner's start).
+    default_capacity: int
+
     @property
     def mode(self) -> str:
         """ "memory", "redis" or "memory-fallback"."""
@@ -69,6 +72,16 @@ class PrefixIndex(Protocol):
     def probe(self, backend: str, blocks: Sequence[int], matched: int) -> Probe:
         """Before `blocks` are recorded on `backend`: when its matched prefix was last seen
         there, and how far the prompt reaches into what the index holds or recently trimmed."""
+        ...
+
+    def fresh_prefix(self, backend: str, blocks: Sequence[int], since: float) -> int:
+        """Leading blocks of `blocks` this process recorded on `backend` at or after `since`
+        (on the index's clock): sent there moments ago, being prefilled now."""
+        ...
+
+    def now(self) -> float:
+        """The index's clock: monotonic in memory, wall time with Redis (shared by replicas),
+        virtual in the simulated harness. Probe times and `since` are on it."""
         ...
 
     def occupancy(self, backend: str) -> int:
@@ -243,6 +256,9 @@ class MemoryPrefixIndex:
     def fresh_prefix(self, backend: str, blocks: Sequence[int], since: float) -> int:
         """Blocks of `blocks` this index saw on `backend` at or after `since`."""
         return self._match(self._lru.get(backend), blocks, since)
+
+    def now(self) -> float:
+        return self.clock()
 
     def record(self, backend: str, blocks: Sequence[int]) -> None:
         self.record_now(backend, blocks)

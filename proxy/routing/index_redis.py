@@ -365,6 +365,14 @@ class RedisPrefixIndex:
             return Probe(self.local.clock(), found.ghost_blocks)
         return found
 
+    def fresh_prefix(self, backend: str, blocks: Sequence[int], since: float) -> int:
+        """The local copy's: what this replica sent there lately (other replicas' records
+        carry no time of their own here)."""
+        return self.local.fresh_prefix(backend, blocks, since)
+
+    def now(self) -> float:
+        return self.local.clock()
+
     def occupancy(self, backend: str) -> int:
         """Blocks held for `backend` in the shared index, as of this replica's last write
         there (every replica's records; the local copy holds only this replica's, which

@@ -81,8 +81,8 @@ class Router:
         self.learner = learner or PrefillLearner()
         self.backlog = backlog or PrefillBacklog()
         self.popularity = PrefixPopularity()
-        default_cap = getattr(index, "default_capacity", DEFAULT_CAPACITY_BLOCKS)
-        self.capacity = capacity or CapacityLearner(default_blocks=int(default_cap))
+        default_cap = DEFAULT_CAPACITY_BLOCKS if index is None else index.default_capacity
+        self.capacity = capacity or CapacityLearner(default_blocks=default_cap)
         # The prompt head whose popularity counts: the picker's affinity key, where it has one.
         self.head_blocks = int(getattr(policy.picker, "affinity_blocks", 8))
         self.warm_blocks = int(getattr(policy.picker, "warm_blocks", 4))
@@ -117,7 +117,7 @@ class Router:
         hasher = PrefixHasher.from_config(blocks.get(PREFIX_BLOCK, {}))
         prefix_cfg = blocks.get(PREFIX_BLOCK, {})
         learn = bool(prefix_cfg.get("learn_capacity", True))
-        default_cap = int(getattr(index, "default_capacity", DEFAULT_CAPACITY_BLOCKS))
+        default_cap = DEFAULT_CAPACITY_BLOCKS if index is None else index.default_capacity
         capacity = CapacityLearner(default_blocks=default_cap) if learn else None
         router = cls(policy, index=index, hasher=hasher, capacity=capacity)
         router.learn_capacity = learn
@@ -189,9 +189,7 @@ class Router:
             # the learned index's estimate while their event stream is live. Only blocks of
             # token ids compare with theirs (exact mode, or a token-id prompt).
             exact = []
-            fresh = getattr(self.index, "fresh_prefix", None)
-            if fresh is None:  # the Redis index's local copy holds this replica's records
-                fresh = getattr(getattr(self.index, "local", None), "fresh_prefix", None)
+            fresh = None if self.index is None else self.index.fresh_prefix
             since = self._index_now() - self.pending_s
             for name, view in self.exact.items():
                 if name in fleet.index and view.live:
@@ -282,13 +280,11 @@ class Router:
     def record(self, ctx: RouteContext, backend: str) -> None:
         """Note that `backend` is about to hold ctx's prefix and prefill the rest of it."""
         if self.index is not None and ctx.prefix_blocks:
-            probe = getattr(self.index, "probe", None)
-            if probe is not None:
-                matched = ctx.matched_blocks.get(backend, 0)
-                seen, ctx.ghost_blocks = probe(backend, ctx.prefix_blocks, matched)
-                ctx.recorded_on = backend
-                age = None if seen is None else self._index_now() - seen
-                ctx.recorded_age_s = None if age is None else 0.0 if age < 0.0 else age
+            matched = ctx.matched_blocks.get(backend, 0)
+            seen, ctx.ghost_blocks = self.index.probe(backend, ctx.prefix_blocks, matched)
+            ctx.recorded_on = backend
+            age = None if seen is None else self.index.now() - seen
+            ctx.recorded_age_s = None if age is None else 0.0 if age < 0.0 else age
             self.index.record(backend, ctx.prefix_blocks)
         if ctx.prompt_chars:
             cached = ctx.matched_blocks.get(backend, 0) * ctx.block_chars
@@ -297,11 +293,9 @@ class Router:
             self.backlog.add(backend, uncached, self.prefill_rate(backend))
 
     def _index_now(self) -> float:
-        """The index's clock (monotonic in memory, wall time with Redis, virtual in the sim)."""
-        clock: Any = getattr(self.index, "clock", None)
-        if clock is None:
-            clock = getattr(getattr(self.index, "local", None), "clock", time.time)
-        return float(clock())
+        """The index's clock (monotonic in memory, wall time with Redis, virtual in the sim);
+        wall time without an index."""
+        return time.time() if self.index is None else self.index.now()
 
     def observe(
         self,
@@ -326,12 +320,11 @@ class Router:
         fraction = None
         if cached_tokens is not None and input_tokens:
             fraction = cached_tokens / input_tokens
-        occupancy = getattr(self.index, "occupancy", None)
         outcome = Outcome(
             predicted_blocks=ctx.matched_blocks.get(backend, 0),
             prompt_blocks=len(ctx.prefix_blocks),
             cached_fraction=fraction,
-            occupancy=occupancy(backend) if occupancy is not None else 0,
+            occupancy=self.index.occupancy(backend),
             ghost_blocks=ctx.ghost_blocks,
             recorded_age_s=ctx.recorded_age_s,
             ttft_s=ttft_s if ttft_s is not None else settle_s,
