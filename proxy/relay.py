@@ -45,6 +45,7 @@ from proxy.upstream import (
     READ_ERRORS,
     UpstreamOverBudget,
     UpstreamResponseTooLarge,
+    UpstreamTimeout,
 )
 
 if TYPE_CHECKING:
@@ -288,7 +289,7 @@ class Relay:
                 raise Retry(
                     "the client left before the first byte", "cancelled", "cancelled"
                 ) from None
-            if isinstance(e, TimeoutError):
+            if isinstance(e, UpstreamTimeout):
                 raise Retry(f"no first byte: {describe(e)}", "timeout", "timeout") from None
             raise Retry(f"no first byte: {describe(e)}", "stream_error", "protocol") from None
         if not data:
@@ -298,7 +299,7 @@ class Relay:
                 "the backend closed the stream before sending anything", "empty_stream", "protocol"
             )
         self.fleet.mark_success(backend)  # the first byte, not the head: the engine works
-        upstream.set_read_timeout(self.idle_s)
+        upstream.idle_budget(self.idle_s)
 
         error: str | None = None
         reason = ""
@@ -366,7 +367,7 @@ class Relay:
                 except READ_ERRORS as e:
                     if ex.client_gone:
                         break
-                    timed_out = isinstance(e, TimeoutError)
+                    timed_out = isinstance(e, UpstreamTimeout)
                     error = IDLE_TIMEOUT if timed_out else STREAM_CUT
                     reason = (
                         f"no complete event from {backend.name} for {self.idle_s:g}s"

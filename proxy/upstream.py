@@ -47,12 +47,15 @@ from proxy.upstream_conn import (
     UpstreamConnectTimeout,
     UpstreamDisconnected,
     UpstreamError,
+    UpstreamFirstByteTimeout,
     UpstreamHeadTooLarge,
+    UpstreamIdleTimeout,
     UpstreamOverBudget,
     UpstreamPayloadError,
     UpstreamProtocolError,
     UpstreamResponse,
     UpstreamResponseTooLarge,
+    UpstreamTimeout,
 )
 
 __all__ = [
@@ -76,12 +79,15 @@ __all__ = [
     "UpstreamConnectTimeout",
     "UpstreamDisconnected",
     "UpstreamError",
+    "UpstreamFirstByteTimeout",
     "UpstreamHeadTooLarge",
+    "UpstreamIdleTimeout",
     "UpstreamOverBudget",
     "UpstreamPayloadError",
     "UpstreamProtocolError",
     "UpstreamResponse",
     "UpstreamResponseTooLarge",
+    "UpstreamTimeout",
     "client_ssl_context",
 ]
 
@@ -384,7 +390,7 @@ class Upstream:
     @staticmethod
     def set_read_timeout(resp: UpstreamResponse, seconds: float) -> None:
         """Switch a live response from the first-byte budget to the idle budget."""
-        resp.set_read_timeout(seconds)
+        resp.idle_budget(seconds)
 
 
 def _expire(idle: deque[Connection], now: float) -> None:

@@ -44,8 +44,10 @@ Errors, typed so the retry policy (proxy/retry.py) can tell them apart:
   (upstream.max_response_bytes), or a Content-Length that says it will be; the connection is
   closed at once, the rest never read. UpstreamOverBudget (a subclass): a whole body that
   would take the bytes all whole bodies hold at once past the proxy's budget (BodyBudget).
-- TimeoutError: the read deadline passed (above): no first body byte within the first-byte
-  budget, or no progress within the idle budget once the forwarder switched to it.
+- UpstreamTimeout (a TimeoutError): the read deadline passed (above).
+  UpstreamFirstByteTimeout: no response head and first body byte within the first-byte
+  budget; UpstreamIdleTimeout: no progress within the idle budget, once the reader switched
+  to it at the first body byte (`idle_budget`).
 
 Trailers of a chunked response are never merged into its headers (llhttp reports them after
 the body; they are dropped).
@@ -115,6 +117,19 @@ class UpstreamError(Exception):
     """Any failure of the upstream exchange other than a timeout."""
 
 
+class UpstreamTimeout(TimeoutError):
+    """A read deadline passed (a TimeoutError, so what catches those catches it)."""
+
+
+class UpstreamFirstByteTimeout(UpstreamTimeout):
+    """No response head and first body byte within the first-byte budget of the request."""
+
+
+class UpstreamIdleTimeout(UpstreamTimeout):
+    """The response had started: no progress within the idle budget (a complete event for a
+    stream, the whole body for a read())."""
+
+
 class UpstreamConnectError(UpstreamError):
     """The backend refused or could not be reached; nothing was sent."""
 
@@ -162,7 +177,7 @@ class UpstreamOverBudget(UpstreamResponseTooLarge):
 REFUSED_ERRORS: tuple[type[BaseException], ...] = (UpstreamConnectError,)
 CONNECT_ERRORS: tuple[type[BaseException], ...] = (UpstreamConnectError, UpstreamDisconnected)
 # Errors while reading a response that has started.
-READ_ERRORS: tuple[type[BaseException], ...] = (UpstreamError, TimeoutError)
+READ_ERRORS: tuple[type[BaseException], ...] = (UpstreamError, UpstreamTimeout)
 
 
 class Pool(Protocol):
@@ -201,6 +216,7 @@ class Connection(asyncio.Protocol):
         "parser",
         "read_timeout",
         "reused",
+        "timeout_error",
         "transport",
     )
 
@@ -227,6 +243,8 @@ class Connection(asyncio.Protocol):
         self._buffered = 0
         self._eof = False
         self.error: BaseException | None = None
+        # What the read deadline means: the first-byte budget until the reader switches.
+        self.timeout_error: type[UpstreamTimeout] = UpstreamFirstByteTimeout
         self._waiter: asyncio.Future[None] | None = None
         self._received = False
         self._until_eof = False
@@ -430,7 +448,7 @@ class Connection(asyncio.Protocol):
         if self._buffer:  # unread body bytes: the reader is behind, not the backend
             self._schedule(now + self.read_timeout)
             return
-        self._fail(TimeoutError(f"no progress within {self.read_timeout:g}s"))
+        self._fail(self.timeout_error(f"no progress within {self.read_timeout:g}s"))
 
     def abort(self) -> None:
         self.closed = True
@@ -536,7 +554,7 @@ class UpstreamResponse:
                 if not data:
                     break
                 if not parts and self.body_s:  # its first byte: the whole body's deadline
-                    self.set_read_timeout(self.body_s)
+                    self.idle_budget(self.body_s)
                 parts.append(data)
                 size += len(data)
                 if limit < 0 and size > cap:
@@ -593,6 +611,12 @@ class UpstreamResponse:
         c._fail(exc)
         c.abort()
         return exc
+
+    def idle_budget(self, seconds: float) -> None:
+        """The first body byte arrived: from now the read deadline is the idle budget,
+        `seconds` from each progress (set_read_timeout), and a timeout is an idle one."""
+        self._conn.timeout_error = UpstreamIdleTimeout
+        self.set_read_timeout(seconds)
 
     def set_read_timeout(self, seconds: float) -> None:
         """Progress: the read deadline moves to `seconds` from now. The relay switches from

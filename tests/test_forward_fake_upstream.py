@@ -24,6 +24,8 @@ from proxy.upstream import (
     Target,
     UpstreamConnectError,
     UpstreamDisconnected,
+    UpstreamFirstByteTimeout,
+    UpstreamIdleTimeout,
     UpstreamPayloadError,
     UpstreamProtocolError,
 )
@@ -54,6 +56,9 @@ class FakeResponse:
         while data := await self.readany():
             out += data
         return out
+
+    def idle_budget(self, seconds: float) -> None:
+        pass
 
     def set_read_timeout(self, seconds: float) -> None:
         pass
@@ -428,7 +433,9 @@ async def test_a_backend_that_sends_a_head_and_no_first_byte_is_ejected() -> Non
     # vLLM answers a streaming request's head before its first token: a wedged engine keeps
     # answering heads, so only the first byte says it works.
     def head_only() -> FakeResponse:
-        return FakeResponse(200, [], TimeoutError("no data within the first-byte timeout"))
+        return FakeResponse(
+            200, [], UpstreamFirstByteTimeout("no data within the first-byte timeout")
+        )
 
     app, fake = _app(
         {SICK: [head_only], OTHER: [_ok]},
@@ -444,7 +451,7 @@ async def test_a_backend_that_sends_a_head_and_no_first_byte_is_ejected() -> Non
 
 async def test_a_stream_that_breaks_after_its_first_byte_counts_against_its_backend() -> None:
     def idles() -> FakeResponse:
-        return FakeResponse(200, [CHUNK], TimeoutError("no data for 60 s"))
+        return FakeResponse(200, [CHUNK], UpstreamIdleTimeout("no data for 60 s"))
 
     def cut() -> FakeResponse:
         return FakeResponse(200, [CHUNK], UpstreamPayloadError("Response payload cut"))

@@ -14,7 +14,10 @@ from proxy.upstream import (
     Upstream,
     UpstreamConnectError,
     UpstreamDisconnected,
+    UpstreamFirstByteTimeout,
+    UpstreamIdleTimeout,
     UpstreamPayloadError,
+    UpstreamTimeout,
 )
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -186,6 +189,37 @@ def test_timeouts_first_byte_then_idle() -> None:
             await resp.readany()
         assert loop.time() - t < 1
         resp.release()
+
+    asyncio.run(_with_server(handler, body))
+
+
+@pytest.mark.e2e
+def test_a_timeout_says_which_budget_ran_out() -> None:
+    """The relay tells a backend that never started from one that stalled mid-stream by the
+    error's class, not by where it caught it."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await _read_request(reader)
+        if b"/slow" not in head:
+            writer.write(CHUNKED + _chunk(b"first"))
+            await writer.drain()
+        await asyncio.sleep(3)
+        writer.close()
+
+    async def body(url: str, client: Upstream) -> None:
+        with pytest.raises(UpstreamFirstByteTimeout):
+            await client.post(client.url(url, "/slow"), b"{}", {})
+        resp = await client.post(client.url(url, "/stall"), b"{}", {})
+        assert await resp.readany() == b"first"
+        resp.idle_budget(0.2)
+        with pytest.raises(UpstreamIdleTimeout) as idle:
+            await resp.readany()
+        assert not isinstance(idle.value, UpstreamFirstByteTimeout)
+        assert isinstance(idle.value, UpstreamTimeout) and isinstance(idle.value, TimeoutError)
+        resp.release()
+        # the next request's deadline is a first-byte one again
+        with pytest.raises(UpstreamFirstByteTimeout):
+            await client.post(client.url(url, "/slow"), b"{}", {})
 
     asyncio.run(_with_server(handler, body))
 
