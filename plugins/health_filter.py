@@ -10,10 +10,11 @@ from itertools import compress
 from operator import attrgetter
 from typing import Any
 
-from proxy.routing.types import BackendView, RouteContext
+from proxy.routing.types import BackendView, Dropped, RouteContext, Verdict
 
 _BOUND = attrgetter("max_inflight")
 _HEALTHY = attrgetter("healthy")
+UNHEALTHY = Dropped(Verdict.UNHEALTHY, "unhealthy")
 
 
 class HealthFilter:
@@ -33,7 +34,8 @@ class HealthFilter:
             if not all(free):
                 for b, ok in zip(candidates, free, strict=True):
                     if not ok:
-                        dropped[b.name] = f"at its in-flight bound ({b.max_inflight})"
+                        why = f"at its in-flight bound ({b.max_inflight})"
+                        dropped[b.name] = Dropped(Verdict.AT_BOUND, why)
                 candidates = list(compress(candidates, free))
         healthy = list(map(_HEALTHY, candidates))
         if all(healthy) or not any(healthy):
@@ -41,7 +43,7 @@ class HealthFilter:
             return candidates
         for b, ok in zip(candidates, healthy, strict=True):
             if not ok:
-                dropped[b.name] = "unhealthy"
+                dropped[b.name] = UNHEALTHY
         return list(compress(candidates, healthy))
 
 

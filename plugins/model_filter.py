@@ -11,7 +11,7 @@ from itertools import compress
 from operator import attrgetter
 from typing import Any
 
-from proxy.routing.types import BackendView, RouteContext
+from proxy.routing.types import BackendView, Dropped, RouteContext, Verdict
 
 _MODELS = attrgetter("models")
 
@@ -33,9 +33,10 @@ class ModelFilter:
         if all(verdict.values()):
             return candidates
         serves = list(map(verdict.__getitem__, lists))
+        why = Dropped(Verdict.MODEL, f"does not serve model {model!r}")
         for b, ok in zip(candidates, serves, strict=True):
             if not ok:
-                dropped[b.name] = f"does not serve model {model!r}"
+                dropped[b.name] = why
         return list(compress(candidates, serves))
 
 

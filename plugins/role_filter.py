@@ -8,7 +8,7 @@ from itertools import compress
 from operator import attrgetter
 from typing import Any
 
-from proxy.routing.types import ROLE_REASON_PREFIX, BackendView, RouteContext
+from proxy.routing.types import BackendView, Dropped, RouteContext, Verdict
 
 _ROLE = attrgetter("role")
 
@@ -38,7 +38,8 @@ class RoleFilter:
         allowed = ", ".join(self.roles)
         for b, ok in zip(candidates, keep, strict=True):
             if not ok:
-                dropped[b.name] = f"{ROLE_REASON_PREFIX}{b.role} is not one of {allowed}"
+                why = f"role {b.role} is not one of {allowed}"
+                dropped[b.name] = Dropped(Verdict.ROLE, why)
         return list(compress(candidates, keep))
 
 

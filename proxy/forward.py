@@ -48,7 +48,7 @@ from proxy.intake import parse, too_large, with_include_usage
 from proxy.redact import quote, sane_request_id
 from proxy.relay import Relay, internal_error, respond, upstream_headers
 from proxy.retry import RETRYABLE_STATUS, Resume, Retry, RetryPolicy, classify, retry_after_s
-from proxy.routing.types import RouteContext
+from proxy.routing.types import RouteContext, Verdict, verdict_of
 from proxy.state import Fleet, Recorder, RequestRouting, UpstreamClient, start_record
 from proxy.upstream import CONNECT_ERRORS, UpstreamProtocolError
 
@@ -173,7 +173,7 @@ class ProxyEndpoint:
             reasons = decision.filtered_out
             # a filter's reason may quote the client's model (plugins/model_filter.py)
             why = "; ".join(f"{k}: {quote(v)}" for k, v in reasons.items()) or "none configured"
-            if reasons and all(v.startswith("at its in-flight bound") for v in reasons.values()):
+            if reasons and all(verdict_of(v) is Verdict.AT_BOUND for v in reasons.values()):
                 # Overload, not an outage: the client may come back in a moment.
                 await self._fail(
                     ex,

@@ -60,7 +60,7 @@ from proxy.disagg.window import RequestFacts, itl_quantiles
 from proxy.exchange import Exchange
 from proxy.relay import upstream_headers
 from proxy.retry import Resume, Retry, describe
-from proxy.routing.types import ROLE_REASON_PREFIX
+from proxy.routing.types import Verdict, verdict_of
 
 if TYPE_CHECKING:
     from proxy.backends import Backend
@@ -283,9 +283,7 @@ class PdFlows:
         members = set(pool)
         out = [n for n in ranking if n in members]
         dropped = ex.decision.filtered_out if ex.decision is not None else {}
-        aside = [
-            n for n in pool if n not in out and dropped.get(n, "").startswith(ROLE_REASON_PREFIX)
-        ]
+        aside = [n for n in pool if n not in out and verdict_of(dropped.get(n, "")) is Verdict.ROLE]
         if aside:
             model = str(ex.body.get("model", ""))
             views = {v.name: v for v in self.steering.views()}

@@ -9,7 +9,15 @@ import proxy.routing.types as routing_types
 from plugins.health_filter import HealthFilter
 from plugins.model_filter import ModelFilter
 from plugins.role_filter import RoleFilter
-from proxy.routing.types import MODEL_LISTS_KEPT, BackendView, EngineLoad, RouteContext, one_copy
+from proxy.routing.types import (
+    MODEL_LISTS_KEPT,
+    BackendView,
+    EngineLoad,
+    RouteContext,
+    Verdict,
+    one_copy,
+    verdict_of,
+)
 
 CTX = RouteContext("r1", "m", "chat", {"model": "m", "messages": []}, {}, 0.0)
 
@@ -87,3 +95,23 @@ def test_equal_model_lists_are_one_object_and_the_table_stays_bounded() -> None:
     for i in range(MODEL_LISTS_KEPT + 5):
         one_copy(frozenset({f"made-up-{i}"}))
     assert len(routing_types._MODEL_LISTS) <= MODEL_LISTS_KEPT
+
+
+def test_each_filter_says_its_verdict_beside_its_reason() -> None:
+    """What the proxy decides from a drop (429 or 503, the P/D flows' role pools) reads the
+    verdict; the text stays what operators read."""
+    dropped: dict[str, str] = {}
+    bound = replace(view("full"), inflight=2, max_inflight=2)
+    fleet = [bound, view("sick", healthy=False), view("p", role="prefill"), view("a")]
+    fleet.append(replace(view("o"), models=frozenset({"other"})))
+    kept = ModelFilter().filter(CTX, fleet, dropped)
+    kept = HealthFilter().filter(CTX, kept, dropped)
+    kept = RoleFilter().filter(CTX, kept, dropped)
+    assert [b.name for b in kept] == ["a"]
+    assert {n: verdict_of(r) for n, r in dropped.items()} == {
+        "full": Verdict.AT_BOUND,
+        "sick": Verdict.UNHEALTHY,
+        "p": Verdict.ROLE,
+        "o": Verdict.MODEL,
+    }
+    assert dropped["full"] == "at its in-flight bound (2)" and verdict_of("unhealthy") is None

@@ -20,6 +20,7 @@ import pytest
 from proxy.app import create_app
 from proxy.config import load_config
 from proxy.relay import event_boundary
+from proxy.routing.types import Dropped, Verdict
 from proxy.upstream import (
     Target,
     UpstreamConnectError,
@@ -342,6 +343,36 @@ async def test_every_backend_at_its_inflight_bound_answers_429_with_retry_after(
     assert orjson.loads(body)["error"]["code"] == "backends_at_capacity"
     release.set()
     assert [s for s, _, _ in await asyncio.gather(*busy)] == [200, 200]
+
+
+class _SetAside:
+    """A filter that sets every backend aside with one reason."""
+
+    name = "set_aside"
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def filter(self, ctx: Any, candidates: list[Any], dropped: dict[str, str]) -> list[Any]:
+        dropped.update(dict.fromkeys((b.name for b in candidates), self.reason))
+        return []
+
+
+@pytest.mark.parametrize(
+    ("reason", "status", "code"),
+    [
+        (Dropped(Verdict.AT_BOUND, "queue full"), 429, "backends_at_capacity"),
+        ("at its in-flight bound (1)", 503, "no_backend"),  # a text alone is not acted on
+    ],
+)
+async def test_the_429_follows_the_filters_verdict_not_its_words(
+    reason: str, status: int, code: str
+) -> None:
+    app, fake = _app({"127.0.0.1:9101": [_ok], "127.0.0.1:9102": [_ok]})
+    app.state.routing.router.policy.filters.append(_SetAside(reason))
+    got, body, _ = await _call(app, _chat())
+    assert (got, orjson.loads(body)["error"]["code"]) == (status, code)
+    assert fake.calls == []
 
 
 # -- passive health: what an attempt's outcome says about its backend --------------------------

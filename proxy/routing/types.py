@@ -9,12 +9,39 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
-# How a filter's reason begins when it kept a prefill- or decode-role backend from whole
-# requests (plugins/role_filter.py writes it; the P/D flows look for it to take such backends
-# back for their own legs).
-ROLE_REASON_PREFIX = "role "
+
+class Verdict(StrEnum):
+    """Why a filter set a backend aside. What is decided from a drop — a 429 when every
+    backend is at its in-flight bound rather than a 503, the P/D flows taking back the
+    backends only the role filter set aside — tests the verdict, never the reason's text."""
+
+    AT_BOUND = "at_bound"  # at its configured in-flight bound: overload, not an outage
+    UNHEALTHY = "unhealthy"
+    ROLE = "role"  # a prefill- or decode-role backend kept from whole requests
+    MODEL = "model"  # does not serve the requested model
+
+
+class Dropped(str):
+    """A filter's reason for setting a backend aside: the text operators read (explain, the
+    span) and its verdict. A plain string from a third-party filter has no verdict."""
+
+    verdict: Verdict
+
+    def __new__(cls, verdict: Verdict, text: str) -> Dropped:
+        self = super().__new__(cls, text)
+        self.verdict = verdict
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Dropped, (self.verdict, str(self)))
+
+
+def verdict_of(reason: str) -> Verdict | None:
+    """The verdict behind a filter's reason (None: a filter that gave text alone)."""
+    return reason.verdict if isinstance(reason, Dropped) else None
 
 
 @dataclass(slots=True)
@@ -259,7 +286,8 @@ class Filter(Protocol):
     def filter(
         self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]
     ) -> list[BackendView]:
-        """Return the candidates that may serve ctx; note each dropped one and why."""
+        """Return the candidates that may serve ctx; note each dropped one and why (a
+        `Dropped`, whose verdict the proxy acts on; a plain string is shown, not acted on)."""
         ...
 
 
