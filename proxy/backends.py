@@ -25,6 +25,7 @@ from proxy import engines
 from proxy.config import BackendConfig, Config, HealthConfig
 from proxy.outlier import Breaker
 from proxy.routing.types import BackendView, EngineLoad, one_copy
+from proxy.types import FailureKind
 
 log = logging.getLogger("warmroute.backends")
 
@@ -394,11 +395,11 @@ class BackendRegistry:
         if backend.breaker is not None:
             backend.breaker.on_attempt()
 
-    def mark_failure(self, backend: Backend, reason: str, *, kind: str) -> None:
+    def mark_failure(self, backend: Backend, reason: str, *, kind: FailureKind) -> None:
         """A failed attempt of kind `kind` (proxy/retry.py's Retry.kind). A cancelled one (the
         client left, shutdown) says nothing of the backend: only a half-open probe hears of it."""
         breaker = backend.breaker
-        if kind != "cancelled":
+        if kind != FailureKind.CANCELLED:
             backend.failures += 1
             backend.last_error = reason
         now = time.monotonic()

@@ -50,6 +50,7 @@ from proxy.relay import Relay, internal_error, respond, upstream_headers
 from proxy.retry import RETRYABLE_STATUS, Resume, Retry, RetryPolicy, classify, retry_after_s
 from proxy.routing.types import RouteContext, Verdict, verdict_of
 from proxy.state import Fleet, Recorder, RequestRouting, UpstreamClient, start_record
+from proxy.types import FailureKind
 from proxy.upstream import CONNECT_ERRORS, UpstreamProtocolError
 
 if TYPE_CHECKING:
@@ -273,7 +274,7 @@ class ProxyEndpoint:
             try:
                 if backend is None:  # ranked before it left the fleet
                     ex.attempts.append(name)  # tried, as far as where-next is concerned
-                    raise Retry("it left the fleet", "backend_gone", "gone")
+                    raise Retry("it left the fleet", "backend_gone", FailureKind.GONE)
                 return name, await self._attempt(ex, backend, record, send, fresh, body)
             except Retry as r:
                 failures.append(f"{name}: {r.reason}")
@@ -281,7 +282,7 @@ class ProxyEndpoint:
                     waits.append(r.retry_after_s)
                 else:
                     other = True
-                kind = "overloaded" if r.status == 429 else r.kind
+                kind = FailureKind.OVERLOADED if r.status == 429 else r.kind
                 if backend is not None:
                     fw.fleet.mark_failure(backend, r.reason, kind=kind)
                 if ex.client_gone:
@@ -289,7 +290,7 @@ class ProxyEndpoint:
                 nxt, why_not = policy.next(
                     r, name, ranking, ex.attempts, time.perf_counter(), deadline
                 )
-                if nxt is None and r.kind == "gone" and ex.ctx is not None:
+                if nxt is None and r.kind == FailureKind.GONE and ex.ctx is not None:
                     # Its ranking was made for a fleet that has changed since: rank again.
                     ranking = [*ex.attempts, *await self._reranked(ex)]
                     nxt, why_not = policy.next(
@@ -424,7 +425,7 @@ class ProxyEndpoint:
             raise Retry(
                 f"HTTP {upstream.status}{detail}",
                 f"http_{upstream.status}",
-                "status",
+                FailureKind.STATUS,
                 upstream.status,
                 wait,
             )
@@ -477,7 +478,9 @@ class ProxyEndpoint:
             cut = ex.cut_reason
             if cut is None or ex.started_response or ex.client_gone:
                 if not ex.started_response:
-                    fw.fleet.mark_failure(backend, "attempt cut before an answer", kind="cancelled")
+                    fw.fleet.mark_failure(
+                        backend, "attempt cut before an answer", kind=FailureKind.CANCELLED
+                    )
                 raise
             # Its backend left the fleet before answering: nothing reached the client, so the
             # request goes on elsewhere, as after any failure before the first byte.
@@ -486,13 +489,13 @@ class ProxyEndpoint:
                 task.uncancel()
             ex.cut_reason = None
             attempt.fail(cut[0], None)
-            raise Retry(cut[1], cut[0], "gone") from None
+            raise Retry(cut[1], cut[0], FailureKind.GONE) from None
         except BaseException as e:
             if not ex.started_response:
                 # Cut before any verdict (the client left, shutdown, a bug): none to give, but
                 # a half-open breaker must hear that its probe is over.
                 reason = f"attempt ended before an answer ({type(e).__name__})"
-                fw.fleet.mark_failure(backend, reason, kind="cancelled")
+                fw.fleet.mark_failure(backend, reason, kind=FailureKind.CANCELLED)
             raise
         finally:
             backend.detach(ex)

@@ -25,12 +25,23 @@ import logging
 from dataclasses import dataclass
 
 from proxy.config import OutlierConfig
+from proxy.types import FailureKind
 
 log = logging.getLogger("warmroute.outlier")
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
-IMMEDIATE_KINDS = frozenset({"connect"})
-COUNTED_KINDS = frozenset({"connect", "connect_timeout", "timeout", "status", "protocol"})
+# A refused connection ejects at once; these count towards consecutive_failures; any other
+# kind (overloaded, reused, too_large, gone, cancelled) says nothing about the backend.
+IMMEDIATE_KINDS = frozenset({FailureKind.CONNECT})
+COUNTED_KINDS = frozenset(
+    {
+        FailureKind.CONNECT,
+        FailureKind.CONNECT_TIMEOUT,
+        FailureKind.TIMEOUT,
+        FailureKind.STATUS,
+        FailureKind.PROTOCOL,
+    }
+)
 
 
 @dataclass
@@ -45,7 +56,7 @@ class Breaker:
     held_since: float | None = None  # the first request kept off by the probe in flight
     ejected_s: float = 0.0  # the length of the last ejection: how long a probe may stay out
     lost_probes: int = 0
-    last_kind: str | None = None
+    last_kind: FailureKind | None = None
     name: str = ""  # the backend's, for the log
 
     def allows(self, now: float) -> bool:
@@ -81,7 +92,7 @@ class Breaker:
             self.probe_out = True
             self.held_since = None
 
-    def failure(self, kind: str, now: float) -> bool:
+    def failure(self, kind: FailureKind, now: float) -> bool:
         """Count a failed attempt; True when this one ejected the backend.
 
         A kind that says nothing about the backend (overloaded, reused, cancelled) is no
@@ -119,7 +130,7 @@ class Breaker:
         self.probe_out = False
         self.held_since = None
 
-    def _eject(self, now: float, kind: str) -> None:
+    def _eject(self, now: float, kind: FailureKind) -> None:
         self.ejections += 1
         base = self.cfg.ejection_s
         if kind in IMMEDIATE_KINDS and self.first_ejection_s is not None:

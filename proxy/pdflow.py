@@ -61,6 +61,7 @@ from proxy.exchange import Exchange
 from proxy.relay import upstream_headers
 from proxy.retry import Resume, Retry, describe
 from proxy.routing.types import Verdict, verdict_of
+from proxy.types import FailureKind
 
 if TYPE_CHECKING:
     from proxy.backends import Backend
@@ -365,7 +366,7 @@ class PdFlows:
                 raise Retry(
                     "its answer carried no kv_transfer_params (is a KV connector configured?)",
                     "pd_no_kv_params",
-                    "protocol",
+                    FailureKind.PROTOCOL,
                 )
         except Retry as r:
             self._count("prefill_failed")
@@ -456,10 +457,12 @@ class PdFlows:
             upstream = await legs.open_leg(ex, backend, body, headers)
             try:
                 if upstream.status != 200:
-                    raise Retry(f"HTTP {upstream.status}", f"http_{upstream.status}", "status")
+                    status = upstream.status
+                    raise Retry(f"HTTP {status}", f"http_{status}", FailureKind.STATUS)
                 payload = await upstream.read(PREFILL_ANSWER_LIMIT)
             except (TimeoutError, OSError, ValueError) as e:
-                raise Retry(f"its answer broke off: {describe(e)}", "body_error", "protocol") from e
+                why = f"its answer broke off: {describe(e)}"
+                raise Retry(why, "body_error", FailureKind.PROTOCOL) from e
             finally:
                 upstream.release()  # an answer not read to its end closes the connection
             try:
@@ -474,12 +477,12 @@ class PdFlows:
             self.fleet.mark_failure(backend, r.reason, kind=r.kind)
             raise
         except Exception as e:  # upstream read errors are typed UpstreamError
-            other = Retry(describe(e), "prefill_error", "protocol")
+            other = Retry(describe(e), "prefill_error", FailureKind.PROTOCOL)
             attempt.fail(other.error_type)
             self.fleet.mark_failure(backend, other.reason, kind=other.kind)
             raise other from e
         except BaseException as e:  # cut: no verdict, but a half-open probe must hear it ended
-            self.fleet.mark_failure(backend, type(e).__name__, kind="cancelled")
+            self.fleet.mark_failure(backend, type(e).__name__, kind=FailureKind.CANCELLED)
             raise
         finally:
             self.ctl.prefill_ended(key, self.clock())

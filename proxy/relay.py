@@ -39,6 +39,7 @@ from proxy.exchange import Exchange
 from proxy.meter import MAX_EVENT_BYTES, EventTooLarge, StreamFacts, StreamMeter, meter_json
 from proxy.retry import Retry, describe
 from proxy.sse import event_boundary
+from proxy.types import FailureKind
 from proxy.upstream import (
     NOT_FORWARDED_DOWNSTREAM_B,
     NOT_FORWARDED_UPSTREAM,
@@ -178,9 +179,11 @@ class Relay:
             return None
         except READ_ERRORS as e:
             if ex.client_gone:  # its watcher closed the upstream: nothing to judge it by
-                raise Retry("the client left before the answer", "cancelled", "cancelled") from None
+                raise Retry(
+                    "the client left before the answer", "cancelled", FailureKind.CANCELLED
+                ) from None
             raise Retry(
-                f"response body broke off: {describe(e)}", "body_error", "protocol"
+                f"response body broke off: {describe(e)}", "body_error", FailureKind.PROTOCOL
             ) from None
         status = upstream.status
         headers = response_headers(ex, backend, upstream, self.debug_headers)
@@ -252,7 +255,7 @@ class Relay:
         status = 503 if over else 502
         log.warning("request %s: %s Answered %d (%s).", ex.request_id, reason, status, code)
         upstream.close()
-        kind = "too_large" if over or code == RESPONSE_TOO_LARGE else "protocol"
+        kind = FailureKind.TOO_LARGE if over or code == RESPONSE_TOO_LARGE else FailureKind.PROTOCOL
         self.fleet.mark_failure(backend, reason, kind=kind)
         body = error_body(reason, "server_error", None, code)
         extra = ((b"retry-after", OVER_BUDGET_RETRY_AFTER_S),) if over else ()
@@ -287,16 +290,24 @@ class Relay:
         except READ_ERRORS as e:
             if ex.client_gone:  # its watcher closed the upstream: nothing to judge it by
                 raise Retry(
-                    "the client left before the first byte", "cancelled", "cancelled"
+                    "the client left before the first byte", "cancelled", FailureKind.CANCELLED
                 ) from None
             if isinstance(e, UpstreamTimeout):
-                raise Retry(f"no first byte: {describe(e)}", "timeout", "timeout") from None
-            raise Retry(f"no first byte: {describe(e)}", "stream_error", "protocol") from None
+                raise Retry(
+                    f"no first byte: {describe(e)}", "timeout", FailureKind.TIMEOUT
+                ) from None
+            raise Retry(
+                f"no first byte: {describe(e)}", "stream_error", FailureKind.PROTOCOL
+            ) from None
         if not data:
             if ex.client_gone:
-                raise Retry("the client left before the first byte", "cancelled", "cancelled")
+                raise Retry(
+                    "the client left before the first byte", "cancelled", FailureKind.CANCELLED
+                )
             raise Retry(
-                "the backend closed the stream before sending anything", "empty_stream", "protocol"
+                "the backend closed the stream before sending anything",
+                "empty_stream",
+                FailureKind.PROTOCOL,
             )
         self.fleet.mark_success(backend)  # the first byte, not the head: the engine works
         upstream.idle_budget(self.idle_s)
@@ -448,7 +459,7 @@ class Relay:
             if error is not None:
                 # Broken after the first byte: the backend's failure, and an error event on
                 # an event boundary (what the meter still held back may end mid-event too).
-                kind = "timeout" if error == IDLE_TIMEOUT else "protocol"
+                kind = FailureKind.TIMEOUT if error == IDLE_TIMEOUT else FailureKind.PROTOCOL
                 self.fleet.mark_failure(backend, reason, kind=kind)
                 tail = tail[: event_boundary(tail)] + sse_error_event(reason, "server_error", error)
             await send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy.config import RetryConfig
+from proxy.types import FailureKind
 from proxy.upstream import (
     UpstreamConnectError,
     UpstreamConnectTimeout,
@@ -43,8 +44,6 @@ from proxy.upstream import (
 )
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
-# Failure kinds (Retry.kind) that count against a backend's passive health.
-EJECTING_KINDS = frozenset({"connect", "connect_timeout", "timeout", "status", "protocol"})
 
 
 RETRY_AFTER_MAX_S = 60.0  # a Retry-After past this is read as this (a backend, the API server)
@@ -61,19 +60,16 @@ def retry_after_s(value: str | None) -> float:
 class Retry(Exception):
     """This attempt failed before anything reached the client.
 
-    kind: connect (refused/unreachable), connect_timeout, reused (a pooled connection the
-    backend had closed), timeout (no response head or first byte in time), status (a
-    retryable HTTP status), protocol (not valid HTTP), stream (the body broke off or was
-    empty before its first byte), gone (the backend left the fleet before it answered:
-    proxy/fleet/, nothing said of its health). retry_after_s: a 429's Retry-After, in seconds
-    (0: none given).
+    kind: what the failure says of the backend (proxy.types.FailureKind): connect, reused,
+    timeout, status, protocol, gone, cancelled, ... retry_after_s: a 429's Retry-After, in
+    seconds (0: none given).
     """
 
     def __init__(
         self,
         reason: str,
         error_type: str,
-        kind: str,
+        kind: FailureKind,
         status: int | None = None,
         retry_after_s: float = 0.0,
     ):
@@ -89,19 +85,21 @@ def classify(e: BaseException) -> Retry:
     """The typed upstream failure of a request that was not answered, as a Retry."""
     text = describe(e)
     if isinstance(e, UpstreamConnectTimeout):
-        return Retry(text, "connect_timeout", "connect_timeout")
+        return Retry(text, "connect_timeout", FailureKind.CONNECT_TIMEOUT)
     if isinstance(e, UpstreamConnectError):
-        return Retry(text, "connect_error", "connect")
+        return Retry(text, "connect_error", FailureKind.CONNECT)
     if isinstance(e, UpstreamDisconnected):
         if e.reused:
-            return Retry(text, "connection_reset", "reused")
-        return Retry(text, "connection_reset", "protocol")
+            return Retry(text, "connection_reset", FailureKind.REUSED)
+        return Retry(text, "connection_reset", FailureKind.PROTOCOL)
     if isinstance(e, UpstreamProtocolError):
-        return Retry(f"invalid response from the backend: {text}", "protocol_error", "protocol")
+        why = f"invalid response from the backend: {text}"
+        return Retry(why, "protocol_error", FailureKind.PROTOCOL)
     if isinstance(e, TimeoutError):
-        return Retry("no response headers within the first-byte timeout", "timeout", "timeout")
+        why = "no response headers within the first-byte timeout"
+        return Retry(why, "timeout", FailureKind.TIMEOUT)
     if isinstance(e, UpstreamError):
-        return Retry(text, "upstream_error", "protocol")
+        return Retry(text, "upstream_error", FailureKind.PROTOCOL)
     raise TypeError(f"not an upstream failure: {e!r}")
 
 
@@ -212,7 +210,7 @@ class RetryPolicy:
         stop = self._stop(tried, now, deadline)
         if stop:
             return None, stop
-        if failure.kind == "reused" and tried.count(failed) == 1:
+        if failure.kind == FailureKind.REUSED and tried.count(failed) == 1:
             # The keep-alive race: the same backend, a new connection, no wait, no budget.
             return NextAttempt(failed, 0.0, fresh=True), ""
         return self._elsewhere(ranking, tried, now, deadline)
