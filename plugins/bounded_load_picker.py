@@ -37,9 +37,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import Field
+
 from plugins.predicted_ttft_scorer import PredictedTtftScorer
 from proxy.routing.rendezvous import hrw_order, key_of, split_by_load
-from proxy.routing.types import BackendView, RouteContext
+from proxy.routing.types import BackendView, PluginSettings, RouteContext
 
 
 class BoundedLoadPicker:
@@ -75,27 +77,44 @@ class BoundedLoadPicker:
         self.spill_ratio = spill_ratio
         self._ttft = PredictedTtftScorer()
 
+    class PlacementOptions(PluginSettings):
+        """The placement's knobs (proxy.routing.placement.Placement); unset: its defaults."""
+
+        fill: float | None = Field(None, gt=0, le=1)
+        imbalance: float | None = Field(None, ge=0)
+        rebalance_every: int | None = Field(None, ge=1)
+        max_keys: int | None = Field(None, ge=1)
+        copy_inflight: float | None = Field(None, gt=0)
+        shared: bool = True  # with Redis, replicas exchange homes and learned capacities
+
+    class Settings(PluginSettings):
+        epsilon: float = Field(1.0, ge=0)
+        affinity_blocks: int = Field(8, ge=1)
+        warm_blocks: int = Field(4, ge=1)
+        slack: int = Field(8, ge=0)
+        choices: int = Field(2, ge=1)
+        copy_load: float = Field(0.8, gt=0)
+        placement: bool = True
+        spill_ratio: float = Field(0.5, ge=0)
+        placement_options: BoundedLoadPicker.PlacementOptions = Field(
+            default_factory=lambda: BoundedLoadPicker.PlacementOptions()
+        )
+
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> BoundedLoadPicker:
-        known = {"fill", "imbalance", "rebalance_every", "max_keys", "copy_inflight", "shared"}
-        placement_cfg = {k: v for k, v in dict(cfg.get("placement_options", {})).items()}
-        shared = _flag(placement_cfg.pop("shared", True), "placement_options.shared")
-        unknown = set(placement_cfg) - known
-        if unknown:
-            raise ValueError(
-                f"bounded_load.placement_options: unknown key(s) {sorted(unknown)}; "
-                f"known: {sorted(known)}"
-            )
+        s = cls.Settings.of(cfg)
+        options = s.placement_options.model_dump(exclude_none=True)
+        shared = options.pop("shared")
         return cls(
-            epsilon=float(cfg.get("epsilon", 1.0)),
-            affinity_blocks=int(cfg.get("affinity_blocks", 8)),
-            warm_blocks=int(cfg.get("warm_blocks", 4)),
-            slack=int(cfg.get("slack", 8)),
-            choices=int(cfg.get("choices", 2)),
-            copy_load=float(cfg.get("copy_load", 0.8)),
-            placement=_flag(cfg.get("placement", True), "placement"),
-            spill_ratio=float(cfg.get("spill_ratio", 0.5)),
-            placement_config=placement_cfg,
+            epsilon=s.epsilon,
+            affinity_blocks=s.affinity_blocks,
+            warm_blocks=s.warm_blocks,
+            slack=s.slack,
+            choices=s.choices,
+            copy_load=s.copy_load,
+            placement=s.placement,
+            spill_ratio=s.spill_ratio,
+            placement_config=options,
             shared=shared,
         )
 
@@ -240,18 +259,6 @@ class BoundedLoadPicker:
             )
             return [alt.name] + [n for n in order if n != alt.name], reason
         return order, f"placed prefix: its home{of}, over the load bound but still cheapest"
-
-
-def _flag(value: Any, key: str) -> bool:
-    """A boolean option, also as the text an environment variable gives ("false", "0")."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"bounded_load.{key}: expected true or false, got {value!r}")
 
 
 def _long_queues(backends: list[BackendView], epsilon: float, slack: int) -> list[BackendView]:

@@ -10,7 +10,7 @@ from itertools import compress
 from operator import attrgetter
 from typing import Any
 
-from proxy.routing.types import BackendView, Dropped, RouteContext, Verdict
+from proxy.routing.types import BackendView, Dropped, PluginSettings, RouteContext, Verdict
 
 _BOUND = attrgetter("max_inflight")
 _HEALTHY = attrgetter("healthy")
@@ -20,6 +20,7 @@ UNHEALTHY = Dropped(Verdict.UNHEALTHY, "unhealthy")
 class HealthFilter:
     name = "health"
     kind = "filter"
+    Settings = PluginSettings  # no keys of its own: any key in its block is a mistake
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> HealthFilter:

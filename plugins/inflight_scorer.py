@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.routing.types import BackendView, RouteContext
+from proxy.routing.types import BackendView, PluginSettings, RouteContext
 
 
 class InflightScorer:
     name = "inflight"
     kind = "scorer"
+    Settings = PluginSettings  # no keys of its own: any key in its block is a mistake
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> InflightScorer:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.routing.types import BackendView, RouteContext
+from pydantic import Field
+
+from proxy.routing.types import BackendView, PluginSettings, RouteContext
 
 
 class KvUsageScorer:
@@ -18,9 +20,12 @@ class KvUsageScorer:
     def __init__(self, full: float = 0.95) -> None:
         self.full = full  # usage at or above which the backend scores 0
 
+    class Settings(PluginSettings):
+        full: float = Field(0.95, gt=0, le=1)  # KV usage that scores 0
+
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> KvUsageScorer:
-        return cls(full=float(cfg.get("full", 0.95)))
+        return cls(full=cls.Settings.of(cfg).full)
 
     def score(self, ctx: RouteContext, candidates: list[BackendView]) -> dict[str, float]:
         out = {}

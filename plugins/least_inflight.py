@@ -9,12 +9,13 @@ from plugins.inflight_scorer import InflightScorer
 from plugins.max_score_picker import MaxScorePicker
 from plugins.model_filter import ModelFilter
 from plugins.role_filter import RoleFilter
-from proxy.routing.types import Policy
+from proxy.routing.types import PluginSettings, Policy
 
 
 class LeastInflightPolicy:
     name = "least_inflight"
     kind = "policy"
+    Settings = PluginSettings  # no keys of its own: any key in its block is a mistake
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Policy:

@@ -6,7 +6,9 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.routing.types import BackendView, RouteContext
+from pydantic import Field
+
+from proxy.routing.types import BackendView, PluginSettings, RouteContext
 
 
 class MaxScorePicker:
@@ -17,9 +19,12 @@ class MaxScorePicker:
         self.tie_epsilon = tie_epsilon
         self._turn = itertools.count()
 
+    class Settings(PluginSettings):
+        tie_epsilon: float = Field(1e-9, gt=0)  # scores this close are a tie (rotated)
+
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> MaxScorePicker:
-        return cls(float(cfg.get("tie_epsilon", 1e-9)))
+        return cls(cls.Settings.of(cfg).tie_epsilon)
 
     def pick(
         self, ctx: RouteContext, candidates: list[BackendView], totals: Mapping[str, float]

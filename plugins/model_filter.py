@@ -11,7 +11,7 @@ from itertools import compress
 from operator import attrgetter
 from typing import Any
 
-from proxy.routing.types import BackendView, Dropped, RouteContext, Verdict
+from proxy.routing.types import BackendView, Dropped, PluginSettings, RouteContext, Verdict
 
 _MODELS = attrgetter("models")
 
@@ -19,6 +19,7 @@ _MODELS = attrgetter("models")
 class ModelFilter:
     name = "model"
     kind = "filter"
+    Settings = PluginSettings  # no keys of its own: any key in its block is a mistake
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelFilter:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field
+
 from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S
-from proxy.routing.types import BackendView, RouteContext
+from proxy.routing.types import BackendView, PluginSettings, RouteContext
 
 
 class PredictedTtftScorer:
@@ -34,16 +36,16 @@ class PredictedTtftScorer:
         self.chars_per_token = chars_per_token
         self.tau_s = tau_s
 
+    class Settings(PluginSettings):
+        # a backend's prefill rate until its own TTFTs are measured
+        default_tokens_per_s: float = Field(DEFAULT_PREFILL_TOKENS_PER_S, gt=0)
+        default_queue_item_s: float = Field(0.1, ge=0)  # a waiting request's prefill, unmeasured
+        chars_per_token: float = Field(4.0, gt=0)
+        tau_s: float = Field(0.02, gt=0)
+
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> PredictedTtftScorer:
-        return cls(
-            default_tokens_per_s=float(
-                cfg.get("default_tokens_per_s", DEFAULT_PREFILL_TOKENS_PER_S)
-            ),
-            default_queue_item_s=float(cfg.get("default_queue_item_s", 0.1)),
-            chars_per_token=float(cfg.get("chars_per_token", 4.0)),
-            tau_s=float(cfg.get("tau_s", 0.02)),
-        )
+        return cls(**cls.Settings.of(cfg).model_dump())
 
     def predict(self, ctx: RouteContext, b: BackendView, fallback_rate: float) -> float:
         prompt_tokens = ctx.prompt_chars / self.chars_per_token

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field, field_validator
+
 from plugins.bounded_load_picker import BoundedLoadPicker
 from plugins.health_filter import HealthFilter
 from plugins.inflight_scorer import InflightScorer
@@ -25,7 +27,7 @@ from plugins.predicted_ttft_scorer import PredictedTtftScorer
 from plugins.prefix_scorer import PrefixScorer
 from plugins.queue_scorer import QueueScorer
 from plugins.role_filter import RoleFilter
-from proxy.routing.types import Policy
+from proxy.routing.types import PluginSettings, Policy
 
 DEFAULT_WEIGHTS = {
     "prefix": 3.0,
@@ -44,16 +46,22 @@ class PrefixAwarePolicy:
     name = "prefix_aware"
     kind = "policy"
 
+    class Settings(PluginSettings):
+        # Each scorer's weight (0 leaves it out); unset ones keep DEFAULT_WEIGHTS.
+        weights: dict[str, float] = Field(default_factory=dict)
+
+        @field_validator("weights")
+        @classmethod
+        def _known_scorers(cls, weights: dict[str, float]) -> dict[str, float]:
+            unknown = set(weights) - set(SCORERS)
+            if unknown:
+                raise ValueError(f"unknown scorer(s) {sorted(unknown)}; known: {sorted(SCORERS)}")
+            return weights
+
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Policy:
         blocks: dict[str, Any] = cfg.get("plugins", {})
-        weights = {**DEFAULT_WEIGHTS, **{k: float(v) for k, v in cfg.get("weights", {}).items()}}
-        unknown = set(weights) - set(SCORERS)
-        if unknown:
-            raise ValueError(
-                f"routing.plugins.prefix_aware.weights: unknown scorer(s) {sorted(unknown)}; "
-                f"known: {sorted(SCORERS)}"
-            )
+        weights = {**DEFAULT_WEIGHTS, **cls.Settings.of(cfg).weights}
         scorers = [
             (SCORERS[n].from_config(blocks.get(n, {})), w) for n, w in weights.items() if w > 0
         ]

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.routing.types import BackendView, RouteContext
+from pydantic import Field
+
+from proxy.routing.types import BackendView, PluginSettings, RouteContext
 
 
 class PrefixScorer:
@@ -21,12 +23,14 @@ class PrefixScorer:
         self.half_tokens = half_tokens
         self.chars_per_token = chars_per_token
 
+    class Settings(PluginSettings):
+        half_tokens: float = Field(256.0, gt=0)  # matched tokens that score 0.5 next to none
+        chars_per_token: float = Field(4.0, gt=0)
+
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> PrefixScorer:
-        return cls(
-            half_tokens=float(cfg.get("half_tokens", 256.0)),
-            chars_per_token=float(cfg.get("chars_per_token", 4.0)),
-        )
+        s = cls.Settings.of(cfg)
+        return cls(half_tokens=s.half_tokens, chars_per_token=s.chars_per_token)
 
     def score(self, ctx: RouteContext, candidates: list[BackendView]) -> dict[str, float]:
         per_block = ctx.block_chars / self.chars_per_token

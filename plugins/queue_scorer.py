@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.routing.types import BackendView, RouteContext
+from pydantic import Field
+
+from proxy.routing.types import BackendView, PluginSettings, RouteContext
 
 
 class QueueScorer:
@@ -19,9 +21,12 @@ class QueueScorer:
     def __init__(self, half_queue: float = 2.0) -> None:
         self.half_queue = half_queue  # waiting requests at which the score is 0.5
 
+    class Settings(PluginSettings):
+        half_queue: float = Field(2.0, gt=0)  # waiting requests that score 0.5
+
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> QueueScorer:
-        return cls(half_queue=float(cfg.get("half_queue", 2.0)))
+        return cls(half_queue=cls.Settings.of(cfg).half_queue)
 
     def score(self, ctx: RouteContext, candidates: list[BackendView]) -> dict[str, float]:
         return {

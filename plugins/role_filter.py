@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from itertools import compress
 from operator import attrgetter
-from typing import Any
+from typing import Any, Literal
 
-from proxy.routing.types import BackendView, Dropped, RouteContext, Verdict
+from proxy.routing.types import BackendView, Dropped, PluginSettings, RouteContext, Verdict
 
 _ROLE = attrgetter("role")
 
@@ -21,9 +21,12 @@ class RoleFilter:
         self.roles = roles
         self._roles = frozenset(roles)
 
+    class Settings(PluginSettings):
+        roles: tuple[Literal["mixed", "prefill", "decode"], ...] = ("mixed",)
+
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> RoleFilter:
-        return cls(tuple(cfg.get("roles", ("mixed",))))
+        return cls(cls.Settings.of(cfg).roles)
 
     def filter(
         self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]

@@ -9,12 +9,13 @@ from typing import Any
 from plugins.health_filter import HealthFilter
 from plugins.model_filter import ModelFilter
 from plugins.role_filter import RoleFilter
-from proxy.routing.types import BackendView, Policy, RouteContext
+from proxy.routing.types import BackendView, PluginSettings, Policy, RouteContext
 
 
 class RoundRobinPicker:
     name = "round_robin_picker"
     kind = "picker"
+    Settings = PluginSettings  # no keys of its own: any key in its block is a mistake
 
     def __init__(self) -> None:
         self._turn = itertools.count()
@@ -36,6 +37,7 @@ class RoundRobinPicker:
 class RoundRobinPolicy:
     name = "round_robin"
     kind = "policy"
+    Settings = PluginSettings  # no keys of its own: any key in its block is a mistake
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Policy:

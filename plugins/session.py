@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import Field
+
 from plugins.health_filter import HealthFilter
 from plugins.inflight_scorer import InflightScorer
 from plugins.model_filter import ModelFilter
 from plugins.role_filter import RoleFilter
 from proxy.routing.rendezvous import hrw_order, key_of, split_by_load
-from proxy.routing.types import BackendView, Policy, RouteContext
+from proxy.routing.types import BackendView, PluginSettings, Policy, RouteContext
 
 
 class SessionPicker:
@@ -27,9 +29,14 @@ class SessionPicker:
         self.header = header.lower()
         self.epsilon = epsilon
 
+    class Settings(PluginSettings):
+        header: str = Field("x-session-id", min_length=1)  # the session's request header
+        epsilon: float = Field(0.5, ge=0)  # the load bound's slack (as bounded_load's)
+
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> SessionPicker:
-        return cls(str(cfg.get("header", "x-session-id")), float(cfg.get("epsilon", 0.5)))
+        s = cls.Settings.of(cfg)
+        return cls(s.header, s.epsilon)
 
     def session_of(self, ctx: RouteContext) -> str | None:
         if ctx.session_key:
@@ -62,6 +69,7 @@ class SessionPicker:
 class SessionPolicy:
     name = "session"
     kind = "policy"
+    Settings = SessionPicker.Settings  # its block configures its picker
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Policy:

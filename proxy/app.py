@@ -16,7 +16,7 @@ from starlette.routing import Mount, Route
 import plugins
 from proxy import handlers
 from proxy.backends import CONTROL_LIMITS, Backend, BackendRegistry
-from proxy.config import BackendConfig, Config, ConfigError
+from proxy.config import BackendConfig, Config, ConfigError, section_errors, unknown_key
 from proxy.doctor.http import backend_info
 from proxy.doctor.http import install as install_doctor
 from proxy.doctor.http import routes as doctor_routes
@@ -27,7 +27,7 @@ from proxy.fleet.reload import ConfigReloader
 from proxy.forward import API_PATHS, Forwarding, ProxyEndpoint
 from proxy.retry import RetryPolicy
 from proxy.routing.index import capacity_blocks_from_tokens
-from proxy.routing.setup import build_router, build_routing
+from proxy.routing.setup import block_errors, block_names, build_router, build_routing
 from proxy.state import AppState, RequestRouting
 from proxy.telemetry import Telemetry
 from proxy.upstream import Upstream, client_ssl_context
@@ -57,10 +57,25 @@ def check_config(config: Config) -> None:
             f"routing.policy: unknown policy {config.routing.policy!r}; choose one of: "
             + ", ".join(plugins.policy_names())
         )
+    _check_plugin_blocks(config)
     try:
         build_router(config.routing)
     except (KeyError, ValueError, TypeError) as e:
         raise ConfigError(f"routing.plugins: {e}") from None
+
+
+def _check_plugin_blocks(config: Config) -> None:
+    """Each `routing.plugins` block against its plugin's typed settings: a misspelt key or
+    block name, or a value of the wrong type, is reported as any other configuration key."""
+    lines: list[str] = []
+    for name, err, model in block_errors(config.routing.plugins):
+        at = ("routing", "plugins", name)
+        if err is None or model is None:
+            lines.append(f"  {'.'.join(at)}: {unknown_key(name, block_names())}")
+        else:
+            lines += section_errors(err, at, model).splitlines()[1:]
+    if lines:
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines))
 
 
 def create_app(

@@ -627,42 +627,56 @@ def describe_errors(err: ValidationError) -> str:
 
 
 def _describe(err: ValidationError) -> str:
-    return "invalid configuration:\n" + "\n".join(_lines(err))
+    return _describe_lines(_lines(err))
 
 
-def _lines(err: ValidationError) -> list[str]:
+def _lines(
+    err: ValidationError, at: tuple[str, ...] = (), root: type[BaseModel] | None = None
+) -> list[str]:
+    """`err`'s clauses; `at`: where the validated section sits in the whole configuration,
+    `root`: its model (the whole Config when not given)."""
     lines = []
     for e in err.errors():
-        loc = [p for p in e["loc"] if p not in _ENTRY_TAGS]  # the backend entry's kind
+        loc = [*at, *(p for p in e["loc"] if p not in _ENTRY_TAGS)]  # the backend entry's kind
         key = ".".join(str(p) for p in loc) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = _unknown_key(e["loc"])
+            msg = unknown_key(str(e["loc"][-1]), _keys_at(e["loc"][:-1], root or Config))
         elif "input" in e and not isinstance(e["input"], dict | list):
             msg += f" (got {e['input']!r})"
         lines.append(f"  {key}: {msg}")
     return lines
 
 
+def section_errors(err: ValidationError, at: tuple[str, ...], model: type[BaseModel]) -> str:
+    """A section validated on its own (a routing plugin's block, `model` its settings), in
+    the words of a configuration error: `key: what to fix`, keys from the top."""
+    return _describe_lines(_lines(err, at, model))
+
+
+def _describe_lines(lines: list[str]) -> str:
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
 EXAMPLE_FILE = "deploy/warmroute.example.yaml"
 
 
-def _unknown_key(loc: tuple[Any, ...]) -> str:
-    """The hint for a misspelt key: the closest valid key at its level, and the others."""
+def unknown_key(key: str, valid: list[str]) -> str:
+    """The hint for a misspelt key: the closest of the `valid` keys at its level, or all."""
     import difflib
 
-    valid = _keys_at(loc[:-1])
     if not valid:
         return f"unknown key; every key is listed in {EXAMPLE_FILE}"
-    close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if close:
         return f"unknown key; did you mean {close[0]!r}? (every key: {EXAMPLE_FILE})"
     return f"unknown key; valid here: {', '.join(valid)} (every key: {EXAMPLE_FILE})"
 
 
-def _keys_at(path: tuple[Any, ...]) -> list[str]:
-    """The keys of the section at `path` (a validation error's location), [] if unknown."""
-    model: type[BaseModel] | None = Config
+def _keys_at(path: tuple[Any, ...], root: type[BaseModel]) -> list[str]:
+    """The keys of the section at `path` (a validation error's location, from `root`), []
+    if unknown."""
+    model: type[BaseModel] | None = root
     for part in path:
         if isinstance(part, int):
             continue

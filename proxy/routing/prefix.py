@@ -23,9 +23,11 @@ from typing import Any
 
 import orjson
 import xxhash
+from pydantic import Field
 
 from proxy.access import TENANT
 from proxy.routing.template import ChatTemplate
+from proxy.routing.types import PluginSettings
 
 _h64 = xxhash.xxh3_64_intdigest
 # Separators that cannot be confused with ordinary text: one between messages, one between the
@@ -186,6 +188,17 @@ class PrefixKey:
     tokens: bool = False  # blocks of token ids (exact mode, or a token-id prompt): engine blocks
 
 
+class HasherSettings(PluginSettings):
+    """The hasher's keys in the `routing.plugins.prefix` block."""
+
+    block_chars: int = Field(DEFAULT_BLOCK_CHARS, gt=0)  # characters a block (approximate mode)
+    max_blocks: int = Field(DEFAULT_MAX_BLOCKS, gt=0)  # blocks hashed at most, from the start
+    tokenizer_file: str | None = None  # exact mode: the model's tokenizer.json
+    kv_block_tokens: int = Field(16, gt=0)  # exact mode: tokens a block (the engine's)
+    chars_per_token: float = Field(4.0, gt=0)
+    chat_template_file: str | None = None  # exact mode: render chats as the engine does
+
+
 class PrefixHasher:
     """Turns a parsed request body into a PrefixKey.
 
@@ -225,14 +238,7 @@ class PrefixHasher:
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> PrefixHasher:
-        return cls(
-            block_chars=int(cfg.get("block_chars", DEFAULT_BLOCK_CHARS)),
-            max_blocks=int(cfg.get("max_blocks", DEFAULT_MAX_BLOCKS)),
-            tokenizer_file=cfg.get("tokenizer_file"),
-            kv_block_tokens=int(cfg.get("kv_block_tokens", 16)),
-            chars_per_token=float(cfg.get("chars_per_token", 4.0)),
-            chat_template_file=cfg.get("chat_template_file"),
-        )
+        return cls(**HasherSettings.of(cfg).model_dump())
 
     @cached_property
     def _tokenizer(self) -> Any:

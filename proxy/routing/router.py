@@ -21,17 +21,27 @@ from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from typing import Any, Protocol
 
+from pydantic import Field
+
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.capacity import CapacityLearner, Outcome
 from proxy.routing.fleet import Fleet, FleetCache
-from proxy.routing.index import DEFAULT_CAPACITY_BLOCKS, PrefixIndex
+from proxy.routing.index import DEFAULT_CAPACITY_BLOCKS, DEFAULT_TTL_S, PrefixIndex
 from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S, PrefillLearner
 from proxy.routing.placement import Placement, SharedHomes
 from proxy.routing.popularity import PrefixPopularity
 from proxy.routing.prefix import PrefixHasher
 from proxy.routing.rendezvous import hrw_names
 from proxy.routing.shortlist import Plan, shortlist
-from proxy.routing.types import BackendView, Decision, Policy, RouteContext, Scores, ScoresByBackend
+from proxy.routing.types import (
+    BackendView,
+    Decision,
+    PluginSettings,
+    Policy,
+    RouteContext,
+    Scores,
+    ScoresByBackend,
+)
 
 log = logging.getLogger("warmroute.routing")
 _INFLIGHT = attrgetter("inflight")
@@ -59,6 +69,14 @@ class ExactCache(Protocol):
 
 
 PREFIX_BLOCK = "prefix"  # RoutingConfig.plugins key for hashing settings (shared with the scorer)
+
+
+class IndexSettings(PluginSettings):
+    """The prefix index's and the capacity learner's keys in the `prefix` block."""
+
+    capacity_blocks: int = Field(DEFAULT_CAPACITY_BLOCKS, ge=1)  # the most kept per backend
+    ttl_s: float = Field(DEFAULT_TTL_S, ge=0)  # entries older than this do not match; 0: none
+    learn_capacity: bool = True  # size each backend's index from its engine's cached_tokens
 
 
 class Router:
@@ -115,8 +133,7 @@ class Router:
         the plugins: the router never imports them); `blocks` is RoutingConfig.plugins, read
         here for the prefix hasher and capacity learning."""
         hasher = PrefixHasher.from_config(blocks.get(PREFIX_BLOCK, {}))
-        prefix_cfg = blocks.get(PREFIX_BLOCK, {})
-        learn = bool(prefix_cfg.get("learn_capacity", True))
+        learn = IndexSettings.of(blocks.get(PREFIX_BLOCK)).learn_capacity
         default_cap = DEFAULT_CAPACITY_BLOCKS if index is None else index.default_capacity
         capacity = CapacityLearner(default_blocks=default_cap) if learn else None
         router = cls(policy, index=index, hasher=hasher, capacity=capacity)

@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cache
+from typing import Any, cast
+
+from pydantic import ValidationError, create_model
 
 import plugins
 from proxy.routing.index import (
-    DEFAULT_CAPACITY_BLOCKS,
-    DEFAULT_TTL_S,
     REDIS_DOWN_ERRORS,
     MemoryPrefixIndex,
     PrefixIndex,
@@ -30,9 +31,10 @@ from proxy.routing.index import (
 )
 from proxy.routing.inflight import InflightBoard
 from proxy.routing.learn import PrefillLearner
-from proxy.routing.router import PREFIX_BLOCK, Router
+from proxy.routing.prefix import HasherSettings
+from proxy.routing.router import PREFIX_BLOCK, IndexSettings, Router
 from proxy.routing.shared_placement import SharedPlacement
-from proxy.routing.types import Policy
+from proxy.routing.types import PluginSettings, Policy
 
 
 @dataclass
@@ -115,6 +117,44 @@ def policy_blocks(routing: Any) -> tuple[str, dict[str, Any]]:
     return name, dict(blocks or {})
 
 
+def block_names() -> list[str]:
+    """The names a `routing.plugins` block may have: every plugin's, and `prefix`."""
+    return sorted({*plugins.registry(), PREFIX_BLOCK})
+
+
+@cache
+def block_settings(name: str) -> type[PluginSettings] | None:
+    """The typed settings of the `routing.plugins.<name>` block: its plugin's `Settings`, and
+    for `prefix` the prefix scorer's, the hasher's and the index's together (one block, read
+    by all three). None: no such plugin, or one that declares no settings (not checked)."""
+    own: type[PluginSettings] | None = getattr(plugins.registry().get(name), "Settings", None)
+    if name != PREFIX_BLOCK:
+        return own
+    bases = tuple(p for p in (own, HasherSettings, IndexSettings) if p is not None)
+    return cast("type[PluginSettings]", create_model("PrefixBlockSettings", __base__=bases))
+
+
+def block_errors(
+    blocks: Mapping[str, Any],
+) -> list[tuple[str, ValidationError | None, type[PluginSettings] | None]]:
+    """Each `routing.plugins` block that does not validate: (name, its error, its settings),
+    or (name, None, None) for a block no plugin reads."""
+    found: list[tuple[str, ValidationError | None, type[PluginSettings] | None]] = []
+    names = block_names()
+    for name, block in blocks.items():
+        if name not in names:
+            found.append((name, None, None))
+            continue
+        model = block_settings(name)
+        if model is None:
+            continue
+        try:
+            model.model_validate(block or {})
+        except ValidationError as e:
+            found.append((name, e, model))
+    return found
+
+
 def build_policy(routing: Any) -> Policy:
     """The configured policy, built by the plugin registry (plugins/ and entry points)."""
     name, blocks = policy_blocks(routing)
@@ -136,9 +176,8 @@ def build_routing(config: Any, replica_id: str | None = None) -> Routing:
     """From a proxy.config.Config: routing.policy/plugins and redis.* (url, cluster, timeout_s,
     key_prefix). Index sizing lives in routing.plugins.prefix: capacity_blocks, ttl_s."""
     blocks: dict[str, Any] = dict(config.routing.plugins or {})
-    prefix_cfg = blocks.get(PREFIX_BLOCK, {})
-    capacity = int(prefix_cfg.get("capacity_blocks", DEFAULT_CAPACITY_BLOCKS))
-    ttl_s = float(prefix_cfg.get("ttl_s", DEFAULT_TTL_S))
+    sizing = IndexSettings.of(blocks.get(PREFIX_BLOCK))
+    capacity, ttl_s = sizing.capacity_blocks, sizing.ttl_s
     rc = config.redis
     index: PrefixIndex
     if rc.url:

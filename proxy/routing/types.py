@@ -10,7 +10,26 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict
+
+
+class PluginSettings(BaseModel):
+    """A plugin's config block (`routing.plugins.<name>`), typed: each plugin declares its
+    keys as a subclass named `Settings`, with their types and defaults. `warmroute serve
+    --check` and startup check every block against them and report a misspelt key as they do
+    any other (proxy.routing.setup.block_settings composes a block read by several parts)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def of(cls, block: Mapping[str, Any] | None) -> Self:
+        """This plugin's settings from its block. Keys of the other parts that read the same
+        block are left to them (the `prefix` block is the scorer's, the hasher's and the
+        index's): the config check, not each part, reports a key no part reads."""
+        fields = cls.model_fields
+        return cls.model_validate({k: v for k, v in (block or {}).items() if k in fields})
 
 
 class Verdict(StrEnum):
