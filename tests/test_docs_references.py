@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCANNED = ("proxy", "plugins", "tests", "deploy", "docs", "README.md")
+SCANNED = ("proxy", "plugins", "tests", "deploy", "docs", "README.md", "CONTRIBUTING.md")
 # Spelled in pieces so that this file does not match itself.
 OUTSIDE_DOCS = tuple(name + ".md" for name in ("BRIEF", "DESIGN", "PERF-NOTES", "STYLE"))
 MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -28,7 +28,7 @@ def _text_files() -> list[Path]:
 
 
 def _markdown_pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def test_no_file_cites_a_document_outside_the_repository() -> None:
