@@ -13,7 +13,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics.export import Metric
@@ -422,7 +422,7 @@ class RequestMetrics:
                 self._series[key] = series
         ok = err is None
         if f is None:
-            row: Row = (series, exemplar, duration if ok else None, *_NO_FACTS)
+            row = Row(series, exemplar, duration if ok else None, *_NO_FACTS)
         else:
             ttft, up, fin, cached = f.ttft_s, f.upstream_ttft_s, f.input_tokens, f.cached_tokens
             hit = cached / fin if cached is not None and fin else None
@@ -436,19 +436,19 @@ class RequestMetrics:
                 matched = decision.matched_blocks.get(backend, 0)
                 predicted = matched * block_chars / prompt_chars
                 predicted = predicted if predicted < 1.0 else 1.0  # min() parses its arguments
-            row = (
-                series,
-                exemplar,
-                duration if ok else None,
-                ttft,
-                ttft - up if ttft is not None and up is not None else None,
-                ttft if ok else None,
-                f.tpot_s if ok else None,
-                fin,
-                f.output_tokens,
-                cached,
-                hit,
-                predicted,
+            row = Row(
+                series=series,
+                exemplar=exemplar,
+                duration=duration if ok else None,
+                ttfc=ttft,
+                overhead=ttft - up if ttft is not None and up is not None else None,
+                ttft=ttft if ok else None,
+                tpot=f.tpot_s if ok else None,
+                tokens_in=fin,
+                tokens_out=f.output_tokens,
+                cached=cached,
+                hit_actual=hit,
+                hit_predicted=predicted,
             )
         point = series.point
         with self.lock:
@@ -470,6 +470,7 @@ class RequestMetrics:
 # The histogram points a series records into, by index in Series.points.
 (_DURATION, _TTFC, _TPOC, _OVERHEAD, _TTFT, _FORWARD, _TPOT) = range(7)
 (_TOK_IN, _TOK_OUT, _CACHED, _HIT_ACTUAL, _HIT_PREDICTED) = range(7, 12)
+_POINTS = 12
 
 
 class Series:
@@ -498,30 +499,31 @@ class Series:
         b_attrs = {"warmroute.backend": backend, "gen_ai.request.model": model}
         b_key = (backend, model)
         series = (attrs, key)
-        # (histogram, attributes, point key) per index; points made on first use, so that a
+        # (histogram, attributes, point key) per point; points made on first use, so that a
         # series shows only what it recorded
-        self.specs: tuple[tuple[Histogram, dict[str, Any], tuple[Any, ...]], ...] = (
-            (m.h_duration, *series),
-            (m.h_ttfc, *series),
-            (m.h_tpoc, *series),
-            (m.h_overhead, *series),
-            (m.h_ttft, *series),
-            (m.h_forward, *series),
-            (m.h_tpot, *series),
-            (m.h_tokens, {**attrs, "gen_ai.token.type": "input"}, (*key, "input")),
-            (m.h_tokens, {**attrs, "gen_ai.token.type": "output"}, (*key, "output")),
-            (m.h_cached, b_attrs, b_key),
-            (
+        specs: dict[int, tuple[Histogram, dict[str, Any], tuple[Any, ...]]] = {
+            _DURATION: (m.h_duration, *series),
+            _TTFC: (m.h_ttfc, *series),
+            _TPOC: (m.h_tpoc, *series),
+            _OVERHEAD: (m.h_overhead, *series),
+            _TTFT: (m.h_ttft, *series),
+            _FORWARD: (m.h_forward, *series),
+            _TPOT: (m.h_tpot, *series),
+            _TOK_IN: (m.h_tokens, {**attrs, "gen_ai.token.type": "input"}, (*key, "input")),
+            _TOK_OUT: (m.h_tokens, {**attrs, "gen_ai.token.type": "output"}, (*key, "output")),
+            _CACHED: (m.h_cached, b_attrs, b_key),
+            _HIT_ACTUAL: (
                 m.h_hit,
                 {**b_attrs, "warmroute.prefix.source": "actual"},
                 (backend, model, "actual"),
             ),
-            (
+            _HIT_PREDICTED: (
                 m.h_hit,
                 {**b_attrs, "warmroute.prefix.source": "predicted"},
                 (backend, model, "predicted"),
             ),
-        )
+        }
+        self.specs = tuple(specs[i] for i in range(_POINTS))  # a KeyError: a point left out
         self.points: list[Point | None] = [None] * len(self.specs)
         self.errors: dict[str, Point] = {}
 
@@ -541,13 +543,41 @@ class Series:
         return p
 
 
-# A finished request's one-value samples, waiting to be folded into the histograms:
-# (series, exemplar, then one value or None per histogram point in _ROW_POINTS).
-Row = tuple[Any, ...]
-_ROW_POINTS: tuple[int, ...] = (_DURATION, _TTFC, _OVERHEAD, _TTFT, _TPOT, _TOK_IN, _TOK_OUT)
-_ROW_POINTS += (_CACHED, _HIT_ACTUAL, _HIT_PREDICTED)
-_ROW_COLUMNS = tuple(enumerate(_ROW_POINTS, start=2))
-_NO_FACTS = (None,) * (len(_ROW_POINTS) - 1)
+class Row(NamedTuple):
+    """A finished request's one-value samples, waiting to be folded into the histograms: its
+    series and exemplar, then a value (or None) for each point named in _POINT_OF."""
+
+    series: Series
+    exemplar: TraceRef | None
+    duration: float | None
+    ttfc: float | None  # the client's time to first chunk, even for a failed stream
+    overhead: float | None  # client TTFT - upstream TTFT: the proxy's own share
+    ttft: float | None  # successful requests only
+    tpot: float | None
+    tokens_in: int | None
+    tokens_out: int | None
+    cached: int | None
+    hit_actual: float | None  # cached / input tokens, as the engine reported them
+    hit_predicted: float | None  # what the router's index matched, on the same backend
+
+
+# The histogram point each of a row's samples goes to.
+_POINT_OF = {
+    "duration": _DURATION,
+    "ttfc": _TTFC,
+    "overhead": _OVERHEAD,
+    "ttft": _TTFT,
+    "tpot": _TPOT,
+    "tokens_in": _TOK_IN,
+    "tokens_out": _TOK_OUT,
+    "cached": _CACHED,
+    "hit_actual": _HIT_ACTUAL,
+    "hit_predicted": _HIT_PREDICTED,
+}
+if set(_POINT_OF) != set(Row._fields[2:]):
+    raise AssertionError("every sample of a Row needs its histogram point in _POINT_OF")
+_ROW_COLUMNS = tuple((Row._fields.index(name), point) for name, point in _POINT_OF.items())
+_NO_FACTS = (None,) * (len(Row._fields) - 3)  # all but the duration
 # Folded this often, and before every collection (scrape, export): a batch is added per point
 # with one sort, where one add per value cost ~27k instructions a request.
 _FOLD_EVERY = 256
@@ -556,11 +586,12 @@ _FOLD_EVERY = 256
 def _fold_rows(rows: list[Row]) -> None:
     """Add the rows' samples to their series' points: one batch per point, then the
     exemplars (per bucket, the latest sampled request's value, as single adds keep them)."""
-    groups: dict[Series, list[Row]] = {}
+    # Any: the samples are read by column (r[col]), a float or int, or None, in each
+    groups: dict[Series, list[Any]] = {}
     for r in rows:
-        g = groups.get(r[0])
+        g = groups.get(r.series)
         if g is None:
-            groups[r[0]] = [r]
+            groups[r.series] = [r]
         else:
             g.append(r)
     for series, g in groups.items():
@@ -570,7 +601,7 @@ def _fold_rows(rows: list[Row]) -> None:
                 values.sort()
                 series.point(i).add_sorted(values, sum(values), None)
         for r in g:
-            exemplar = r[1]
+            exemplar = r.exemplar
             if exemplar is None:
                 continue
             for col, i in _ROW_COLUMNS:
