@@ -22,8 +22,8 @@ from proxy.meter import StreamFacts
 from proxy.redact import quote
 from proxy.routing.types import Decision
 from proxy.stats import percentile
-from proxy.telemetry.metrics import PROVIDER
 from proxy.telemetry.render import DictWriter, Writer, compile_fields
+from proxy.telemetry.series import PROVIDER
 from proxy.telemetry.wire import AttrKey
 
 log = logging.getLogger("warmroute.telemetry")

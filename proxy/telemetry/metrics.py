@@ -11,9 +11,8 @@ from __future__ import annotations
 import re
 import threading
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics.export import Metric
@@ -33,8 +32,18 @@ from proxy.telemetry.histograms import (
     TraceRef,
 )
 from proxy.telemetry.labels import ErrorLabels
+from proxy.telemetry.series import (
+    FORWARD,
+    NO_FACTS,
+    TPOC,
+    Row,
+    Series,
+    fold_rows,
+)
 
-PROVIDER = "openai"  # the wire format every backend speaks (semconv: the telemetry flavour)
+# Folded this often, and before every collection (scrape, export): a batch is added per point
+# with one sort, where one add per value cost ~27k instructions a request.
+_FOLD_EVERY = 256
 
 # (metric, CacheEstimate.as_dict() field, unit, description): read at collection time.
 CACHE_GAUGES = (
@@ -367,7 +376,7 @@ class RequestMetrics:
         rows = self._pending
         if rows:
             self._pending = []
-            _fold_rows(rows)
+            fold_rows(rows)
 
     def routing(self, policy: str, reason: str, decision_s: float) -> None:
         """Count one routing decision and time it."""
@@ -422,7 +431,7 @@ class RequestMetrics:
                 self._series[key] = series
         ok = err is None
         if f is None:
-            row = Row(series, exemplar, duration if ok else None, *_NO_FACTS)
+            row = Row(series, exemplar, duration if ok else None, *NO_FACTS)
         else:
             ttft, up, fin, cached = f.ttft_s, f.upstream_ttft_s, f.input_tokens, f.cached_tokens
             hit = cached / fin if cached is not None and fin else None
@@ -458,154 +467,10 @@ class RequestMetrics:
             if f is not None:
                 # a request's per-chunk samples go in at once (sorted, cut at the bounds)
                 if itl and f.ttft_s is not None:
-                    point(_TPOC).add_sorted(itl, sum(itl), exemplar)
+                    point(TPOC).add_sorted(itl, sum(itl), exemplar)
                 if f.forward_s:
-                    point(_FORWARD).add_sorted(sorted(f.forward_s), sum(f.forward_s), exemplar)
+                    point(FORWARD).add_sorted(sorted(f.forward_s), sum(f.forward_s), exemplar)
             pending = self._pending
             pending.append(row)
             if len(pending) >= _FOLD_EVERY:
                 self.fold()
-
-
-# The histogram points a series records into, by index in Series.points.
-(_DURATION, _TTFC, _TPOC, _OVERHEAD, _TTFT, _FORWARD, _TPOT) = range(7)
-(_TOK_IN, _TOK_OUT, _CACHED, _HIT_ACTUAL, _HIT_PREDICTED) = range(7, 12)
-_POINTS = 12
-
-
-class Series:
-    """Metric attribute sets (and their points) of one (operation, model, backend) series.
-
-    Built once per series and cached, so recording a request's metrics allocates no dicts and
-    looks up no keys: each histogram's point of the series is kept here once it exists.
-    """
-
-    __slots__ = ("attrs", "errors", "key", "points", "specs")
-
-    def __init__(
-        self, m: RequestMetrics, op: str, model: str, address: str, port: int, backend: str
-    ) -> None:
-        attrs: dict[str, Any] = {
-            "gen_ai.operation.name": op,
-            "gen_ai.provider.name": PROVIDER,
-        }
-        if model:
-            attrs["gen_ai.request.model"] = model
-        if address:
-            attrs["server.address"] = address
-            attrs["server.port"] = port
-        key = (op, model, address, port)
-        self.attrs, self.key = attrs, key
-        b_attrs = {"warmroute.backend": backend, "gen_ai.request.model": model}
-        b_key = (backend, model)
-        series = (attrs, key)
-        # (histogram, attributes, point key) per point; points made on first use, so that a
-        # series shows only what it recorded
-        specs: dict[int, tuple[Histogram, dict[str, Any], tuple[Any, ...]]] = {
-            _DURATION: (m.h_duration, *series),
-            _TTFC: (m.h_ttfc, *series),
-            _TPOC: (m.h_tpoc, *series),
-            _OVERHEAD: (m.h_overhead, *series),
-            _TTFT: (m.h_ttft, *series),
-            _FORWARD: (m.h_forward, *series),
-            _TPOT: (m.h_tpot, *series),
-            _TOK_IN: (m.h_tokens, {**attrs, "gen_ai.token.type": "input"}, (*key, "input")),
-            _TOK_OUT: (m.h_tokens, {**attrs, "gen_ai.token.type": "output"}, (*key, "output")),
-            _CACHED: (m.h_cached, b_attrs, b_key),
-            _HIT_ACTUAL: (
-                m.h_hit,
-                {**b_attrs, "warmroute.prefix.source": "actual"},
-                (backend, model, "actual"),
-            ),
-            _HIT_PREDICTED: (
-                m.h_hit,
-                {**b_attrs, "warmroute.prefix.source": "predicted"},
-                (backend, model, "predicted"),
-            ),
-        }
-        self.specs = tuple(specs[i] for i in range(_POINTS))  # a KeyError: a point left out
-        self.points: list[Point | None] = [None] * len(self.specs)
-        self.errors: dict[str, Point] = {}
-
-    def point(self, i: int) -> Point:
-        p = self.points[i]
-        if p is None:
-            h, attrs, key = self.specs[i]
-            p = self.points[i] = h.point(attrs, key)
-        return p
-
-    def duration_with_error(self, err: str) -> Point:
-        p = self.errors.get(err)
-        if p is None:
-            h = self.specs[_DURATION][0]
-            p = h.point({**self.attrs, "error.type": err}, (*self.key, err))
-            self.errors[err] = p  # bounded: RequestMetrics.error_label folds the rest
-        return p
-
-
-class Row(NamedTuple):
-    """A finished request's one-value samples, waiting to be folded into the histograms: its
-    series and exemplar, then a value (or None) for each point named in _POINT_OF."""
-
-    series: Series
-    exemplar: TraceRef | None
-    duration: float | None
-    ttfc: float | None  # the client's time to first chunk, even for a failed stream
-    overhead: float | None  # client TTFT - upstream TTFT: the proxy's own share
-    ttft: float | None  # successful requests only
-    tpot: float | None
-    tokens_in: int | None
-    tokens_out: int | None
-    cached: int | None
-    hit_actual: float | None  # cached / input tokens, as the engine reported them
-    hit_predicted: float | None  # what the router's index matched, on the same backend
-
-
-# The histogram point each of a row's samples goes to.
-_POINT_OF = {
-    "duration": _DURATION,
-    "ttfc": _TTFC,
-    "overhead": _OVERHEAD,
-    "ttft": _TTFT,
-    "tpot": _TPOT,
-    "tokens_in": _TOK_IN,
-    "tokens_out": _TOK_OUT,
-    "cached": _CACHED,
-    "hit_actual": _HIT_ACTUAL,
-    "hit_predicted": _HIT_PREDICTED,
-}
-if set(_POINT_OF) != set(Row._fields[2:]):
-    raise AssertionError("every sample of a Row needs its histogram point in _POINT_OF")
-_ROW_COLUMNS = tuple((Row._fields.index(name), point) for name, point in _POINT_OF.items())
-_NO_FACTS = (None,) * (len(Row._fields) - 3)  # all but the duration
-# Folded this often, and before every collection (scrape, export): a batch is added per point
-# with one sort, where one add per value cost ~27k instructions a request.
-_FOLD_EVERY = 256
-
-
-def _fold_rows(rows: list[Row]) -> None:
-    """Add the rows' samples to their series' points: one batch per point, then the
-    exemplars (per bucket, the latest sampled request's value, as single adds keep them)."""
-    # Any: the samples are read by column (r[col]), a float or int, or None, in each
-    groups: dict[Series, list[Any]] = {}
-    for r in rows:
-        g = groups.get(r.series)
-        if g is None:
-            groups[r.series] = [r]
-        else:
-            g.append(r)
-    for series, g in groups.items():
-        for col, i in _ROW_COLUMNS:
-            values = [v for r in g if (v := r[col]) is not None]
-            if values:
-                values.sort()
-                series.point(i).add_sorted(values, sum(values), None)
-        for r in g:
-            exemplar = r.exemplar
-            if exemplar is None:
-                continue
-            for col, i in _ROW_COLUMNS:
-                v = r[col]
-                if v is not None:
-                    p = series.point(i)
-                    p.exemplars[bisect_left(p.bounds, v)] = (v, exemplar)
