@@ -46,7 +46,8 @@ from proxy.errors import RequestError, error_body
 from proxy.exchange import API_PATHS, Exchange
 from proxy.intake import parse, too_large, with_include_usage
 from proxy.redact import quote, sane_request_id
-from proxy.relay import Relay, internal_error, respond, upstream_headers
+from proxy.relay import Relay, internal_error, respond
+from proxy.request_headers import upstream_headers
 from proxy.retry import RETRYABLE_STATUS, Resume, Retry, RetryPolicy, classify, retry_after_s
 from proxy.routing.types import RouteContext, Verdict, verdict_of
 from proxy.state import Fleet, Recorder, RequestRouting, UpstreamClient, start_record

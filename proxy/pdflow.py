@@ -58,7 +58,7 @@ from proxy.disagg.legs import (
 from proxy.disagg.pools import BackendState, RequestPlan, uncached_tokens
 from proxy.disagg.window import RequestFacts, itl_quantiles
 from proxy.exchange import Exchange
-from proxy.relay import upstream_headers
+from proxy.request_headers import upstream_headers
 from proxy.retry import Resume, Retry, describe
 from proxy.routing.types import Verdict, verdict_of
 from proxy.types import FailureKind

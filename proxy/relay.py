@@ -42,7 +42,6 @@ from proxy.sse import event_boundary
 from proxy.types import FailureKind
 from proxy.upstream import (
     NOT_FORWARDED_DOWNSTREAM_B,
-    NOT_FORWARDED_UPSTREAM,
     READ_ERRORS,
     UpstreamOverBudget,
     UpstreamResponseTooLarge,
@@ -55,7 +54,7 @@ if TYPE_CHECKING:
     from proxy.state import Fleet, RequestRouting
     from proxy.telemetry import RequestRecord
 
-__all__ = ["Relay", "event_boundary", "internal_error", "respond", "upstream_headers"]
+__all__ = ["Relay", "event_boundary", "internal_error", "respond"]
 
 log = logging.getLogger("warmroute.forward")
 
@@ -73,48 +72,6 @@ SSE_TYPES = (
     (b"content-type", b"text/event-stream"),
     (b"content-type", b"text/event-stream; charset=utf-8"),
 )
-
-# Never forwarded upstream besides the hop-by-hop set: credentials meant for the proxy (in
-# any of the usual spellings), and Expect (the proxy has the whole body already).
-NOT_UPSTREAM = NOT_FORWARDED_UPSTREAM | {
-    "api-key",
-    "x-goog-api-key",
-    "anthropic-api-key",
-    "x-auth-token",
-    "expect",
-    "forwarded",
-    "x-forwarded-for",
-    "x-forwarded-proto",
-    "x-forwarded-host",
-    "x-request-id",
-}
-
-
-def upstream_headers(
-    ex: Exchange, backend: Backend, client: tuple[str, int] | None = None
-) -> dict[str, str]:
-    """The headers a backend gets: the client's, less hop-by-hop, credentials and the names
-    its Connection header lists (RFC 9110 7.6.1), plus ours and the forwarding chain."""
-    headers = ex.headers
-    drop = NOT_UPSTREAM
-    named = headers.get("connection")
-    if named:
-        drop = drop | {n.strip().lower() for n in named.split(",")}
-    out = {k: v for k, v in headers.items() if k not in drop}
-    out["content-type"] = "application/json"
-    out["accept-encoding"] = "identity"  # the meter reads the bytes; no compression
-    out["x-request-id"] = ex.request_id
-    if client is not None:
-        prior = headers.get("x-forwarded-for")
-        out["x-forwarded-for"] = f"{prior}, {client[0]}" if prior else client[0]
-        fwd = headers.get("forwarded")
-        host = client[0] if ":" not in client[0] else f'"[{client[0]}]"'
-        out["forwarded"] = f"{fwd}, for={host}" if fwd else f"for={host}"
-    elif "x-forwarded-for" in headers:
-        out["x-forwarded-for"] = headers["x-forwarded-for"]
-    if backend.api_key:
-        out["authorization"] = f"Bearer {backend.api_key}"
-    return out
 
 
 def response_headers(
