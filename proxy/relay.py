@@ -230,6 +230,8 @@ class Relay:
         send: Send,
         strip: bool,
     ) -> StreamFacts | None:
+        """A streamed answer: checked, committed to at its first byte (a failure before it
+        raises Retry: nothing reached the client), forwarded event-aligned, then finished."""
         h = upstream.headers
         if SSE_TYPES[0] not in h and SSE_TYPES[1] not in h and not _is_event_stream(h):
             ct = _content_type(upstream)[:64].decode("latin-1")
@@ -245,32 +247,11 @@ class Relay:
         try:
             data = await upstream.readany()
         except READ_ERRORS as e:
-            if ex.client_gone:  # its watcher closed the upstream: nothing to judge it by
-                raise Retry(
-                    "the client left before the first byte", "cancelled", FailureKind.CANCELLED
-                ) from None
-            if isinstance(e, UpstreamTimeout):
-                raise Retry(
-                    f"no first byte: {describe(e)}", "timeout", FailureKind.TIMEOUT
-                ) from None
-            raise Retry(
-                f"no first byte: {describe(e)}", "stream_error", FailureKind.PROTOCOL
-            ) from None
+            raise first_read_failure(e, ex.client_gone) from None
         if not data:
-            if ex.client_gone:
-                raise Retry(
-                    "the client left before the first byte", "cancelled", FailureKind.CANCELLED
-                )
-            raise Retry(
-                "the backend closed the stream before sending anything",
-                "empty_stream",
-                FailureKind.PROTOCOL,
-            )
+            raise first_read_failure(None, ex.client_gone)
         self.fleet.mark_success(backend)  # the first byte, not the head: the engine works
         upstream.idle_budget(self.idle_s)
-
-        error: str | None = None
-        reason = ""
         await send(
             {
                 "type": "http.response.start",
@@ -279,9 +260,29 @@ class Relay:
             }
         )
         ex.started_response = True
+        try:
+            error, reason, carry = await self._forward(ex, backend, upstream, meter, send, data)
+        except asyncio.CancelledError:
+            if not ex.client_gone:
+                await self._cut(ex, backend, upstream, meter, record, send)
+            raise
+        return await self._finish(ex, backend, upstream, meter, record, send, error, reason, carry)
+
+    async def _forward(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        upstream: UpstreamResponseLike,
+        meter: StreamMeter,
+        send: Send,
+        data: bytes,
+    ) -> tuple[str | None, str, bytes]:
+        """Forward the stream from its first read `data` on, in whole reads cut at the last
+        complete event, until it ends or breaks: (error code or None, reason, the start of an
+        event whose end never came). The per-read loop: one function, no call per read."""
         perf = time.perf_counter
         # Progress (the idle clock starts over) is a read that completes an event, not a byte
-        # (proxy/upstream_conn.py's docstring): the first read started the clock above.
+        # (proxy/upstream_conn.py's docstring): the first read started the clock.
         progress, idle_s = upstream.set_read_timeout, self.idle_s
         first = True
         # The start of an event whose end has not arrived: never longer than what the meter
@@ -317,15 +318,14 @@ class Relay:
                     # Whole events only, so a multi-byte character is never cut here; one
                     # C-speed scan, and a decode only for non-ASCII bytes.
                     if out and not out.isascii() and (cut := _utf8_events(out)) < len(out):
-                        error, reason = INVALID_RESPONSE, _not_utf8(backend, ex, out, cut)
-                        carry = b""
+                        reason = _not_utf8(backend, ex, out, cut)
                         if cut:
                             out = out[:cut]
                             await send(
                                 {"type": "http.response.body", "body": out, "more_body": True}
                             )
                             meter.mark_sent(perf())
-                        break
+                        return INVALID_RESPONSE, reason, b""
                     if out:  # ends on an event's end: whole events, at least one
                         progress(idle_s)
                         await send({"type": "http.response.body", "body": out, "more_body": True})
@@ -334,64 +334,67 @@ class Relay:
                     data = await upstream.readany()
                 except READ_ERRORS as e:
                     if ex.client_gone:
-                        break
-                    timed_out = isinstance(e, UpstreamTimeout)
-                    error = IDLE_TIMEOUT if timed_out else STREAM_CUT
-                    reason = (
-                        f"no complete event from {backend.name} for {self.idle_s:g}s"
-                        if timed_out
-                        else f"{backend.name} broke off the stream: {describe(e)}"
-                    )
-                    log.warning(
-                        "request %s: %s after the first byte; ending the stream with an error"
-                        " event%s",
-                        ex.request_id,
-                        reason,
-                        f" (dropped {len(carry)} bytes of an incomplete event)" if carry else "",
-                    )
-                    carry = b""
-                    break
+                        return None, "", carry
+                    return _broken(ex, *stream_break(e, backend.name, idle_s), carry)
         except EventTooLarge as e:
-            error = TOO_LARGE
             reason = (
                 f"{backend.name} sent {describe(e)} (the most this proxy holds of one event is "
                 f"{MAX_EVENT_BYTES} bytes)"
             )
-            log.warning(
-                "request %s: %s; ending the stream with an error event", ex.request_id, reason
+            return _broken(ex, TOO_LARGE, reason, b"")
+        return None, "", carry
+
+    async def _cut(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        upstream: UpstreamResponseLike,
+        meter: StreamMeter,
+        record: RequestRecord,
+        send: Send,
+    ) -> None:
+        """The proxy is shutting down past its grace period, or the backend left the fleet
+        past its drain grace (Exchange.cut): end the stream cleanly, with an error event."""
+        error, reason = ex.cut_reason or (
+            "shutdown",
+            "the proxy is shutting down; the stream was cut",
+        )
+        tail, facts = meter.finish(time.perf_counter(), error=error, cancelled=False)
+        record.finish(facts, status=upstream.status, error_type=error, backend=backend.name)
+        log.warning(
+            "request %s: stream cut %s on %s",
+            ex.request_id,
+            "at shutdown" if ex.cut_reason is None else f"({error})",
+            backend.name,
+        )
+        with contextlib.suppress(Exception):  # the connection may be gone as well
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": tail[: event_boundary(tail)]
+                    + sse_error_event(reason, "server_error", error),
+                    "more_body": False,
+                }
             )
-            carry = b""
-        except asyncio.CancelledError:
-            if ex.client_gone:
-                raise
-            # The server is shutting down past its grace period, or the backend left the
-            # fleet past its drain grace (Exchange.cut): end the stream cleanly.
-            error, reason = ex.cut_reason or (
-                "shutdown",
-                "the proxy is shutting down; the stream was cut",
-            )
-            carry = b""
-            tail, facts = meter.finish(perf(), error=error, cancelled=False)
-            record.finish(facts, status=upstream.status, error_type=error, backend=backend.name)
-            log.warning(
-                "request %s: stream cut %s on %s",
-                ex.request_id,
-                "at shutdown" if ex.cut_reason is None else f"({error})",
-                backend.name,
-            )
-            with contextlib.suppress(Exception):  # the connection may be gone as well
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": tail[: event_boundary(tail)]
-                        + sse_error_event(reason, "server_error", error),
-                        "more_body": False,
-                    }
-                )
-            raise
+
+    async def _finish(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        upstream: UpstreamResponseLike,
+        meter: StreamMeter,
+        record: RequestRecord,
+        send: Send,
+        error: str | None,
+        reason: str,
+        carry: bytes,
+    ) -> StreamFacts:
+        """The stream's end: the meter's last bytes and facts, a stream that ended before its
+        own end or broke turned into an error event (and a failure of its backend), the
+        record finished."""
         # A client that hangs up right after the last event got everything: not a cancel.
         cancelled = ex.client_gone and not meter.completed
-        tail, facts = meter.finish(perf(), error=error, cancelled=cancelled)
+        tail, facts = meter.finish(time.perf_counter(), error=error, cancelled=cancelled)
         self.steering.observe_stream(backend.name, facts, ex.ctx)
         if not ex.client_gone:
             if carry:
@@ -433,6 +436,40 @@ class Relay:
             backend=backend.name,
         )
         return facts
+
+
+def _broken(ex: Exchange, error: str, reason: str, carry: bytes) -> tuple[str, str, bytes]:
+    """A stream broken after its first byte (error, reason), said in the log; what was held of
+    an unfinished event (`carry`) is dropped."""
+    log.warning(
+        "request %s: %s%s; ending the stream with an error event%s",
+        ex.request_id,
+        reason,
+        " after the first byte" if error in (IDLE_TIMEOUT, STREAM_CUT) else "",
+        f" (dropped {len(carry)} bytes of an incomplete event)" if carry else "",
+    )
+    return error, reason, b""
+
+
+def first_read_failure(e: BaseException | None, client_gone: bool) -> Retry:
+    """Why a stream's first read failed (`e` its error; None: the stream ended empty), as the
+    Retry that sends the request elsewhere: nothing had reached the client."""
+    if client_gone:  # its watcher closed the upstream: nothing to judge the backend by
+        why = "the client left before the first byte"
+        return Retry(why, "cancelled", FailureKind.CANCELLED)
+    if e is None:
+        why = "the backend closed the stream before sending anything"
+        return Retry(why, "empty_stream", FailureKind.PROTOCOL)
+    if isinstance(e, UpstreamTimeout):
+        return Retry(f"no first byte: {describe(e)}", "timeout", FailureKind.TIMEOUT)
+    return Retry(f"no first byte: {describe(e)}", "stream_error", FailureKind.PROTOCOL)
+
+
+def stream_break(e: BaseException, backend: str, idle_s: float) -> tuple[str, str]:
+    """A read that failed after the first byte: (the error event's code, its reason)."""
+    if isinstance(e, UpstreamTimeout):
+        return IDLE_TIMEOUT, f"no complete event from {backend} for {idle_s:g}s"
+    return STREAM_CUT, f"{backend} broke off the stream: {describe(e)}"
 
 
 def _content_type(upstream: UpstreamResponseLike) -> bytes:
