@@ -26,6 +26,7 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +50,7 @@ from proxy.redact import quote, sane_request_id
 from proxy.relay import Relay, internal_error, respond
 from proxy.request_headers import upstream_headers
 from proxy.retry import RETRYABLE_STATUS, Resume, Retry, RetryPolicy, classify, retry_after_s
-from proxy.routing.types import RouteContext, Verdict, verdict_of
+from proxy.routing.types import Decision, RouteContext, Verdict, verdict_of
 from proxy.state import Fleet, Recorder, RequestRouting, UpstreamClient, start_record
 from proxy.types import FailureKind
 from proxy.upstream import CONNECT_ERRORS, UpstreamProtocolError
@@ -138,7 +139,27 @@ class ProxyEndpoint:
 
     # -- routing and attempts -------------------------------------------------------------
     async def _handle(self, ex: Exchange, client: Any, receive: Receive, send: Send) -> None:
+        """The request's straight path: route, then attempts (or the P/D flow) to the end."""
         fw = self.fw
+        decision = await self._route(ex, send)
+        if decision is None:
+            return
+        ex.client = (client[0], client[1]) if client else None
+        fw.recorder.observe_routing(decision.policy, decision.reason, decision.decision_s)
+        fw.retry.budget.request()
+        record = start_record(fw.recorder, ex)
+        record.set_decision(decision)
+        if fw.membership is not None and ex.ctx is not None:
+            record.set_fleet(fw.membership.epoch, fw.membership.changing(ex.ctx.now))
+        ranking = fw.retry.candidates(decision.ranking)
+        if not ranking:
+            await self._refuse_unranked(ex, send, record, decision.filtered_out)
+            return
+        await self._run(ex, decision.ranking, ranking[0], record, receive, send)
+
+    async def _route(self, ex: Exchange, send: Send) -> Decision | None:
+        """The routing decision (kept on the exchange with its context), or None: routing
+        could not read the request, and the client got a 400."""
         ctx = RouteContext(
             request_id=ex.request_id,
             model=ex.body["model"],
@@ -149,7 +170,7 @@ class ProxyEndpoint:
             session_key=ex.headers.get("x-session-id") or ex.body.get("user"),
         )
         try:
-            decision = await fw.steering.route(ctx)
+            decision = await self.fw.steering.route(ctx)
         except (ValueError, TypeError, OverflowError, RecursionError) as e:
             # Routing reads the prompt (hashing, tokens): what it cannot read is the client's.
             why = quote(str(e))
@@ -160,43 +181,41 @@ class ProxyEndpoint:
                 error_body(f"The request could not be read: {why}.", code="invalid_request"),
                 ex.request_id,
             )
-            return
+            return None
         ex.decision = decision
         ex.ctx = ctx
-        ex.client = (client[0], client[1]) if client else None
-        fw.recorder.observe_routing(decision.policy, decision.reason, decision.decision_s)
-        fw.retry.budget.request()
-        record = start_record(fw.recorder, ex)
-        record.set_decision(decision)
-        if fw.membership is not None:
-            record.set_fleet(fw.membership.epoch, fw.membership.changing(ctx.now))
-        ranking = fw.retry.candidates(decision.ranking)
-        if not ranking:
-            reasons = decision.filtered_out
-            # a filter's reason may quote the client's model (plugins/model_filter.py)
-            why = "; ".join(f"{k}: {quote(v)}" for k, v in reasons.items()) or "none configured"
-            if reasons and all(verdict_of(v) is Verdict.AT_BOUND for v in reasons.values()):
-                # Overload, not an outage: the client may come back in a moment.
-                await self._fail(
-                    ex,
-                    send,
-                    record,
-                    429,
-                    f"Every backend for model `{quote(ex.body['model'])}` is at its in-flight "
-                    f"bound ({why}); retry after a short wait.",
-                    "backends_at_capacity",
-                    ((b"retry-after", b"1"),),
-                )
-                return
-            await self._fail(
-                ex,
-                send,
-                record,
-                503,
-                f"No backend can serve model `{quote(ex.body['model'])}` right now ({why}).",
-                "no_backend",
+        return decision
+
+    async def _refuse_unranked(
+        self, ex: Exchange, send: Send, record: RequestRecord, reasons: Mapping[str, str]
+    ) -> None:
+        """No backend may take the request: 429 when every one is at its in-flight bound
+        (overload: the client may come back in a moment), else 503."""
+        # a filter's reason may quote the client's model (plugins/model_filter.py)
+        why = "; ".join(f"{k}: {quote(v)}" for k, v in reasons.items()) or "none configured"
+        model = quote(ex.body["model"])
+        if reasons and all(verdict_of(v) is Verdict.AT_BOUND for v in reasons.values()):
+            message = (
+                f"Every backend for model `{model}` is at its in-flight bound ({why}); "
+                "retry after a short wait."
             )
+            retry_after = ((b"retry-after", b"1"),)
+            await self._fail(ex, send, record, 429, message, "backends_at_capacity", retry_after)
             return
+        message = f"No backend can serve model `{model}` right now ({why})."
+        await self._fail(ex, send, record, 503, message, "no_backend")
+
+    async def _run(
+        self,
+        ex: Exchange,
+        ranking: list[str],
+        first: str,
+        record: RequestRecord,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """The attempts (or the P/D flow) under one disconnect watcher, to an answer, an error
+        the client is told, or a cut (the client left, shutdown) that ends the record."""
         # One watcher for the whole request: `send()` does not report a departed client, and
         # an engine must hear of the abort even while it is still queueing or prefilling.
         task = asyncio.current_task()
@@ -206,35 +225,12 @@ class ProxyEndpoint:
         watcher = task.get_loop().create_task(watch_disconnect(receive, left))
         try:
             if self.pd is None:
-                await self.attempts(ex, decision.ranking, ranking[0], record, send)
+                await self.attempts(ex, ranking, first, record, send)
             else:
-                await self.pd.forward(self, ex, decision.ranking, record, send)
+                await self.pd.forward(self, ex, ranking, record, send)
         except asyncio.CancelledError:
             task.uncancel()
-            if ex.client_gone:  # our own cancel (the client left while we awaited the backend)
-                log.info(
-                    "request %s: client disconnected before the first byte; upstream closed",
-                    ex.request_id,
-                )
-                record.finish(None, status=499, error_type="cancelled")
-            elif not ex.started_response:
-                # The server is shutting down past its grace period (a started stream was
-                # already ended with an error event by the relay): a clean answer, no traceback.
-                log.warning("request %s: cut at shutdown before the first byte", ex.request_id)
-                with contextlib.suppress(Exception):
-                    await respond(
-                        send,
-                        503,
-                        error_body(
-                            "The proxy is shutting down; retry the request.",
-                            "server_error",
-                            None,
-                            "shutting_down",
-                        ),
-                        ex.request_id,
-                        ((b"retry-after", b"1"),),
-                    )
-                record.finish(None, status=503, error_type="shutdown")
+            await self._cancelled(ex, record, send)
         except Exception as e:
             # A bug or an unexpected failure must neither hang the client nor leak the span.
             log.exception("request %s: unexpected %s", ex.request_id, type(e).__name__)
@@ -243,6 +239,33 @@ class ProxyEndpoint:
             record.finish(None, status=500, error_type=type(e).__name__)
         finally:
             watcher.cancel()
+
+    async def _cancelled(self, ex: Exchange, record: RequestRecord, send: Send) -> None:
+        """The request's task was cancelled: the client left, or the server is shutting down."""
+        if ex.client_gone:  # our own cancel (the client left while we awaited the backend)
+            log.info(
+                "request %s: client disconnected before the first byte; upstream closed",
+                ex.request_id,
+            )
+            record.finish(None, status=499, error_type="cancelled")
+        elif not ex.started_response:
+            # The server is shutting down past its grace period (a started stream was
+            # already ended with an error event by the relay): a clean answer, no traceback.
+            log.warning("request %s: cut at shutdown before the first byte", ex.request_id)
+            with contextlib.suppress(Exception):
+                await respond(
+                    send,
+                    503,
+                    error_body(
+                        "The proxy is shutting down; retry the request.",
+                        "server_error",
+                        None,
+                        "shutting_down",
+                    ),
+                    ex.request_id,
+                    ((b"retry-after", b"1"),),
+                )
+            record.finish(None, status=503, error_type="shutdown")
 
     async def attempts(
         self,
@@ -316,35 +339,35 @@ class ProxyEndpoint:
                 name, fresh = nxt.backend, nxt.fresh
         if ex.client_gone:
             record.finish(None, status=499, error_type="cancelled")
-            return None
-        if not final:
-            return None
-        if waits and not other:
+        elif final:
+            await self._gave_up(ex, send, record, failures, waits if not other else [])
+        return None
+
+    async def _gave_up(
+        self,
+        ex: Exchange,
+        send: Send,
+        record: RequestRecord,
+        failures: list[str],
+        waits: list[float],
+    ) -> None:
+        """No attempt was answered: the client's error. `waits`: the Retry-After of each
+        attempt when every one was a 429 (else empty)."""
+        if waits:
             # Rate limited, not down: a 429 with a Retry-After makes the client (the openai
             # package, as against OpenAI) back off and retry. The soonest any backend named:
             # the retry may go to any of them, and the first with room serves it.
             hinted = [w for w in waits if w > 0]
             after = math.ceil(min(hinted)) if hinted else 1
-            await self._fail(
-                ex,
-                send,
-                record,
-                429,
+            message = (
                 "Every backend tried is rate limiting requests: " + "; ".join(failures) + "; "
-                f"retry after {after} s.",
-                "backends_rate_limited",
-                ((b"retry-after", b"%d" % after),),
+                f"retry after {after} s."
             )
-            return None
-        await self._fail(
-            ex,
-            send,
-            record,
-            503,
-            "All backends failed before responding: " + "; ".join(failures) + ".",
-            "backends_unavailable",
-        )
-        return None
+            retry_after = ((b"retry-after", b"%d" % after),)
+            await self._fail(ex, send, record, 429, message, "backends_rate_limited", retry_after)
+            return
+        message = "All backends failed before responding: " + "; ".join(failures) + "."
+        await self._fail(ex, send, record, 503, message, "backends_unavailable")
 
     async def _reranked(self, ex: Exchange) -> list[str]:
         """The backends not tried yet, ranked for the fleet as it is now."""
