@@ -5,9 +5,9 @@ Every plugin module exports ``PLUGINS``: a list of classes, each with a unique `
 :class:`proxy.routing.types.PluginSettings`) declaring the keys of its config block with their
 types and defaults: ``warmroute serve --check`` and startup report a misspelt key or a value of
 the wrong type in ``routing.plugins.<name>`` as they do any other key (a plugin without
-``Settings`` has its block passed along unchecked). Third parties add plugins through the entry-point group
-``warmroute.plugins`` (each entry point loads such a module). A *policy* plugin additionally has
-``kind = "policy"`` and builds a :class:`proxy.routing.types.Policy`.
+``Settings`` has its block passed along unchecked). Third parties add plugins through the
+entry-point group ``warmroute.plugins`` (each entry point loads such a module). A *policy*
+plugin additionally has ``kind = "policy"`` and builds a :class:`proxy.routing.types.Policy`.
 """
 
 from __future__ import annotations
