@@ -54,14 +54,16 @@ def full_index(capacity: int, seed: int = 1) -> MemoryPrefixIndex:
 
 def shared_index(backends: int, capacity: int, seed: int = 1) -> MemoryPrefixIndex:
     """`backends` backends that all hold the same `capacity` blocks (prompts every engine
-    serves: the (block, backend) entries share their hashes), none trimmed."""
+    serves), none trimmed. Each backend's copy comes from its own request, as in the proxy:
+    the same hash values in int objects of their own (each request hashes its prompt)."""
     rng = random.Random(seed)
     index = MemoryPrefixIndex(capacity_blocks=capacity, clock=lambda: 0.0)
     names = [f"b{i}" for i in range(backends)]
     for n in range(0, capacity, 16):
         prompt = [rng.getrandbits(63) for _ in range(16)]
         for name in names:
-            index.record_now(name, prompt, now=float(n))
+            hashed = [int.from_bytes(h.to_bytes(8, "little"), "little") for h in prompt]
+            index.record_now(name, hashed, now=float(n))
     return index
 
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import reduce
-from itertools import repeat
+from itertools import islice, repeat
 from operator import lshift, or_
 from typing import Any, NamedTuple, Protocol
 
@@ -118,8 +117,11 @@ class MemoryPrefixIndex:
         self.ttl_s = ttl_s
         self.touch_s = touch_s
         self.clock = clock
-        self._lru: dict[str, OrderedDict[int, float]] = {}
-        self._ghost: dict[str, OrderedDict[int, None]] = {}
+        # Per backend, block -> when last recorded, least recently first: a plain dict keeps
+        # insertion order, and a moved block is popped and put back. An OrderedDict's links
+        # cost ~40 bytes a (block, backend) entry more (deploy/perf/memory_bounds.py).
+        self._lru: dict[str, dict[int, float]] = {}
+        self._ghost: dict[str, dict[int, None]] = {}
         self._capacity: dict[str, int] = {}
         # Per backend, the first blocks of the prompts its LRU holds (a shared index's head
         # sets are refilled from them after Redis lost its data).
@@ -234,7 +236,7 @@ class MemoryPrefixIndex:
         return mask
 
     @staticmethod
-    def _match(lru: OrderedDict[int, float] | None, blocks: Sequence[int], oldest: float) -> int:
+    def _match(lru: dict[int, float] | None, blocks: Sequence[int], oldest: float) -> int:
         if not lru or not blocks:
             return 0
         # Binary search for the last present block: a chain hash implies its whole prefix, and
@@ -269,7 +271,7 @@ class MemoryPrefixIndex:
         self.records += 1
         lru = self._lru.get(backend)
         if lru is None:
-            lru = self._lru[backend] = OrderedDict()
+            lru = self._lru[backend] = {}
             self._heads[backend] = set()
             self._take_slot(backend)
         now = self.clock() if now is None else now
@@ -293,25 +295,29 @@ class MemoryPrefixIndex:
         if len(lru) > cap:
             self._trim(backend, lru, cap)
 
-    def _trim(self, backend: str, lru: OrderedDict[int, float], cap: int) -> None:
+    def _trim(self, backend: str, lru: dict[int, float], cap: int) -> None:
         ghost = self._ghost.get(backend)
         if ghost is None:
-            ghost = self._ghost[backend] = OrderedDict()
+            ghost = self._ghost[backend] = {}
         held, keep, heads = self._held, ~(1 << self._slot[backend]), self._heads[backend]
-        while len(lru) > cap:
-            h, _ = lru.popitem(last=False)
+        # The front of a plain dict is its least recently used blocks: taken in one C-level
+        # pass (which also steps over the slots earlier trims left, until the dict compacts).
+        gone = list(islice(lru, len(lru) - cap))
+        for h in gone:
+            del lru[h]
             others = held.pop(h, 0) & keep
             if others:
                 held[h] = others
             heads.discard(h)
+            ghost.pop(h, None)  # to the back
             ghost[h] = None
-            ghost.move_to_end(h)
-            self.evictions += 1
+        self.evictions += len(gone)
         # As many ghosts as live blocks (at least GHOST_MIN): enough to see a capacity that is
         # up to twice too small in one observation.
-        limit = max(cap, GHOST_MIN)
-        while len(ghost) > limit:
-            ghost.popitem(last=False)
+        over = len(ghost) - max(cap, GHOST_MIN)
+        if over > 0:
+            for h in list(islice(ghost, over)):
+                del ghost[h]
 
     def set_capacity(self, backend: str, blocks: int) -> None:
         self._capacity[backend] = max(1, int(blocks))
