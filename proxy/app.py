@@ -88,47 +88,9 @@ def create_app(
     re-reads the configuration (serve passes it): SIGHUP, and changes of `config_path` when
     fleet.watch_config_s is set, apply its `backends:` while running."""
     check_config(config)
-    tls = client_ssl_context(config.upstream)
-    # Backends are addressed directly: HTTP(S)_PROXY from the environment is not used, by
-    # the health client as by the forwarder (proxy/upstream.py).
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64), verify=tls, trust_env=False)
-    registry = BackendRegistry(
-        config,
-        http,
-        lambda: httpx.AsyncClient(limits=CONTROL_LIMITS, verify=tls, trust_env=False),
-    )
-    routing = build_routing(config)
-    state = AppState(
-        config=config,
-        registry=registry,
-        upstream=Upstream(
-            config.timeouts,
-            config.upstream.max_connections_per_backend,
-            tls,
-            max_response_bytes=config.upstream.max_response_bytes,
-            max_buffered_bytes=config.upstream.max_buffered_bytes,
-        ),
-        routing=routing,
-        http=http,
-        telemetry=telemetry or Telemetry(config.telemetry),
-        steering=RequestRouting(routing, registry),
-    )
-    board = state.routing.board
-    state.telemetry.read_inflight(lambda: board.local)
-    capacity = state.routing.router.capacity
-    state.telemetry.read_cache(capacity.snapshot)
-
-    hasher = state.routing.router.hasher
-
-    def kv_capacity(backend: str, tokens: int) -> None:
-        # The KV pool bounds what the index keeps; the learner sizes it within that bound.
-        blocks = capacity_blocks_from_tokens(tokens, hasher.block_chars, hasher.chars_per_token)
-        state.routing.router.set_published_capacity(backend, blocks)
-
-    state.registry.on_kv_capacity = kv_capacity
-    engine_caches = kv_event_caches(config, state.registry, hasher.kv_block_tokens)
-    state.routing.router.exact.update(engine_caches)
-    lifecycle = AppLifecycle(state, engine_caches, hasher.kv_block_tokens)
+    state = _build_state(config, telemetry)
+    engine_caches = _wire_routing(state)
+    lifecycle = AppLifecycle(state, engine_caches, state.routing.router.hasher.kv_block_tokens)
     fleet = Reconciler(config, state.registry, lifecycle, state.telemetry)
     state.fleet = fleet
     state.telemetry.read_fleet(state.registry.counts)
@@ -143,9 +105,107 @@ def create_app(
         reloader = ConfigReloader(
             load_checked, fleet.reload, config_path, config.fleet.watch_config_s
         )
+    forwarding = _forwarding(state, fleet)
+    endpoints = {path: ProxyEndpoint(forwarding, api) for api, path in API_PATHS.items()}
+    routes: list[Route | Mount] = [Route(p, ep, methods=["POST"]) for p, ep in endpoints.items()]
+    routes += handlers.routes(state)
+    routes += fleet_routes(fleet)  # POST/DELETE /admin/backends...: add, drain, resume, remove
+    state.doctor = install_doctor(state)
+    routes += doctor_routes(state, state.doctor)  # GET /admin/doctor, the findings gauge
+    lifespan = _lifespan(state, engine_caches, fleet, reloader)
+    inner = Starlette(routes=routes, lifespan=lifespan)
+    inner.state.warmroute = state
+    return WarmrouteApp(inner, endpoints, state)
+
+
+def _build_state(config: Config, telemetry: Telemetry | None) -> AppState:
+    """The app's resources, not opened yet: clients, the backend registry, routing."""
+    tls = client_ssl_context(config.upstream)
+    # Backends are addressed directly: HTTP(S)_PROXY from the environment is not used, by
+    # the health client as by the forwarder (proxy/upstream.py).
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64), verify=tls, trust_env=False)
+    registry = BackendRegistry(
+        config,
+        http,
+        lambda: httpx.AsyncClient(limits=CONTROL_LIMITS, verify=tls, trust_env=False),
+    )
+    routing = build_routing(config)
+    return AppState(
+        config=config,
+        registry=registry,
+        upstream=Upstream(
+            config.timeouts,
+            config.upstream.max_connections_per_backend,
+            tls,
+            max_response_bytes=config.upstream.max_response_bytes,
+            max_buffered_bytes=config.upstream.max_buffered_bytes,
+        ),
+        routing=routing,
+        http=http,
+        telemetry=telemetry or Telemetry(config.telemetry),
+        steering=RequestRouting(routing, registry),
+    )
+
+
+def _wire_routing(state: AppState) -> dict[str, Any]:
+    """What routing reads from elsewhere: telemetry's gauges of it, the KV pool sizes engines
+    publish, the engines' own KV events. Returns the KV-event caches by backend."""
+    router = state.routing.router
+    board = state.routing.board
+    state.telemetry.read_inflight(lambda: board.local)
+    state.telemetry.read_cache(router.capacity.snapshot)
+    hasher = router.hasher
+
+    def kv_capacity(backend: str, tokens: int) -> None:
+        # The KV pool bounds what the index keeps; the learner sizes it within that bound.
+        blocks = capacity_blocks_from_tokens(tokens, hasher.block_chars, hasher.chars_per_token)
+        router.set_published_capacity(backend, blocks)
+
+    state.registry.on_kv_capacity = kv_capacity
+    engine_caches = kv_event_caches(state.config, state.registry, hasher.kv_block_tokens)
+    router.exact.update(engine_caches)
+    return engine_caches
+
+
+def _forwarding(state: AppState, fleet: Reconciler) -> Forwarding:
+    """The forwarder's collaborators, and telemetry's gauges of its health."""
+    config = state.config
+    forwarding = Forwarding(
+        config=config,
+        fleet=state.registry,
+        upstream=state.upstream,
+        steering=state.steering,
+        recorder=state.telemetry,
+        retry=RetryPolicy(config.retries),
+        pd=pd_flows(config, state),
+        membership=fleet,
+    )
+    state.forwarding = forwarding
+    registry = state.registry
+    state.telemetry.read_health(
+        lambda: {
+            b.name: int(b.breaker is not None and b.breaker.state == "open")
+            for b in registry.backends.values()
+        },
+        lambda: forwarding.retry.exhausted,
+    )
+    if forwarding.pd is not None:
+        state.telemetry.read_disagg(forwarding.pd.gauges)
+    return forwarding
+
+
+def _lifespan(
+    state: AppState,
+    engine_caches: dict[str, Any],
+    fleet: Reconciler,
+    reloader: ConfigReloader | None,
+) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:
+    """Opens every resource in order at startup, says whether the proxy is ready, and
+    closes them in reverse at shutdown."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        config = state.config
         await state.upstream.start()
         await state.routing.start()
         await state.registry.start()
@@ -179,39 +239,10 @@ def create_app(
             await state.registry.close()
             await state.upstream.close()
             await state.routing.close()
-            await http.aclose()
+            await state.http.aclose()
             state.telemetry.shutdown()
 
-    forwarding = Forwarding(
-        config=config,
-        fleet=state.registry,
-        upstream=state.upstream,
-        steering=state.steering,
-        recorder=state.telemetry,
-        retry=RetryPolicy(config.retries),
-        pd=pd_flows(config, state),
-        membership=fleet,
-    )
-    state.forwarding = forwarding
-    registry = state.registry
-    state.telemetry.read_health(
-        lambda: {
-            b.name: int(b.breaker is not None and b.breaker.state == "open")
-            for b in registry.backends.values()
-        },
-        lambda: forwarding.retry.exhausted,
-    )
-    if forwarding.pd is not None:
-        state.telemetry.read_disagg(forwarding.pd.gauges)
-    endpoints = {path: ProxyEndpoint(forwarding, api) for api, path in API_PATHS.items()}
-    routes: list[Route | Mount] = [Route(p, ep, methods=["POST"]) for p, ep in endpoints.items()]
-    routes += handlers.routes(state)
-    routes += fleet_routes(fleet)  # POST/DELETE /admin/backends...: add, drain, resume, remove
-    state.doctor = install_doctor(state)
-    routes += doctor_routes(state, state.doctor)  # GET /admin/doctor, the findings gauge
-    inner = Starlette(routes=routes, lifespan=lifespan)
-    inner.state.warmroute = state
-    return WarmrouteApp(inner, endpoints, state)
+    return lifespan
 
 
 def pd_flows(config: Config, state: AppState) -> Any:
