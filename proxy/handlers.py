@@ -27,33 +27,56 @@ def _json(data: object, status: int = 200) -> Response:
 
 
 def routes(state: AppState) -> list[Route]:
-    server = state.config.server
-    admin = AdminAccess.from_settings(server.port, server.admin_port, server.admin_token_sha256)
+    return Handlers(state).routes()
 
-    async def models(request: Request) -> Response:
-        return _json({"object": "list", "data": state.registry.model_list()})
 
-    async def health(request: Request) -> Response:
+class Handlers:
+    """The small endpoints beside the API paths: model list, health, readiness, metrics and
+    the admin views (operators only: proxy/access.py decides who sees what)."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        server = state.config.server
+        self.admin = AdminAccess.from_settings(
+            server.port, server.admin_port, server.admin_token_sha256
+        )
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+            Route("/admin/backends", self.backends, methods=["GET"]),
+            Route("/admin/route/explain", self.explain, methods=["POST"]),
+            Route("/admin/routing", self.routing_info, methods=["GET"]),
+            Route("/admin/disagg", self.disagg, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+
+    async def models(self, request: Request) -> Response:
+        return _json({"object": "list", "data": self.state.registry.model_list()})
+
+    async def health(self, request: Request) -> Response:
         return _json({"status": "ok"})
 
-    async def ready(request: Request) -> Response:
+    async def ready(self, request: Request) -> Response:
         # Each backend's health, named only to a caller /admin/* would answer here (the admin
         # listener, or the serving port when it serves /admin): a backend's name is its
         # host:port unless configured, and the serving port shows no addresses.
-        ok = state.registry.any_ready()
+        ok = self.state.registry.any_ready()
         now = time.monotonic()
         scope = request.scope
-        on_admin = admin.on_admin_listener(scope.get("server"))
-        named = admin.refusal(on_admin, bearer(scope["headers"])) is None
+        on_admin = self.admin.on_admin_listener(scope.get("server"))
+        named = self.admin.refusal(on_admin, bearer(scope["headers"])) is None
         up: list[dict[str, object]] = []
-        for b in state.registry.backends.values():
+        for b in self.state.registry.backends.values():
             entry: dict[str, object] = {"name": b.name} if named else {}
             entry["up"] = b.is_up(now)
             entry["circuit"] = b.breaker.info(now)["state"] if b.breaker else None
             up.append(entry)
         return _json({"ready": ok, "backends": up}, 200 if ok else 503)
 
-    def _backends() -> list[dict[str, object]]:
+    def _backends(self) -> list[dict[str, object]]:
         now = time.monotonic()
         return [
             {
@@ -70,7 +93,7 @@ def routes(state: AppState) -> list[Route]:
                 "weight": b.cfg.weight,
                 "healthy": b.healthy,
                 "up": b.is_up(time.monotonic()),
-                "inflight": state.routing.board.get(b.name),  # all replicas' open requests
+                "inflight": self.state.routing.board.get(b.name),  # all replicas' open requests
                 "models": sorted(b.models) if b.models is not None else None,
                 "last_error": redact_text(b.last_error) if b.last_error else None,
                 # passive health: outlier ejection (closed / open / half_open)
@@ -81,14 +104,14 @@ def routes(state: AppState) -> list[Route]:
                     "kv_usage": b.load.kv_usage,
                 },
             }
-            for b in state.registry.backends.values()
+            for b in self.state.registry.backends.values()
         ]
 
-    async def metrics(request: Request) -> Response:
-        body, content_type = state.telemetry.prometheus_text()
+    async def metrics(self, request: Request) -> Response:
+        body, content_type = self.state.telemetry.prometheus_text()
         return Response(body, 200, headers={"content-type": content_type})
 
-    async def explain(request: Request) -> Response:
+    async def explain(self, request: Request) -> Response:
         """Dry-run routing for a request body: candidates, matches, scores, the winner."""
         api = request.query_params.get("api", "chat")
         if api not in PROMPT_FIELD:
@@ -104,7 +127,7 @@ def routes(state: AppState) -> list[Route]:
                 400,
             )
         try:  # within server.max_body_bytes, as the API paths read theirs
-            limit = state.config.server.max_body_bytes
+            limit = self.state.config.server.max_body_bytes
             raw = await read_body(request.receive, limit, request.headers.get("content-length"))
             body = orjson.loads(raw)
             validate(api, body)
@@ -127,7 +150,7 @@ def routes(state: AppState) -> list[Route]:
             now=time.monotonic(),
             session_key=request.headers.get("x-session-id") or body.get("user"),
         )
-        decision = await state.router.route(ctx, state.views(), record=False)
+        decision = await self.state.router.route(ctx, self.state.views(), record=False)
         out = decision.as_dict()
         out["candidates"] = [
             {
@@ -138,23 +161,23 @@ def routes(state: AppState) -> list[Route]:
                 "kv_usage": v.load.kv_usage,
                 "prefill_tokens_per_s": v.prefill_tokens_per_s,
             }
-            for v in state.views()
+            for v in self.state.views()
         ]
         return _json(out)
 
-    async def routing_info(request: Request) -> Response:
-        return _json(state.routing.info())
+    async def routing_info(self, request: Request) -> Response:
+        return _json(self.state.routing.info())
 
-    async def disagg(request: Request) -> Response:
+    async def disagg(self, request: Request) -> Response:
         """The prefill/decode decider: mode, active, pools, its window's inputs, why."""
-        pd = state.forwarding.pd if state.forwarding is not None else None
+        pd = self.state.forwarding.pd if self.state.forwarding is not None else None
         if pd is None:
             from proxy.disagg.controller import state_when_off  # loaded only if asked, as when on
 
-            return _json(state_when_off(state.config.disagg, time.perf_counter()))
+            return _json(state_when_off(self.state.config.disagg, time.perf_counter()))
         return _json(pd.state())
 
-    async def backends(request: Request) -> Response:
+    async def backends(self, request: Request) -> Response:
         now = time.monotonic()
         gone = [
             {
@@ -164,25 +187,14 @@ def routes(state: AppState) -> list[Route]:
                 "state": "gone",
                 "gone_for_s": round(now - b.since, 1),
             }
-            for b in reversed(state.registry.gone)
+            for b in reversed(self.state.registry.gone)
         ]
-        fleet = state.fleet.info() if state.fleet is not None else None
+        fleet = self.state.fleet.info() if self.state.fleet is not None else None
         return _json(
             {
-                "backends": _backends(),
+                "backends": self._backends(),
                 "gone": gone,  # the last departures, newest first
                 "fleet": fleet,
-                "policy": state.router.policy.name,
+                "policy": self.state.router.policy.name,
             }
         )
-
-    return [
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
-        Route("/admin/backends", backends, methods=["GET"]),
-        Route("/admin/route/explain", explain, methods=["POST"]),
-        Route("/admin/routing", routing_info, methods=["GET"]),
-        Route("/admin/disagg", disagg, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ]
