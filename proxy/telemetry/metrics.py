@@ -88,6 +88,40 @@ class RequestMetrics:
     def __init__(self) -> None:
         self.start_ns = time.time_ns()
         self.lock = threading.Lock()  # readers collect from their own threads
+        self._make_histograms()
+        self.c_decisions = Counts(("warmroute.route.policy", "warmroute.route.reason"))
+        self.c_errors = Counts(("warmroute.backend", "error.type"))
+        self.error_label = ErrorLabels()  # error.type on metrics: bounded (telemetry/labels.py)
+        self.c_retries = Counts(("warmroute.backend",))
+        self.c_fleet = Counts(("warmroute.fleet.change", "warmroute.fleet.source"))
+        self._fleet_sources: set[str] = set()
+        self._read_nothing_yet()
+        # the model's metric label: the name when a backend lists it (see bound_model_labels)
+        self.model_label: Callable[[str], str] = str
+        self._routes: dict[tuple[str, str], tuple[tuple[str, str], Point]] = {}
+        self._series: dict[tuple[Any, ...], Series] = {}
+        self._pending: list[Row] = []  # requests' one-value samples, until fold()
+
+    def _read_nothing_yet(self) -> None:
+        """What the observable instruments read when collected, until the app registers its
+        sources (Telemetry.read_*): empty."""
+        # backends per membership state (the reconciler's), or None before one is registered
+        self.fleet: Callable[[], Mapping[str, int]] | None = None
+        # this proxy's open requests per backend: the routing board's count, read when collected
+        self.inflight: Callable[[], Mapping[str, int]] = dict
+        # per backend: the learned prefix cache and how well the index predicts it
+        self.cache: Callable[[], Mapping[str, Mapping[str, Any]]] = dict
+        # the doctor's current findings: (finding id, backend, severity)
+        self.findings: Callable[[], Iterable[tuple[str, str, str]]] = tuple
+        # passive health: backend -> 1 while ejected (outlier detection), and the failures the
+        # retry budget answered at once
+        self.ejected: Callable[[], Mapping[str, int]] = dict
+        self.budget_exhausted: Callable[[], int] = int
+        # prefill/decode disaggregation: (active, the decider's numeric inputs), or None (off)
+        self.disagg: Callable[[], tuple[bool, Mapping[str, float]] | None] = lambda: None
+
+    def _make_histograms(self) -> None:
+        """The request histograms (their points per series: proxy/telemetry/series.py)."""
         h = Histogram
         self.h_ttft = h(
             "gen_ai.server.time_to_first_token",
@@ -168,31 +202,6 @@ class RequestMetrics:
             self.h_cached,
             self.h_hit,
         )
-        self.c_decisions = Counts(("warmroute.route.policy", "warmroute.route.reason"))
-        self.c_errors = Counts(("warmroute.backend", "error.type"))
-        self.error_label = ErrorLabels()  # error.type on metrics: bounded (telemetry/labels.py)
-        self.c_retries = Counts(("warmroute.backend",))
-        self.c_fleet = Counts(("warmroute.fleet.change", "warmroute.fleet.source"))
-        self._fleet_sources: set[str] = set()
-        # backends per membership state (the reconciler's), or None before one is registered
-        self.fleet: Callable[[], Mapping[str, int]] | None = None
-        # this proxy's open requests per backend: the routing board's count, read when collected
-        self.inflight: Callable[[], Mapping[str, int]] = dict
-        # per backend: the learned prefix cache and how well the index predicts it
-        self.cache: Callable[[], Mapping[str, Mapping[str, Any]]] = dict
-        # the doctor's current findings: (finding id, backend, severity)
-        self.findings: Callable[[], Iterable[tuple[str, str, str]]] = tuple
-        # passive health: backend -> 1 while ejected (outlier detection), and the failures the
-        # retry budget answered at once
-        self.ejected: Callable[[], Mapping[str, int]] = dict
-        self.budget_exhausted: Callable[[], int] = int
-        # prefill/decode disaggregation: (active, the decider's numeric inputs), or None (off)
-        self.disagg: Callable[[], tuple[bool, Mapping[str, float]] | None] = lambda: None
-        # the model's metric label: the name when a backend lists it (see bound_model_labels)
-        self.model_label: Callable[[str], str] = str
-        self._routes: dict[tuple[str, str], tuple[tuple[str, str], Point]] = {}
-        self._series: dict[tuple[Any, ...], Series] = {}
-        self._pending: list[Row] = []  # requests' one-value samples, until fold()
 
     def observe_with(self, meter: Meter) -> None:
         """Create the observable instruments that read the counts and sources when collected."""
