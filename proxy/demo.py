@@ -84,6 +84,14 @@ def register(sub: Any) -> None:
         "engines, 1500 requests at concurrency 48), on 2 engines and at light load, in "
         "virtual time (docs/disaggregation.md)",
     )
+    _fleet_options(p)
+    _workload_options(p)
+    _run_options(p)
+    p.set_defaults(func=run)
+
+
+def _fleet_options(p: Any) -> None:
+    """demo's options: the simulated engines."""
     p.add_argument("--engines", type=_positive, help="simulated engines (default 4)")
     p.add_argument(
         "--device",
@@ -97,6 +105,10 @@ def register(sub: Any) -> None:
         help="KV-cache blocks per engine (16 tokens each; default 3000 = 48k tokens: "
         "the prompt set fits the fleet only if routing partitions it)",
     )
+
+
+def _workload_options(p: Any) -> None:
+    """demo's options: the workload sent through each policy."""
     p.add_argument(
         "--workload",
         default="mixed",
@@ -132,6 +144,10 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--max-tokens", type=_positive, default=48, help="output tokens per chat (default 48)"
     )
+
+
+def _run_options(p: Any) -> None:
+    """demo's options: the engines' step budget, time, seed, output and what to show."""
     p.add_argument(
         "--max-num-batched-tokens",
         type=_positive,
@@ -186,7 +202,6 @@ def register(sub: Any) -> None:
         action="store_true",
         help="after the last policy, keep its proxy and engines up until Ctrl-C",
     )
-    p.set_defaults(func=run)
 
 
 def _ms(v: float | None) -> str:

@@ -139,6 +139,27 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     pos, flt = _positive(int), _positive(float)
+    _target_options(p)
+    _load_options(p, pos, flt)
+    _size_options(p, pos)
+    _output_options(p)
+    p.set_defaults(func=run_command)
+
+    rsub = p.add_subparsers(dest="bench_command", metavar="{report}")
+    r = rsub.add_parser(
+        "report",
+        help="merge saved results files into one side-by-side table and plots",
+        description="Merge runs from results files into one side-by-side table (and plots).",
+        epilog=REPORT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument("files", nargs="+", metavar="RESULTS.json")
+    _add_report_outputs(r)
+    r.set_defaults(func=report_command)
+
+
+def _target_options(p: Any) -> None:
+    """bench's options: the server(s) to load and how to name the run."""
     g = p.add_argument_group("target")
     g.add_argument(
         "--base-url",
@@ -194,6 +215,9 @@ def register(sub: Any) -> None:
         help="allow targets that are not loopback addresses",
     )
 
+
+def _load_options(p: Any, pos: Callable[[str], Any], flt: Callable[[str], Any]) -> None:
+    """bench's options: how much load, and how it arrives."""
     g = p.add_argument_group("load")
     g.add_argument(
         "--workload",
@@ -255,6 +279,9 @@ def register(sub: Any) -> None:
         help="per-request timeout (default 600)",
     )
 
+
+def _size_options(p: Any, pos: Callable[[str], Any]) -> None:
+    """bench's options: the workload's shape."""
     g = p.add_argument_group("workload sizes (characters; ~4 per token)")
     g.add_argument(
         "--max-tokens",
@@ -320,6 +347,9 @@ def register(sub: Any) -> None:
         help="fields merged into every request body, e.g. '{\"ignore_eos\": true}'",
     )
 
+
+def _output_options(p: Any) -> None:
+    """bench's options: what the run writes and when it fails."""
     g = p.add_argument_group("output")
     g.add_argument(
         "--out",
@@ -349,19 +379,6 @@ def register(sub: Any) -> None:
         default=_env_flag("no-progress"),
         help="no progress bar on stderr",
     )
-    p.set_defaults(func=run_command)
-
-    rsub = p.add_subparsers(dest="bench_command", metavar="{report}")
-    r = rsub.add_parser(
-        "report",
-        help="merge saved results files into one side-by-side table and plots",
-        description="Merge runs from results files into one side-by-side table (and plots).",
-        epilog=REPORT_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    r.add_argument("files", nargs="+", metavar="RESULTS.json")
-    _add_report_outputs(r)
-    r.set_defaults(func=report_command)
 
 
 def _add_report_outputs(g: Any) -> None:
