@@ -260,152 +260,10 @@ async def run_virtual(
     narrows each request's candidates to a pool, the hooks feed the decider's window."""
     fleet = VirtualFleet(sim, engines, policy, plugins, scrape_s, publish_kv_pool, kv_events, roles)
     fleet.select = select
-    actions = dict(events)
-    plan = workload.plan(requests)
-    queue: deque[RequestSpec] = deque(plan)
-    history: dict[int, list[Message]] = {}
-    done_turns: set[tuple[int, int]] = set()
-    # A worker whose next request is a later turn waits for the earlier one (as the bench does).
-    pending: dict[tuple[int | None, int], list[RequestSpec]] = {}
-    failed: set[int] = set()  # conversations whose earlier turn failed
-    open_: dict[str, _Open] = {}
-    results: list[RequestResult] = []
-    idle_workers = min(concurrency, requests)
-    next_scrape = 0.0
-
-    async def issue(spec: RequestSpec) -> None:
-        conv = spec.conversation
-        past = history.get(conv, []) if conv is not None else []
-        messages = workload.messages(spec, past)
-        body: dict[str, Any] = {"model": sim.model, "messages": messages}
-        body["max_tokens"] = spec.max_tokens
-        if (user := workload.user(spec)) is not None:
-            body["user"] = user
-        rid = f"req-{spec.index}"
-        action = actions.pop(spec.index, None)
-        if action is not None:
-            action(fleet)
-        prompt = tokens.tokenize(tokens.render_chat(messages), sim.chars_per_token)
-        i, ctx = await fleet.route(rid, body, spec.system_id, prompt)
-        seq = make_seq(fleet.cfgs[i], rid, prompt, spec.max_tokens)
-        fleet.scheds[i].now = fleet.now
-        r = RequestResult(
-            index=spec.index,
-            target=fleet.names[i],
-            kind=spec.kind,
-            conversation=conv,
-            turn=spec.turn,
-            system_id=spec.system_id,
-            start=fleet.now,
-            prompt_tokens=len(prompt),
-        )
-        results.append(r)
-        try:
-            fleet.scheds[i].add(seq)
-        except ValueError as e:  # the engine refuses it (longer than its KV pool): a 400
-            r.http_status, r.error_kind, r.error = 400, "http_400", str(e)
-            await turn_over(spec, ok=False)
-            return
-        fleet.inflight[i] += 1
-        fleet.served[i] += 1
-        open_[rid] = _Open(spec, r, i, fleet.now, ctx, history=past)
-        if on_start is not None:
-            on_start(fleet, i, r, ctx)
-        fleet.kick(i)
-
-    async def start(spec: RequestSpec) -> None:
-        """A worker takes `spec`: send it, or fail it if its conversation already failed."""
-        conv = spec.conversation
-        if conv is not None and conv in failed:
-            results.append(
-                RequestResult(
-                    index=spec.index,
-                    target="",
-                    kind=spec.kind,
-                    conversation=conv,
-                    turn=spec.turn,
-                    system_id=spec.system_id,
-                    start=fleet.now,
-                    error_kind="dependency",
-                    error="an earlier turn of this conversation failed",
-                )
-            )
-            await turn_over(spec, ok=False)
-            return
-        await issue(spec)
-
-    async def turn_over(spec: RequestSpec, ok: bool) -> None:
-        """`spec` is done: its worker is free, and the conversation's next turn may go."""
-        nonlocal idle_workers
-        idle_workers += 1
-        conv = spec.conversation
-        if conv is None:
-            return
-        if not ok:
-            failed.add(conv)
-        done_turns.add((conv, spec.turn))
-        for nxt in pending.pop((conv, spec.turn), []):
-            await start(nxt)  # on the worker that has been holding it since it was queued
-
-    async def fill() -> None:
-        """Hand queued requests to idle workers; a later turn blocks its worker until ready."""
-        nonlocal idle_workers
-        while idle_workers and queue:
-            spec = queue.popleft()
-            idle_workers -= 1
-            key = (spec.conversation, spec.turn - 1)
-            if spec.conversation is not None and spec.turn > 0 and key not in done_turns:
-                pending.setdefault(key, []).append(spec)
-                continue
-            await start(spec)
-
-    await fill()
-    while True:
-        if fleet.now >= next_scrape:
-            fleet.scrape()
-            next_scrape = fleet.now + scrape_s
-        step = fleet.next_step()
-        if step is None:
-            break
-        i, step_plan = step
-        for out in fleet.scheds[i].complete(step_plan):
-            o = open_.get(out.seq.seq_id)
-            if o is None:
-                continue
-            r = o.result
-            now = fleet.now
-            if r.output_chunks == 0:
-                r.ttft = now - o.start
-                r.cached_tokens = max(out.seq.num_cached, 0)
-                fleet.router.observe(
-                    o.ctx, fleet.names[i], r.prompt_tokens, r.cached_tokens, r.ttft
-                )
-                if on_first_token is not None:
-                    on_first_token(fleet, i, r)
-            else:
-                r.itl.append(now - o.last)
-            o.last = now
-            r.output_chunks += 1
-            r.output_chars += len(out.text)
-            o.reply.append(out.text)
-            if out.finish_reason is None:
-                continue
-            del open_[out.seq.seq_id]
-            fleet.inflight[i] -= 1
-            r.ok, r.e2e, r.finish_reason = True, now - o.start, out.finish_reason
-            r.completion_tokens = r.output_chunks
-            if on_finish is not None:
-                on_finish(fleet, i, r, o.ctx, out.seq)
-            conv = o.spec.conversation
-            if conv is not None:
-                history[conv] = [
-                    *o.history,
-                    {"role": "user", "content": workload.user_text(o.spec)},
-                    {"role": "assistant", "content": "".join(o.reply)},
-                ]
-            await turn_over(o.spec, ok=True)
-        await fill()
-        fleet.kick(i)
+    replay = _Replay(fleet, workload, sim, requests, concurrency, events)
+    replay.on_start, replay.on_first_token, replay.on_finish = on_start, on_first_token, on_finish
+    await replay.run(scrape_s)
+    results = replay.results
     results.sort(key=lambda r: r.index)
     run = RunResult(
         label=policy,
@@ -422,6 +280,176 @@ async def run_virtual(
         notes=[f"virtual time: {engines} x {sim.device} engines, {sim.kv_pool_tokens} KV tokens"],
     )
     return run, fleet
+
+
+class _Replay:
+    """One run's state: the workload's queue, the conversations' turns, the requests open on
+    the engines; the workers' moves are its methods, and run() steps the fleet's clock."""
+
+    def __init__(
+        self,
+        fleet: VirtualFleet,
+        workload: Workload,
+        sim: SimConfig,
+        requests: int,
+        concurrency: int,
+        events: Sequence[tuple[int, Callable[[VirtualFleet], None]]],
+    ) -> None:
+        self.fleet, self.workload, self.sim = fleet, workload, sim
+        self.actions = dict(events)
+        self.queue: deque[RequestSpec] = deque(workload.plan(requests))
+        self.history: dict[int, list[Message]] = {}
+        self.done_turns: set[tuple[int, int]] = set()
+        # A worker whose next request is a later turn waits for the earlier one (as the bench
+        # does).
+        self.pending: dict[tuple[int | None, int], list[RequestSpec]] = {}
+        self.failed: set[int] = set()  # conversations whose earlier turn failed
+        self.open: dict[str, _Open] = {}
+        self.results: list[RequestResult] = []
+        self.idle_workers = min(concurrency, requests)
+        self.on_start: Callable[[VirtualFleet, int, RequestResult, RouteContext], None] | None
+        self.on_first_token: Callable[[VirtualFleet, int, RequestResult], None] | None
+        self.on_finish: Callable[[VirtualFleet, int, RequestResult, RouteContext, Seq], None] | None
+        self.on_start = self.on_first_token = self.on_finish = None
+
+    async def run(self, scrape_s: float) -> None:
+        """Until no engine has work left: scrape on schedule, step the next engine, hand its
+        outputs to their requests, refill the workers."""
+        fleet = self.fleet
+        next_scrape = 0.0
+        await self.fill()
+        while True:
+            if fleet.now >= next_scrape:
+                fleet.scrape()
+                next_scrape = fleet.now + scrape_s
+            step = fleet.next_step()
+            if step is None:
+                break
+            i, step_plan = step
+            for out in fleet.scheds[i].complete(step_plan):
+                o = self.open.get(out.seq.seq_id)
+                if o is not None:
+                    await self.output(i, o, out)
+            await self.fill()
+            fleet.kick(i)
+
+    async def output(self, i: int, o: _Open, out: Any) -> None:
+        """A token of request `o` on engine `i` (its first: TTFT; its last: the request ends)."""
+        fleet, r, now = self.fleet, o.result, self.fleet.now
+        if r.output_chunks == 0:
+            r.ttft = now - o.start
+            r.cached_tokens = max(out.seq.num_cached, 0)
+            fleet.router.observe(o.ctx, fleet.names[i], r.prompt_tokens, r.cached_tokens, r.ttft)
+            if self.on_first_token is not None:
+                self.on_first_token(fleet, i, r)
+        else:
+            r.itl.append(now - o.last)
+        o.last = now
+        r.output_chunks += 1
+        r.output_chars += len(out.text)
+        o.reply.append(out.text)
+        if out.finish_reason is None:
+            return
+        del self.open[out.seq.seq_id]
+        fleet.inflight[i] -= 1
+        r.ok, r.e2e, r.finish_reason = True, now - o.start, out.finish_reason
+        r.completion_tokens = r.output_chunks
+        if self.on_finish is not None:
+            self.on_finish(fleet, i, r, o.ctx, out.seq)
+        conv = o.spec.conversation
+        if conv is not None:
+            self.history[conv] = [
+                *o.history,
+                {"role": "user", "content": self.workload.user_text(o.spec)},
+                {"role": "assistant", "content": "".join(o.reply)},
+            ]
+        await self.turn_over(o.spec, ok=True)
+
+    async def issue(self, spec: RequestSpec) -> None:
+        fleet, workload, sim = self.fleet, self.workload, self.sim
+        conv = spec.conversation
+        past = self.history.get(conv, []) if conv is not None else []
+        messages = workload.messages(spec, past)
+        body: dict[str, Any] = {"model": sim.model, "messages": messages}
+        body["max_tokens"] = spec.max_tokens
+        if (user := workload.user(spec)) is not None:
+            body["user"] = user
+        rid = f"req-{spec.index}"
+        action = self.actions.pop(spec.index, None)
+        if action is not None:
+            action(fleet)
+        prompt = tokens.tokenize(tokens.render_chat(messages), sim.chars_per_token)
+        i, ctx = await fleet.route(rid, body, spec.system_id, prompt)
+        seq = make_seq(fleet.cfgs[i], rid, prompt, spec.max_tokens)
+        fleet.scheds[i].now = fleet.now
+        r = RequestResult(
+            index=spec.index,
+            target=fleet.names[i],
+            kind=spec.kind,
+            conversation=conv,
+            turn=spec.turn,
+            system_id=spec.system_id,
+            start=fleet.now,
+            prompt_tokens=len(prompt),
+        )
+        self.results.append(r)
+        try:
+            fleet.scheds[i].add(seq)
+        except ValueError as e:  # the engine refuses it (longer than its KV pool): a 400
+            r.http_status, r.error_kind, r.error = 400, "http_400", str(e)
+            await self.turn_over(spec, ok=False)
+            return
+        fleet.inflight[i] += 1
+        fleet.served[i] += 1
+        self.open[rid] = _Open(spec, r, i, fleet.now, ctx, history=past)
+        if self.on_start is not None:
+            self.on_start(fleet, i, r, ctx)
+        fleet.kick(i)
+
+    async def start(self, spec: RequestSpec) -> None:
+        """A worker takes `spec`: send it, or fail it if its conversation already failed."""
+        conv = spec.conversation
+        if conv is not None and conv in self.failed:
+            self.results.append(
+                RequestResult(
+                    index=spec.index,
+                    target="",
+                    kind=spec.kind,
+                    conversation=conv,
+                    turn=spec.turn,
+                    system_id=spec.system_id,
+                    start=self.fleet.now,
+                    error_kind="dependency",
+                    error="an earlier turn of this conversation failed",
+                )
+            )
+            await self.turn_over(spec, ok=False)
+            return
+        await self.issue(spec)
+
+    async def turn_over(self, spec: RequestSpec, ok: bool) -> None:
+        """`spec` is done: its worker is free, and the conversation's next turn may go."""
+        self.idle_workers += 1
+        conv = spec.conversation
+        if conv is None:
+            return
+        if not ok:
+            self.failed.add(conv)
+        self.done_turns.add((conv, spec.turn))
+        for nxt in self.pending.pop((conv, spec.turn), []):
+            await self.start(nxt)  # on the worker that has been holding it since it was queued
+
+    async def fill(self) -> None:
+        """Hand queued requests to idle workers; a later turn blocks its worker until ready."""
+        queue = self.queue
+        while self.idle_workers and queue:
+            spec = queue.popleft()
+            self.idle_workers -= 1
+            key = (spec.conversation, spec.turn - 1)
+            if spec.conversation is not None and spec.turn > 0 and key not in self.done_turns:
+                self.pending.setdefault(key, []).append(spec)
+                continue
+            await self.start(spec)
 
 
 def engine_stats(fleet: VirtualFleet) -> list[dict[str, Any]]:
