@@ -279,16 +279,8 @@ class StreamMeter:
             return data
         self._pending = 0
         self._recv_at = now
-        if not self._sep:
-            k = data.find(b"\n")
-            if k < 0:
-                self._tail += data
-                if len(self._tail) > MAX_EVENT_BYTES:
-                    raise EventTooLarge(len(self._tail))
-                return data if not self.strip_usage else b""
-            crlf = data[k - 1] == 0x0D if k > 0 else self._tail.endswith(b"\r")
-            self._sep = b"\r\n\r\n" if crlf else b"\n\n"
-            self._nl = b"\r\n" if crlf else b"\n"
+        if not self._sep and not self._learn_separator(data):
+            return data if not self.strip_usage else b""
         sep = self._sep
         seplen = len(sep)
         if self._tail:
@@ -354,6 +346,20 @@ class StreamMeter:
         if cut is None:
             return buf if start == len(buf) else buf[:start]
         return _without(buf[:start], cut)
+
+    def _learn_separator(self, data: bytes) -> bool:
+        """Until the stream's first line ends: whether it uses CRLF or LF, hence its event
+        separator (False: not known yet, `data` is held as the start of the first event)."""
+        k = data.find(b"\n")
+        if k < 0:
+            self._tail += data
+            if len(self._tail) > MAX_EVENT_BYTES:
+                raise EventTooLarge(len(self._tail))
+            return False
+        crlf = data[k - 1] == 0x0D if k > 0 else self._tail.endswith(b"\r")
+        self._sep = b"\r\n\r\n" if crlf else b"\n\n"
+        self._nl = b"\r\n" if crlf else b"\n"
+        return True
 
     def mark_sent(self, now: float) -> None:
         """The bytes returned by the last feed() were written to the client at `now`."""
