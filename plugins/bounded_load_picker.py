@@ -157,48 +157,9 @@ class BoundedLoadPicker:
             ]
             return self._pick_placed(ctx, key, candidates, homes, within)
         if blocks and best_match < warm:
-            order = hrw_order(key, within)
-            reason = f"cold prefix: rendezvous on the first blocks{spill}"
-            if self.choices > 1 and len(order) > 1:
-                # The less loaded of the prefix's first `choices` rendezvous backends (the
-                # power of two choices): hashing alone can hand one engine 3 of 8 prompts,
-                # while a prompt still has at most `choices` possible homes.
-                best = min(order[: self.choices], key=_load)
-                if _load(best) < _load(order[0]):
-                    order.remove(best)
-                    order.insert(0, best)
-                    reason = f"cold prefix: less loaded of its first rendezvous choices{spill}"
+            order, reason = self._cold(key, within, spill)
         elif blocks:
-            holders = [b for b in within if matched.get(b.name, 0) >= warm]
-            copies = sum(1 for b in candidates if matched.get(b.name, 0) >= warm)
-            wanted = max(1, math.ceil(ctx.prefix_share * len(candidates) / self.copy_load))
-            if holders and copies >= wanted:
-                # As many copies as its share of the traffic needs: stay on them (best score
-                # first). A backend without the prefix comes only after them, when every copy
-                # is over the bound; a copy made for a passing burst would evict other
-                # prefixes from a full KV pool and split this one's traffic for good.
-                tie_order = hrw_order(key_of(ctx.request_id), holders)
-                order = sorted(tie_order, key=lambda b: -round(totals.get(b.name, 0.0), 9))
-                order += [b for b in hrw_order(key, within) if b not in holders]
-                reason = f"warm prefix: best of its {copies} cached copies{spill}"
-            elif holders:
-                # A hot prefix: its traffic wants more copies than it has. The least loaded of
-                # its copies and the next backend in its rendezvous order (a new copy, the same
-                # one whichever replica makes it) takes it; ties stay on a copy.
-                nxt = [b for b in hrw_order(key, within) if b not in holders][:1]
-                rank = {id(b): i for i, b in enumerate(hrw_order(key_of(ctx.request_id), within))}
-                pool = sorted(holders + nxt, key=lambda b: (_load(b), b in nxt, rank[id(b)]))
-                order = pool + [b for b in within if b not in pool]
-                reason = f"hot prefix ({ctx.prefix_share:.0%} of traffic): least loaded copy{spill}"
-                if order[0] in nxt:
-                    reason = (
-                        f"hot prefix ({ctx.prefix_share:.0%} of traffic): a new copy, next in "
-                        f"its rendezvous order{spill}"
-                    )
-            else:
-                # Every copy is over the bound: the others in the prefix's rendezvous order.
-                order = hrw_order(key, within)
-                reason = f"warm backends loaded: next in the prefix's rendezvous order{spill}"
+            order, reason = self._warm(ctx, key, candidates, within, totals, spill)
         else:
             # Ties (say, every backend warm and equally loaded) are broken per request: a fixed
             # order would hand the first backend in it the odd extra request every time.
@@ -208,6 +169,64 @@ class BoundedLoadPicker:
         if over:
             order += sorted(over, key=lambda b: (_load(b), -totals.get(b.name, 0)))
         return [b.name for b in order], reason
+
+    def _cold(
+        self, key: int, within: list[BackendView], spill: str
+    ) -> tuple[list[BackendView], str]:
+        """A prompt no backend holds: its rendezvous order, led by the less loaded of its first
+        `choices` backends."""
+        order = hrw_order(key, within)
+        reason = f"cold prefix: rendezvous on the first blocks{spill}"
+        if self.choices > 1 and len(order) > 1:
+            # The less loaded of the prefix's first `choices` rendezvous backends (the
+            # power of two choices): hashing alone can hand one engine 3 of 8 prompts,
+            # while a prompt still has at most `choices` possible homes.
+            best = min(order[: self.choices], key=_load)
+            if _load(best) < _load(order[0]):
+                order.remove(best)
+                order.insert(0, best)
+                reason = f"cold prefix: less loaded of its first rendezvous choices{spill}"
+        return order, reason
+
+    def _warm(
+        self,
+        ctx: RouteContext,
+        key: int,
+        candidates: list[BackendView],
+        within: list[BackendView],
+        totals: Mapping[str, float],
+        spill: str,
+    ) -> tuple[list[BackendView], str]:
+        """A prompt some backends hold (not placed): stay on its copies while they are as
+        many as its traffic needs, else add the next in its rendezvous order."""
+        matched, warm = ctx.matched_blocks, self.warm_blocks
+        holders = [b for b in within if matched.get(b.name, 0) >= warm]
+        copies = sum(1 for b in candidates if matched.get(b.name, 0) >= warm)
+        wanted = max(1, math.ceil(ctx.prefix_share * len(candidates) / self.copy_load))
+        if holders and copies >= wanted:
+            # As many copies as its share of the traffic needs: stay on them (best score
+            # first). A backend without the prefix comes only after them, when every copy
+            # is over the bound; a copy made for a passing burst would evict other
+            # prefixes from a full KV pool and split this one's traffic for good.
+            tie_order = hrw_order(key_of(ctx.request_id), holders)
+            order = sorted(tie_order, key=lambda b: -round(totals.get(b.name, 0.0), 9))
+            order += [b for b in hrw_order(key, within) if b not in holders]
+            return order, f"warm prefix: best of its {copies} cached copies{spill}"
+        if holders:
+            # A hot prefix: its traffic wants more copies than it has. The least loaded of
+            # its copies and the next backend in its rendezvous order (a new copy, the same
+            # one whichever replica makes it) takes it; ties stay on a copy.
+            nxt = [b for b in hrw_order(key, within) if b not in holders][:1]
+            rank = {id(b): i for i, b in enumerate(hrw_order(key_of(ctx.request_id), within))}
+            pool = sorted(holders + nxt, key=lambda b: (_load(b), b in nxt, rank[id(b)]))
+            order = pool + [b for b in within if b not in pool]
+            share = f"hot prefix ({ctx.prefix_share:.0%} of traffic)"
+            if order[0] in nxt:
+                return order, f"{share}: a new copy, next in its rendezvous order{spill}"
+            return order, f"{share}: least loaded copy{spill}"
+        # Every copy is over the bound: the others in the prefix's rendezvous order.
+        order = hrw_order(key, within)
+        return order, f"warm backends loaded: next in the prefix's rendezvous order{spill}"
 
     def _pick_placed(
         self,
