@@ -58,10 +58,10 @@ from proxy.upstream import CONNECT_ERRORS, UpstreamProtocolError
 if TYPE_CHECKING:
     from proxy.backends import Backend
     from proxy.fleet.reconciler import Reconciler as Membership
-    from proxy.meter import StreamFacts
     from proxy.pdflow import PdFlows
     from proxy.ports import UpstreamResponseLike
     from proxy.telemetry import RequestRecord
+    from proxy.types import StreamFacts
 
 __all__ = ["API_PATHS", "Forwarding", "ProxyEndpoint", "with_include_usage"]
 

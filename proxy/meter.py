@@ -8,7 +8,6 @@ event, usage, finish reasons, errors) are parsed with orjson.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
@@ -24,6 +23,7 @@ from proxy.jsonscan import (
     value_starts,
 )
 from proxy.sse import DONE, data_of
+from proxy.types import StreamFacts
 
 API = Literal["chat", "completions", "responses"]
 # The most bytes of one event held while its end has not arrived. The largest legitimate
@@ -39,33 +39,6 @@ class EventTooLarge(ValueError):
     def __init__(self, size: int) -> None:
         super().__init__(f"an event of over {size} bytes without its end")
         self.size = size
-
-
-@dataclass(slots=True)
-class StreamFacts:
-    """What one request looked like to its client (times in seconds; None = not observed)."""
-
-    ttft_s: float | None  # first output-bearing event written to the client - t0
-    upstream_ttft_s: float | None  # first output-bearing event received - request sent upstream
-    itl_s: list[float]  # one gap per output-bearing event after the first (client send times)
-    tpot_s: float | None  # (t_last - t_first) / (output_tokens - 1)
-    e2e_s: float | None  # last output-bearing event written (or the JSON response) - t0
-    chunks: int  # output-bearing events
-    events: int  # events with a data field (incl. [DONE])
-    output_tokens: int | None
-    input_tokens: int | None
-    cached_tokens: int | None
-    finish_reasons: list[str]
-    response_id: str | None
-    response_model: str | None
-    error: str | None  # error.type-style; set when the stream carried an error or broke
-    cancelled: bool
-    first_output_at: float | None  # absolute perf_counter times, for span events
-    last_output_at: float | None
-    # Time from receiving output bytes to writing them to the client, one per write that
-    # carried output (the proxy's own per-chunk forwarding cost).
-    forward_s: list[float] = field(default_factory=list)
-    engine_prefill_s: float | None = None  # the engine's own prefill time (llama.cpp timings)
 
 
 # ---------------------------------------------------------------------------------------------

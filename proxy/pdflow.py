@@ -65,12 +65,12 @@ from proxy.types import FailureKind
 
 if TYPE_CHECKING:
     from proxy.backends import Backend
-    from proxy.meter import StreamFacts
     from proxy.ports import Fleet, UpstreamResponseLike
     from proxy.routing.types import BackendView
     from proxy.state import RequestRouting
     from proxy.telemetry import RequestRecord
     from proxy.telemetry.record import AttemptRecord
+    from proxy.types import StreamFacts
 
 Result = tuple[str, "StreamFacts | None"] | None
 

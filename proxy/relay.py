@@ -36,10 +36,10 @@ from proxy import asgi
 from proxy.asgi import Send
 from proxy.errors import error_body, sse_error_event
 from proxy.exchange import Exchange
-from proxy.meter import MAX_EVENT_BYTES, EventTooLarge, StreamFacts, StreamMeter, meter_json
+from proxy.meter import MAX_EVENT_BYTES, EventTooLarge, StreamMeter, meter_json
 from proxy.retry import Retry, describe
 from proxy.sse import event_boundary
-from proxy.types import FailureKind
+from proxy.types import FailureKind, StreamFacts
 from proxy.upstream import (
     NOT_FORWARDED_DOWNSTREAM_B,
     READ_ERRORS,

@@ -42,13 +42,13 @@ if TYPE_CHECKING:
     from proxy.config import Config
     from proxy.exchange import Exchange
     from proxy.fleet.reconciler import Reconciler
-    from proxy.meter import StreamFacts
     from proxy.routing.inflight import InflightBoard
     from proxy.routing.learn import PrefillLearner
     from proxy.routing.router import Router
     from proxy.routing.setup import Routing
     from proxy.routing.types import BackendView, Decision, RouteContext
     from proxy.telemetry import RequestRecord, Telemetry
+    from proxy.types import StreamFacts
 
 
 _NAME = attrgetter("name")

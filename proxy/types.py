@@ -4,10 +4,14 @@ nothing of the proxy), as Starlette's `types.py` is.
 `FailureKind` is what an attempt's failure says about its backend. The retry policy retries
 by it, the circuit breaker (proxy/outlier.py) counts or ignores it, and the admin views show
 it; a StrEnum, so it compares, prints and serialises as the word it always was.
+
+`StreamFacts` is what one request looked like to its client: the stream meter
+(proxy/meter.py) makes it, telemetry, the routing learners and the doctor read it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -24,3 +28,30 @@ class FailureKind(StrEnum):
     TOO_LARGE = "too_large"  # an answer over the size limits: no verdict on the backend
     GONE = "gone"  # the backend left the fleet before it answered
     CANCELLED = "cancelled"  # the client left: nothing to judge the backend by
+
+
+@dataclass(slots=True)
+class StreamFacts:
+    """What one request looked like to its client (times in seconds; None = not observed)."""
+
+    ttft_s: float | None  # first output-bearing event written to the client - t0
+    upstream_ttft_s: float | None  # first output-bearing event received - request sent upstream
+    itl_s: list[float]  # one gap per output-bearing event after the first (client send times)
+    tpot_s: float | None  # (t_last - t_first) / (output_tokens - 1)
+    e2e_s: float | None  # last output-bearing event written (or the JSON response) - t0
+    chunks: int  # output-bearing events
+    events: int  # events with a data field (incl. [DONE])
+    output_tokens: int | None
+    input_tokens: int | None
+    cached_tokens: int | None
+    finish_reasons: list[str]
+    response_id: str | None
+    response_model: str | None
+    error: str | None  # error.type-style; set when the stream carried an error or broke
+    cancelled: bool
+    first_output_at: float | None  # absolute perf_counter times, for span events
+    last_output_at: float | None
+    # Time from receiving output bytes to writing them to the client, one per write that
+    # carried output (the proxy's own per-chunk forwarding cost).
+    forward_s: list[float] = field(default_factory=list)
+    engine_prefill_s: float | None = None  # the engine's own prefill time (llama.cpp timings)

@@ -15,8 +15,8 @@ from proxy.doctor.collector import (
     BackendInfo,
     Collector,
 )
-from proxy.meter import StreamFacts
 from proxy.routing.types import EngineLoad
+from proxy.types import StreamFacts
 from tests.support import load_script
 
 

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.jsonscan import ARRAY, FINISH, QUOTE, nonempty_at, value_starts
-from proxy.meter import API, MAX_EVENT_BYTES, EventTooLarge, StreamFacts, StreamMeter, meter_json
+from proxy.meter import API, MAX_EVENT_BYTES, EventTooLarge, StreamMeter, meter_json
 from proxy.sse import data_of
+from proxy.types import StreamFacts
 
 
 def sse(*objs: Any, sep: str = "\n\n", spaced: bool = False, done: bool = True) -> bytes:

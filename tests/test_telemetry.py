@@ -18,9 +18,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from proxy.config import TelemetryConfig
-from proxy.meter import StreamFacts
 from proxy.routing.types import Decision
 from proxy.telemetry import TTFT_BUCKETS, RequestRecord, Telemetry
+from proxy.types import StreamFacts
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"

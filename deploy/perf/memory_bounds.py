@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from proxy.doctor.collector import MAX_REQUESTS, BackendInfo, Collector
-from proxy.meter import StreamFacts
 from proxy.routing.index_memory import DEFAULT_CAPACITY_BLOCKS, MemoryPrefixIndex
+from proxy.types import StreamFacts
 
 T = TypeVar("T")
 

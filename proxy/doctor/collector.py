@@ -36,7 +36,7 @@ MAX_GAUGES = 1000  # per backend: 2,000 s of scrapes every 2 s
 
 
 class Facts(Protocol):
-    """What the doctor reads of the stream meter's facts (proxy.meter.StreamFacts)."""
+    """What the doctor reads of the stream meter's facts (proxy.types.StreamFacts)."""
 
     ttft_s: float | None
     upstream_ttft_s: float | None

@@ -181,6 +181,37 @@ def prefill_bound_ttft(m: Measures, t: Thresholds) -> Finding | None:
     if cost_s < t.min_cost_s:
         return None
     per_request = c.avoidable_tokens / m.requests
+    what, cause, change = _prefill_bound_words(m, share, prefill_share, repeated, per_request)
+    return _finding(
+        m,
+        "prefill_bound_ttft",
+        judged >= t.dominated_critical,
+        f"time to first token is mostly prefill of prompts seen before: {what}; {cause}",
+        {
+            "avoidable_share_of_ttft": share,
+            "prefill_share_of_ttft": prefill_share,
+            "avoidable_s_per_request": avoidable_s,
+            "avoidable_tokens_per_request": per_request,
+            "repeated_share_of_prefill": repeated,
+            "avoidable_tokens_here": c.avoidable_here,
+            "avoidable_tokens_elsewhere": c.avoidable_elsewhere,
+            "uncached_tokens_mean": m.uncached_mean,
+            "uncached_tokens_p90": m.uncached_p90,
+            "prefill_tokens_per_s": m.prefill_rate,
+            "upstream_ttft_s_mean": m.split.upstream_ttft_s,
+            "reported_hit_ratio": c.reported_tokens / c.input_tokens if c.input_tokens else None,
+            "engine_caches_nothing": c.engine_caches_nothing,
+        },
+        change,
+    )
+
+
+def _prefill_bound_words(
+    m: Measures, share: float, prefill_share: float, repeated: float, per_request: float
+) -> tuple[str, str, str]:
+    """prefill_bound_ttft's what, cause and change: the engine caches nothing, routing sent
+    the prompt away from its cache, or the engine lost what the index expected it to hold."""
+    c = m.cache
     if c.engine_caches_nothing:
         cause = (
             f"the engine reported no cached tokens at all, and at least {repeated:.0%} of what "
@@ -216,28 +247,7 @@ def prefill_bound_ttft(m: Measures, t: Thresholds) -> Finding | None:
                 "such as a timestamp in the system prompt, or a chat template that renders "
                 "differently)"
             )
-    return _finding(
-        m,
-        "prefill_bound_ttft",
-        judged >= t.dominated_critical,
-        f"time to first token is mostly prefill of prompts seen before: {what}; {cause}",
-        {
-            "avoidable_share_of_ttft": share,
-            "prefill_share_of_ttft": prefill_share,
-            "avoidable_s_per_request": avoidable_s,
-            "avoidable_tokens_per_request": per_request,
-            "repeated_share_of_prefill": repeated,
-            "avoidable_tokens_here": c.avoidable_here,
-            "avoidable_tokens_elsewhere": c.avoidable_elsewhere,
-            "uncached_tokens_mean": m.uncached_mean,
-            "uncached_tokens_p90": m.uncached_p90,
-            "prefill_tokens_per_s": m.prefill_rate,
-            "upstream_ttft_s_mean": m.split.upstream_ttft_s,
-            "reported_hit_ratio": c.reported_tokens / c.input_tokens if c.input_tokens else None,
-            "engine_caches_nothing": c.engine_caches_nothing,
-        },
-        change,
-    )
+    return what, cause, change
 
 
 def cache_affinity_lost(m: Measures, t: Thresholds) -> Finding | None:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from proxy.config import TelemetryConfig
-from proxy.meter import StreamFacts
 from proxy.routing.types import Decision
+from proxy.types import StreamFacts
 
 SINK = """
 import sys

@@ -18,13 +18,13 @@ from typing import Any
 import orjson
 from opentelemetry.sdk.trace import Event
 
-from proxy.meter import StreamFacts
 from proxy.redact import quote
 from proxy.routing.types import Decision
 from proxy.stats import percentile
 from proxy.telemetry.render import DictWriter, Writer, compile_fields
 from proxy.telemetry.series import PROVIDER
 from proxy.telemetry.wire import AttrKey
+from proxy.types import StreamFacts
 
 log = logging.getLogger("warmroute.telemetry")
 

@@ -17,7 +17,6 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics.export import Metric
 
-from proxy.meter import StreamFacts
 from proxy.routing.types import Decision
 from proxy.telemetry.histograms import (
     DURATION_BUCKETS,
@@ -40,6 +39,7 @@ from proxy.telemetry.series import (
     Series,
     fold_rows,
 )
+from proxy.types import StreamFacts
 
 # Folded this often, and before every collection (scrape, export): a batch is added per point
 # with one sort, where one add per value cost ~27k instructions a request.

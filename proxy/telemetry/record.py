@@ -13,7 +13,6 @@ from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from proxy.access import CLIENT
-from proxy.meter import StreamFacts
 from proxy.redact import quote
 from proxy.routing.types import Decision
 from proxy.telemetry import attributes as span_attrs
@@ -22,6 +21,7 @@ from proxy.telemetry.attributes import ERROR_TYPE, STATUS_CODE, epoch_ns
 from proxy.telemetry.render import DictWriter
 from proxy.telemetry.spans import SpanData
 from proxy.telemetry.wire import ATTR, attributes
+from proxy.types import StreamFacts
 
 if TYPE_CHECKING:
     from proxy.config import TelemetryConfig
