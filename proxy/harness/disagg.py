@@ -41,7 +41,35 @@ async def run_virtual_disagg(
     """`workload` on `engines` virtual engines with `disagg` as configured; the run, the fleet
     and the controller (its decider's state() and switches say what it did and why)."""
     ctl = DisaggController(cfg)
+    hooks = _Hooks(ctl, cfg.mode)
+    run, fleet = await run_virtual(
+        workload,
+        policy=policy,
+        sim=sim,
+        engines=engines,
+        requests=requests,
+        concurrency=concurrency,
+        roles=roles,
+        select=hooks.select if cfg.mode == "on" else None,
+        on_start=hooks.on_start,
+        on_first_token=hooks.on_first,
+        on_finish=hooks.on_finish,
+        **kwargs,
+    )
+    run.label = f"disagg {cfg.mode}"
+    run.notes.append(f"disagg: {ctl.decider.reason}")
+    return run, fleet, ctl
 
+
+class _Hooks:
+    """What the proxy's P/D flows do around a request, as run_virtual's hooks: the
+    controller's window fed from each request's start, first token and end, and its plan
+    narrowing each request's candidates to a pool."""
+
+    def __init__(self, ctl: DisaggController, mode: str) -> None:
+        self.ctl, self.mode = ctl, mode
+
+    @staticmethod
     def states(fleet: VirtualFleet) -> list[BackendState]:
         return [
             BackendState(name, fleet.roles[i], True, fleet.inflight[i])
@@ -49,9 +77,10 @@ async def run_virtual_disagg(
         ]
 
     def select(
-        fleet: VirtualFleet, ctx: RouteContext, views: list[BackendView]
+        self, fleet: VirtualFleet, ctx: RouteContext, views: list[BackendView]
     ) -> list[BackendView]:
-        backends = states(fleet)
+        ctl = self.ctl
+        backends = self.states(fleet)
         ctl.evaluate(ctx.now, backends)
         # As the proxy (proxy/pdflow.py): judged on what the decode pool would prefill.
         split = ctl.split
@@ -72,38 +101,23 @@ async def run_virtual_disagg(
         keep = set(plan.candidates)
         return [v for v in views if v.name in keep]
 
-    def on_start(fleet: VirtualFleet, engine: int, r: RequestResult, ctx: RouteContext) -> None:
+    def on_start(
+        self, fleet: VirtualFleet, engine: int, r: RequestResult, ctx: RouteContext
+    ) -> None:
         chars = fleet.cfgs[0].chars_per_token
         uncached = uncached_tokens(
             ctx.prompt_chars, ctx.matched_blocks.get(fleet.names[engine], 0), ctx.block_chars, chars
         )
-        ctl.started(str(r.index), fleet.names[engine], fleet.now, uncached)
+        self.ctl.started(str(r.index), fleet.names[engine], fleet.now, uncached)
 
-    def on_first(fleet: VirtualFleet, engine: int, r: RequestResult) -> None:
-        ctl.first_token(str(r.index), fleet.now)
+    def on_first(self, fleet: VirtualFleet, engine: int, r: RequestResult) -> None:
+        self.ctl.first_token(str(r.index), fleet.now)
 
-    def on_finish(fleet: VirtualFleet, engine: int, r: RequestResult, *_: Any) -> None:
+    def on_finish(self, fleet: VirtualFleet, engine: int, r: RequestResult, *_: Any) -> None:
+        ctl = self.ctl
         ctl.finished(facts_of(r))
-        ctl.evaluate(fleet.now, states(fleet))
-        if cfg.mode == "auto":
+        ctl.evaluate(fleet.now, self.states(fleet))
+        if self.mode == "auto":
             # No pools while the split is off: routed exactly as with disagg off (selecting
             # takes a dry-run route first, which moves the router's placement state).
-            fleet.select = select if ctl.split is not None else None
-
-    run, fleet = await run_virtual(
-        workload,
-        policy=policy,
-        sim=sim,
-        engines=engines,
-        requests=requests,
-        concurrency=concurrency,
-        roles=roles,
-        select=select if cfg.mode == "on" else None,
-        on_start=on_start,
-        on_first_token=on_first,
-        on_finish=on_finish,
-        **kwargs,
-    )
-    run.label = f"disagg {cfg.mode}"
-    run.notes.append(f"disagg: {ctl.decider.reason}")
-    return run, fleet, ctl
+            fleet.select = self.select if ctl.split is not None else None
