@@ -19,7 +19,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import orjson
 import xxhash
@@ -46,7 +46,7 @@ from proxy.sim.engine import Seq, make_seq
 from proxy.sim.errors import ERROR_TYPES, HTTPError, StreamCut, error_body
 from proxy.sim.faults import QuietStreamCut, close_idle, protocol_for
 from proxy.sim.pd import Disagg
-from proxy.sim.runner import AsyncEngine, TokenEvent
+from proxy.sim.runner import AsyncEngine
 
 T = TypeVar("T")
 
@@ -249,58 +249,12 @@ class SimApp:
         if faults.error_rate and self.rng.random() < faults.error_rate:
             self.counts["errors_injected"] += 1
             raise HTTPError(faults.error_status, "injected fault: simulated engine error")
-
         model = body.get("model")
         if model is not None and model != self.cfg.model:
             raise HTTPError(404, f"The model `{model}` does not exist.", "model")
         prompts = self._prompts(body, chat)
-        n = _int(body, "n", 1, 1, MAX_N)
-        max_tokens = body.get("max_completion_tokens") if chat else None
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
         longest = max(len(p) for p in prompts)
-        max_len = self.cfg.effective_max_model_len
-        if longest >= max_len:
-            raise HTTPError(
-                400,
-                f"This model's maximum context length is {max_len} tokens. However, your "
-                f"request has {longest} input tokens. Please reduce the length of the input.",
-                "messages" if chat else "prompt",
-            )
-        if max_tokens is None:
-            max_tokens = max_len - longest
-        elif not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise HTTPError(400, "max_tokens must be an integer >= 1", "max_tokens")
-        if longest + max_tokens > max_len:
-            raise HTTPError(
-                400,
-                f"This model's maximum context length is {max_len} tokens. "
-                f"However, you requested {longest + max_tokens} tokens ({longest} in the "
-                f"messages, {max_tokens} in the completion). Please reduce the length of "
-                "the messages or completion.",
-                "max_tokens",
-            )
-        stop = body.get("stop") or []
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise HTTPError(400, "stop must be a string or a list of strings", "stop")
-        ignore_eos = bool(body.get("ignore_eos", False))
-        seed = body.get("seed")
-        if seed is not None and not isinstance(seed, int):
-            raise HTTPError(400, "seed must be an integer", "seed")
-        salt = body.get("cache_salt")
-        cache_salt = xxhash.xxh64_intdigest(str(salt).encode()) if salt else 0
-        salt_text = str(salt) if salt else ""
-        stream = bool(body.get("stream", False))
-        opts = body.get("stream_options") or {}
-        if not isinstance(opts, dict):
-            raise HTTPError(400, "stream_options must be an object", "stream_options")
-        if opts and not stream:
-            # vLLM rejects this too; a proxy that injects include_usage must check `stream`.
-            raise HTTPError(
-                400, "Stream options can only be defined when `stream=True`.", "stream_options"
-            )
+        params = _params(body, chat, longest, self.cfg.effective_max_model_len)
 
         # Prefill/decode disaggregation: which leg is this, if any? An SGLang decode leg waits
         # here for its prefill's KV; a client that leaves meanwhile ends that wait, as the
@@ -310,58 +264,78 @@ class SimApp:
         else:
             leg = await self.pd.leg(body, longest)
         if leg.prefill:
-            max_tokens, ignore_eos, n = 1, True, 1
+            params = params._replace(max_tokens=1, ignore_eos=True, n=1)
         external = leg.external
         if external:
-            await self.pd.transfer(self.engine.scheduler.pool, prompts[0], external, cache_salt)
+            salt = params.cache_salt
+            await self.pd.transfer(self.engine.scheduler.pool, prompts[0], external, salt)
 
-        header_id = header(scope, b"x-request-id")
-        rid = header_id or uuid.uuid4().hex
+        rid = header(scope, b"x-request-id") or uuid.uuid4().hex
         jobs = [Job(p) for p in prompts]
-        events: asyncio.Queue[tuple[int, TokenEvent | None]] = asyncio.Queue()
-        seqs: list[tuple[int, Seq]] = []
-        for j, job in enumerate(jobs):
-            for i in range(n):
-                sid = f"{rid}#{next(self._ids)}"
-                seq = make_seq(
-                    self.cfg,
-                    sid,
-                    job.prompt_ids,
-                    max_tokens,
-                    index=i,
-                    seed=seed,
-                    ignore_eos=ignore_eos,
-                    stop=stop,
-                    external_tokens=external,
-                    cache_salt=cache_salt,
-                    cache_salt_text=salt_text,
-                )
-                seq.request_id = rid
-                job.seqs.append(seq)
-                seqs.append((j * n + i, seq))
+        seqs = self._sequences(rid, jobs, params, external)
         ctx = Completion(
             app=self,
             chat=chat,
             rid=("chatcmpl-" if chat else "cmpl-") + rid,
             jobs=jobs,
-            n=n,
-            events=events,
-            include_usage=bool(opts.get("include_usage")),
-            continuous_usage=bool(opts.get("continuous_usage_stats")),
+            n=params.n,
+            events=asyncio.Queue(),
+            include_usage=bool(params.stream_options.get("include_usage")),
+            continuous_usage=bool(params.stream_options.get("continuous_usage_stats")),
         )
         if faults.slow_start_s and self.rng.random() < faults.slow_start_rate:
             self.counts["slow_starts"] += 1
             await asyncio.sleep(faults.slow_start_s / self.scale)
         try:
             for index, seq in seqs:
-                self.engine.submit(seq, queue=events, index=index)
+                self.engine.submit(seq, queue=ctx.events, index=index)
         except ValueError as e:
             ctx.abort_all()
             raise HTTPError(400, str(e)) from None
         except RuntimeError as e:
             ctx.abort_all()
             raise HTTPError(500, str(e)) from None
+        await self._answer(scope, receive, send, ctx, params.stream, leg, seqs, longest)
 
+    def _sequences(
+        self, rid: str, jobs: list[Job], params: _Params, external: int
+    ) -> list[tuple[int, Seq]]:
+        """The engine's sequences for the request: `n` per prompt, each with its output index."""
+        seqs: list[tuple[int, Seq]] = []
+        for j, job in enumerate(jobs):
+            for i in range(params.n):
+                sid = f"{rid}#{next(self._ids)}"
+                seq = make_seq(
+                    self.cfg,
+                    sid,
+                    job.prompt_ids,
+                    params.max_tokens,
+                    index=i,
+                    seed=params.seed,
+                    ignore_eos=params.ignore_eos,
+                    stop=params.stop,
+                    external_tokens=external,
+                    cache_salt=params.cache_salt,
+                    cache_salt_text=params.salt_text,
+                )
+                seq.request_id = rid
+                job.seqs.append(seq)
+                seqs.append((j * params.n + i, seq))
+        return seqs
+
+    async def _answer(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ctx: Completion,
+        stream: bool,
+        leg: Any,
+        seqs: list[tuple[int, Seq]],
+        longest: int,
+    ) -> None:
+        """Stream the tokens as they come, or send the whole answer (a prefill leg's with its
+        KV-transfer parameters); a client that leaves aborts every sequence."""
         watcher = asyncio.create_task(watch_disconnect(receive, ctx.client_gone))
         try:
             if stream:
@@ -449,3 +423,74 @@ def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
 def create_sim_app(cfg: SimConfig) -> SimApp:
     """The ASGI app of one simulated engine (pass `app.uvicorn_kwargs()` to uvicorn)."""
     return SimApp(cfg)
+
+
+class _Params(NamedTuple):
+    """A completion request's generation parameters, checked as vLLM checks them."""
+
+    n: int
+    max_tokens: int
+    stop: list[str]
+    ignore_eos: bool
+    seed: int | None
+    cache_salt: int
+    salt_text: str
+    stream: bool
+    stream_options: dict[str, Any]
+
+
+def _params(body: dict[str, Any], chat: bool, longest: int, max_len: int) -> _Params:
+    """The request's parameters, or the 400 vLLM answers for the first one that is wrong."""
+    n = _int(body, "n", 1, 1, MAX_N)
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    if longest >= max_len:
+        raise HTTPError(
+            400,
+            f"This model's maximum context length is {max_len} tokens. However, your "
+            f"request has {longest} input tokens. Please reduce the length of the input.",
+            "messages" if chat else "prompt",
+        )
+    if max_tokens is None:
+        max_tokens = max_len - longest
+    elif not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise HTTPError(400, "max_tokens must be an integer >= 1", "max_tokens")
+    if longest + max_tokens > max_len:
+        raise HTTPError(
+            400,
+            f"This model's maximum context length is {max_len} tokens. "
+            f"However, you requested {longest + max_tokens} tokens ({longest} in the "
+            f"messages, {max_tokens} in the completion). Please reduce the length of "
+            "the messages or completion.",
+            "max_tokens",
+        )
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise HTTPError(400, "stop must be a string or a list of strings", "stop")
+    seed = body.get("seed")
+    if seed is not None and not isinstance(seed, int):
+        raise HTTPError(400, "seed must be an integer", "seed")
+    salt = body.get("cache_salt")
+    stream = bool(body.get("stream", False))
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise HTTPError(400, "stream_options must be an object", "stream_options")
+    if opts and not stream:
+        # vLLM rejects this too; a proxy that injects include_usage must check `stream`.
+        raise HTTPError(
+            400, "Stream options can only be defined when `stream=True`.", "stream_options"
+        )
+    return _Params(
+        n=n,
+        max_tokens=max_tokens,
+        stop=stop,
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        seed=seed,
+        cache_salt=xxhash.xxh64_intdigest(str(salt).encode()) if salt else 0,
+        salt_text=str(salt) if salt else "",
+        stream=stream,
+        stream_options=opts,
+    )
