@@ -122,6 +122,24 @@ class RequestMetrics:
 
     def _make_histograms(self) -> None:
         """The request histograms (their points per series: proxy/telemetry/series.py)."""
+        self._semconv_histograms()
+        self._own_histograms()
+        self.histograms = (
+            self.h_ttft,
+            self.h_tpot,
+            self.h_duration,
+            self.h_tokens,
+            self.h_ttfc,
+            self.h_tpoc,
+            self.h_overhead,
+            self.h_forward,
+            self.h_decision,
+            self.h_cached,
+            self.h_hit,
+        )
+
+    def _semconv_histograms(self) -> None:
+        """The OpenTelemetry GenAI semantic conventions' request histograms."""
         h = Histogram
         self.h_ttft = h(
             "gen_ai.server.time_to_first_token",
@@ -159,6 +177,10 @@ class RequestMetrics:
             "Gap between consecutive output chunks written to the client (streaming).",
             DURATION_BUCKETS,
         )
+
+    def _own_histograms(self) -> None:
+        """warmroute's own: what the proxy added, routing, the prefix cache."""
+        h = Histogram
         self.h_overhead = h(
             "warmroute.proxy.overhead",
             "s",
@@ -188,19 +210,6 @@ class RequestMetrics:
             "1",
             "Prefix cache hit ratio: predicted by the router's index, or actual from usage.",
             RATIO_BUCKETS,
-        )
-        self.histograms = (
-            self.h_ttft,
-            self.h_tpot,
-            self.h_duration,
-            self.h_tokens,
-            self.h_ttfc,
-            self.h_tpoc,
-            self.h_overhead,
-            self.h_forward,
-            self.h_decision,
-            self.h_cached,
-            self.h_hit,
         )
 
     def observe_with(self, meter: Meter) -> None:
