@@ -7,7 +7,7 @@ Latencies are observed on the wall clock, i.e. what a client of this process see
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,6 +33,9 @@ def _fmt(v: float) -> str:
     if v == float("inf"):
         return "+Inf"
     return repr(float(v)) if not float(v).is_integer() else f"{v:.1f}"
+
+
+_Emit = Callable[[str, str, str, list[str]], None]  # one metric's lines
 
 
 class Histogram:
@@ -85,6 +88,7 @@ class EngineMetrics:
             self.tpot.observe((e2e - ttft) / (num_output - 1))
 
     def render(self, sched: Scheduler, aborted: int) -> str:
+        """The engine's /metrics text, in vLLM's names (and a few of the simulator's own)."""
         lbl = f'model_name="{self.model}"'
         lines: list[str] = []
 
@@ -93,6 +97,13 @@ class EngineMetrics:
             lines.append(f"# TYPE {name} {kind}")
             lines.extend(samples)
 
+        self._gauges(metric, sched, lbl)
+        self._counters(metric, sched, lbl, aborted)
+        self._histograms(metric, lbl)
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _gauges(metric: _Emit, sched: Scheduler, lbl: str) -> None:
         metric(
             "vllm:num_requests_running",
             "gauge",
@@ -129,6 +140,8 @@ class EngineMetrics:
             "GPU KV-cache usage (older vLLM name). 1 means 100 percent usage.",
             [f"vllm:gpu_cache_usage_perc{{{lbl}}} {usage}"],
         )
+
+    def _counters(self, metric: _Emit, sched: Scheduler, lbl: str, aborted: int) -> None:
         counters = (
             ("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", sched.prefix_queries),
             ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", sched.prefix_hits),
@@ -161,6 +174,8 @@ class EngineMetrics:
                 for r, n in self.success.items()
             ],
         )
+
+    def _histograms(self, metric: _Emit, lbl: str) -> None:
         for name, help_, hist in (
             ("vllm:time_to_first_token_seconds", "Histogram of time to first token.", self.ttft),
             ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency.", self.itl),
@@ -186,4 +201,3 @@ class EngineMetrics:
             ),
         ):
             metric(name, "histogram", help_, hist.lines(name, lbl))
-        return "\n".join(lines) + "\n"
