@@ -425,17 +425,67 @@ def process_cpu_s(pids: Sequence[int] | None) -> float | None:
     return total
 
 
-def run_command(args: argparse.Namespace) -> int:
+def _misuse(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options together, if anything (the concurrency defaults here)."""
     if not args.base_url and not args.direct:
-        return _fail("--base-url is required (or WARMROUTE_BENCH_BASE_URL), or --direct alone")
+        return "--base-url is required (or WARMROUTE_BENCH_BASE_URL), or --direct alone"
     if args.concurrency is None and args.rate is None:
         args.concurrency = DEFAULT_CONCURRENCY  # closed loop
     if args.interleave and args.rate is not None:
-        return _fail("--interleave is closed loop: give --concurrency, not --rate")
+        return "--interleave is closed loop: give --concurrency, not --rate"
     if args.interleave and args.vary_seed:
-        return _fail("--interleave sends the same requests to every run; drop --vary-seed")
+        return "--interleave sends the same requests to every run; drop --vary-seed"
     if args.requests > MAX_REQUESTS:
-        return _fail(f"--requests is capped at {MAX_REQUESTS}")
+        return f"--requests is capped at {MAX_REQUESTS}"
+    return None
+
+
+def _plan(args: argparse.Namespace) -> list[tuple[str | list[str], str | None, str]]:
+    """The runs, in order: (URL or the backends' URLs, label, role: target|compare|direct)."""
+    plan: list[tuple[str | list[str], str | None, str]] = []
+    if args.base_url:
+        plan.append((args.base_url, args.label, "target"))
+    plan += [(u, None, "compare") for u in args.compare or []]
+    if args.direct:
+        direct_label = "direct" if args.direct_affinity == "round-robin" else "direct-system"
+        label = direct_label if args.base_url else (args.label or direct_label)
+        plan.append((list(args.direct), label, "direct"))
+    return plan
+
+
+async def _runs(
+    args: argparse.Namespace,
+    plan: list[tuple[str | list[str], str | None, str]],
+    workload: Any,
+    common: dict[str, Any],
+) -> list[RunResult]:
+    """Every run of the plan, one after another (or interleaved), with the target's server
+    CPU when --server-pid names its processes."""
+    if args.interleave and len(plan) > 1:
+        # One paired run: the server CPU of the whole run is the target's (the other
+        # groups never touch it), as long as --server-pid names the target's processes.
+        cpu0 = process_cpu_s(args.server_pid)
+        runs = await run_paired(plan, workload, **common)
+        cpu1 = process_cpu_s(args.server_pid)
+        if cpu0 is not None and cpu1 is not None:
+            runs[0].server_cpu_s = cpu1 - cpu0
+        return runs
+    runs = []
+    for k, (url, label, role) in enumerate(plan):
+        cpu0 = process_cpu_s(args.server_pid) if role == "target" else None
+        # --vary-seed: same shape, disjoint prompts, so no run inherits a warm cache.
+        w = dataclasses.replace(workload, seed=workload.seed + k) if args.vary_seed else workload
+        runs.append(await run_bench(url, w, label=label, role=role, **common))
+        cpu1 = process_cpu_s(args.server_pid) if cpu0 is not None else None
+        if cpu0 is not None and cpu1 is not None:
+            runs[-1].server_cpu_s = cpu1 - cpu0
+    return runs
+
+
+def run_command(args: argparse.Namespace) -> int:
+    misuse = _misuse(args)
+    if misuse is not None:
+        return _fail(misuse)
     try:
         slo = parse_slo(args.slo)
         extra = orjson.loads(args.extra_body) if args.extra_body else None
@@ -457,15 +507,7 @@ def run_command(args: argparse.Namespace) -> int:
     except (ValueError, orjson.JSONDecodeError) as e:
         return _fail(str(e))
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
-    plan: list[tuple[str | list[str], str | None, str]] = []
-    if args.base_url:
-        plan.append((args.base_url, args.label, "target"))
-    plan += [(u, None, "compare") for u in args.compare or []]
-    if args.direct:
-        direct_label = "direct" if args.direct_affinity == "round-robin" else "direct-system"
-        label = direct_label if args.base_url else (args.label or direct_label)
-        plan.append((list(args.direct), label, "direct"))
-
+    plan = _plan(args)
     common: dict[str, Any] = {
         "requests": args.requests,
         "concurrency": args.concurrency,
@@ -481,34 +523,9 @@ def run_command(args: argparse.Namespace) -> int:
         "affinity": args.direct_affinity,
     }
 
-    async def go() -> list[RunResult]:
-        if args.interleave and len(plan) > 1:
-            # One paired run: the server CPU of the whole run is the target's (the other
-            # groups never touch it), as long as --server-pid names the target's processes.
-            cpu0 = process_cpu_s(args.server_pid)
-            runs = await run_paired(plan, workload, **common)
-            cpu1 = process_cpu_s(args.server_pid)
-            if cpu0 is not None and cpu1 is not None:
-                runs[0].server_cpu_s = cpu1 - cpu0
-            return runs
-        runs = []
-        for k, (url, label, role) in enumerate(plan):
-            cpu0 = process_cpu_s(args.server_pid) if role == "target" else None
-            # --vary-seed: same shape, disjoint prompts, so no run inherits a warm cache.
-            w = (
-                dataclasses.replace(workload, seed=workload.seed + k)
-                if args.vary_seed
-                else workload
-            )
-            runs.append(await run_bench(url, w, label=label, role=role, **common))
-            cpu1 = process_cpu_s(args.server_pid) if cpu0 is not None else None
-            if cpu0 is not None and cpu1 is not None:
-                runs[-1].server_cpu_s = cpu1 - cpu0
-        return runs
-
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runs = runner.run(go())
+            runs = runner.run(_runs(args, plan, workload, common))
     except BenchError as e:
         return _fail(str(e))
     _unique_labels(runs)
