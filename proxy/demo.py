@@ -328,8 +328,32 @@ def run(args: argparse.Namespace) -> int:
     # Unset sizes take the policy comparison's defaults (the disagg scenario has its own).
     args.engines, args.device = args.engines or 4, args.device or "l40s"
     args.requests, args.concurrency = args.requests or 240, args.concurrency or 16
-    from proxy.bench import make_workload, run_bench, summarize
-    from proxy.harness.virtual import engine_stats, run_virtual
+    setup = _setup(args)
+    if isinstance(setup, int):
+        return setup
+    policies, sim, workload = setup
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM gets the same cleanup as Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    _announce(args, policies)
+    # The doctor and the proxy's /metrics are read on one run: the default policy's, since
+    # that is what `warmroute serve` would do; the last policy's when the default is not run.
+    diagnosed = DEFAULT_POLICY if DEFAULT_POLICY in policies else policies[-1]
+    if args.virtual:
+        runs, summaries, doctor = _virtual_runs(args, policies, sim, workload, diagnosed)
+        return _report(args, out, workload, runs, summaries, "", doctor, diagnosed)
+    done = _real_runs(args, policies, workload, diagnosed, out)
+    if isinstance(done, int):
+        return done
+    runs, summaries, excerpt, doctor = done
+    return _report(args, out, workload, runs, summaries, excerpt, doctor, diagnosed)
+
+
+def _setup(args: argparse.Namespace) -> tuple[list[str], Any, Any] | int:
+    """The policies to compare, the simulated engine and the workload; or an exit status
+    after saying what is wrong (checked here, not in a child process's log)."""
+    from proxy.bench import make_workload
     from proxy.sim.config import SimConfig
 
     available = plugins.policy_names()
@@ -345,8 +369,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        # Checked here, not in a child process's log: an unknown device, a pool too small,
-        # an unknown workload, a minimum prompt length above the maximum...
+        # An unknown device, a pool too small, an unknown workload, a minimum prompt length
+        # above the maximum...
         sim = SimConfig.from_preset(
             args.device,
             kv_blocks=args.kv_blocks,
@@ -368,10 +392,63 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"warmroute demo: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return policies, sim, workload
+
+
+def _announce(args: argparse.Namespace, policies: list[str]) -> None:
+    low = args.system_chars_min
+    tokens = f"{low // 4}-{args.system_chars // 4}" if low else f"{args.system_chars // 4}"
+    print(
+        f"warmroute demo: {args.engines} simulated {args.device} engines "
+        f"({args.kv_blocks * 16} KV tokens each), workload {args.workload!r} "
+        f"({args.prefixes} system prompts of ~{tokens} tokens, Zipf popularity), "
+        f"{args.requests} requests at concurrency {args.concurrency}, per policy: "
+        f"{', '.join(policies)}\n",
+        file=sys.stderr,
+    )
+
+
+def _virtual_runs(
+    args: argparse.Namespace, policies: list[str], sim: Any, workload: Any, diagnosed: str
+) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any] | str]:
+    """Each policy's run in virtual time, and the doctor's report on the diagnosed one."""
+    from proxy.bench import summarize
+    from proxy.doctor import diagnose
+    from proxy.doctor.hardware import declared
+    from proxy.doctor.virtual import VirtualRecorder
+    from proxy.harness.virtual import engine_stats, run_virtual
+
+    runs: list[Any] = []
+    summaries: list[dict[str, Any]] = []
+    doctor: dict[str, Any] | str = ""  # the report, or a sentence saying why there is none
+    for policy in policies:
+        recorder = VirtualRecorder(declared(args.device, sim.params, sim.dtype), policy)
+        run, fleet = asyncio.run(
+            run_virtual(
+                workload,
+                policy=policy,
+                sim=sim,
+                engines=args.engines,
+                requests=args.requests,
+                concurrency=args.concurrency,
+                publish_kv_pool=not args.hide_kv_pool,
+                kv_events=args.kv_events,
+                on_finish=recorder.finished,
+            )
+        )
+        if policy == diagnosed:
+            doctor = diagnose(recorder.windows()).as_dict()
+        runs.append(run)
+        summaries.append(summarize(run))
+        print(f"  {policy}: {format_engine_balance(engine_stats(fleet))}", file=sys.stderr)
+    return runs, summaries, doctor
+
+
+def _sim_args(args: argparse.Namespace) -> list[str]:
+    """`warmroute sim`'s flags for the demo's engines."""
     sim_args = ["--hide-kv-pool"] if args.hide_kv_pool else []
-    sim_args += [
+    return [
+        *sim_args,
         "--device",
         args.device,
         "--kv-blocks",
@@ -383,55 +460,23 @@ def run(args: argparse.Namespace) -> int:
         "--seed",
         str(args.seed),
     ]
-    low = args.system_chars_min
-    tokens = f"{low // 4}-{args.system_chars // 4}" if low else f"{args.system_chars // 4}"
-    # SIGTERM gets the same cleanup as Ctrl-C.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    print(
-        f"warmroute demo: {args.engines} simulated {args.device} engines "
-        f"({args.kv_blocks * 16} KV tokens each), workload {args.workload!r} "
-        f"({args.prefixes} system prompts of ~{tokens} tokens, Zipf popularity), "
-        f"{args.requests} requests at concurrency {args.concurrency}, per policy: "
-        f"{', '.join(policies)}\n",
-        file=sys.stderr,
-    )
+
+
+def _real_runs(
+    args: argparse.Namespace, policies: list[str], workload: Any, diagnosed: str, out: Path
+) -> tuple[list[Any], list[dict[str, Any]], str, dict[str, Any] | str] | int:
+    """Each policy's run on a fresh stack of real processes (engines, proxy), the proxy's
+    metrics and the doctor's report on the diagnosed one; or an exit status."""
+    from proxy.bench import run_bench, summarize
+
     runs: list[Any] = []
     summaries: list[dict[str, Any]] = []
-    # The doctor and the proxy's /metrics are read on one run: the default policy's, since
-    # that is what `warmroute serve` would do; the last policy's when the default is not run.
-    diagnosed = DEFAULT_POLICY if DEFAULT_POLICY in policies else policies[-1]
     excerpt = ""
     doctor: dict[str, Any] | str = ""  # the report, or a sentence saying why there is none
-    if args.virtual:
-        from proxy.doctor import diagnose
-        from proxy.doctor.hardware import declared
-        from proxy.doctor.virtual import VirtualRecorder
-
-        for policy in policies:
-            recorder = VirtualRecorder(declared(args.device, sim.params, sim.dtype), policy)
-            run, fleet = asyncio.run(
-                run_virtual(
-                    workload,
-                    policy=policy,
-                    sim=sim,
-                    engines=args.engines,
-                    requests=args.requests,
-                    concurrency=args.concurrency,
-                    publish_kv_pool=not args.hide_kv_pool,
-                    kv_events=args.kv_events,
-                    on_finish=recorder.finished,
-                )
-            )
-            if policy == diagnosed:
-                doctor = diagnose(recorder.windows()).as_dict()
-            runs.append(run)
-            summaries.append(summarize(run))
-            print(f"  {policy}: {format_engine_balance(engine_stats(fleet))}", file=sys.stderr)
-        return _report(args, out, workload, runs, summaries, excerpt, doctor, diagnosed)
     try:
         with Stack(log_dir=str(out / "logs")) as stack:
             for n, policy in enumerate(policies):
-                sims = stack.sims(args.engines, sim_args)
+                sims = stack.sims(args.engines, _sim_args(args))
                 # /admin on a port of its own: the doctor's report is read from there
                 [admin_port] = free_ports(1)
                 proxy = stack.proxy(sims, ["--policy", policy, "--admin-port", str(admin_port)])
@@ -455,11 +500,10 @@ def run(args: argparse.Namespace) -> int:
                     f"{time.monotonic() - started:.1f}s",
                     file=sys.stderr,
                 )
-                last = n == len(policies) - 1
                 if policy == diagnosed:
                     excerpt = proxy_metrics_excerpt(proxy)
                     doctor = fetch_doctor(f"http://127.0.0.1:{admin_port}")
-                if last and args.keep_running:
+                if n == len(policies) - 1 and args.keep_running:
                     _keep_running(proxy, sims)
                 stack.stop_all()
     except (StackError, OSError) as e:
@@ -470,7 +514,7 @@ def run(args: argparse.Namespace) -> int:
             "\nwarmroute demo: interrupted; every process it started was stopped.", file=sys.stderr
         )
         return 130
-    return _report(args, out, workload, runs, summaries, excerpt, doctor, diagnosed)
+    return runs, summaries, excerpt, doctor
 
 
 def doctor_text(report: dict[str, Any], policy: str) -> str:
