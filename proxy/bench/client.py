@@ -385,20 +385,7 @@ async def run_paired(
     a shared machine need (the proxy's added TTFT at concurrency 1); the throughput of such
     runs describes the mix, not any one group. Closed loop only when interleaving.
     """
-    if not 1 <= requests <= MAX_REQUESTS:
-        raise BenchError(f"requests must be between 1 and {MAX_REQUESTS}, got {requests}")
-    if concurrency is None and rate is None:
-        raise BenchError("give a concurrency (closed loop) or a rate (open loop, req/s)")
-    if concurrency is not None and concurrency < 1:
-        raise BenchError("concurrency must be >= 1")
-    if rate is not None and rate <= 0:
-        raise BenchError("rate must be > 0 requests per second")
-    if endpoint not in ("chat", "completions"):
-        raise BenchError("endpoint must be 'chat' or 'completions'")
-    if affinity not in AFFINITIES:
-        raise BenchError(f"affinity must be one of {', '.join(AFFINITIES)}, got {affinity!r}")
-    if len(groups) > 1 and rate is not None:
-        raise BenchError("interleaved runs are closed loop: give --concurrency, not --rate")
+    _check_load(len(groups), requests, concurrency, rate, endpoint, affinity)
     deadline_s = min(max_duration or MAX_DURATION_S, MAX_DURATION_S)
     group_targets = []
     for base_url, _, _ in groups:
@@ -438,16 +425,7 @@ async def run_paired(
             )
             for (_, label, role), targets in zip(groups, group_targets, strict=True)
         ]
-        if len(runs) > 1:
-            note = "interleaved with " + ", ".join(r.label for r in runs)
-            for r in runs:
-                r.notes.append(note + ": compare latencies; throughput is the mix's")
-        if affinity == "system":
-            for r in runs:
-                if len(r.targets) > 1:
-                    r.notes.append(
-                        f"static affinity: system prompt i went to target i mod {len(r.targets)}"
-                    )
+        _note_pairing(runs, affinity)
         pbar = tqdm(
             total=requests * len(runs),
             desc=" + ".join(r.label for r in runs),
@@ -470,46 +448,103 @@ async def run_paired(
             )
             for targets in group_targets
         ]
-        tasks: list[asyncio.Task[None]] = []
         cpu0 = time.thread_time()
         t0 = time.perf_counter()
         for st in states:
             st.t0 = t0
-        if rate is None:
-            assert concurrency is not None
-            queue = iter(plan)
-
-            async def worker() -> None:
-                for spec in queue:
-                    # Rotate which group goes first, so that no group always follows the
-                    # same one (a request right after its own kind finds warmer caches).
-                    k = spec.index % len(states)
-                    order = states[k:] + states[:k]
-                    for st in order:
-                        await st.issue(spec)
-
-            tasks = [asyncio.create_task(worker()) for _ in range(min(concurrency, requests))]
-            main: asyncio.Future[Any] = asyncio.gather(*tasks)
-        else:
-            main = asyncio.ensure_future(
-                _open_loop(states[0], plan, rate, concurrency, workload.seed, tasks)
-            )
         try:
-            await asyncio.wait_for(asyncio.shield(main), timeout=deadline_s)
-        except TimeoutError:
-            for run in runs:
-                run.notes.append(
-                    f"max duration {deadline_s:g}s reached: in-flight requests cancelled"
-                )
-            main.cancel()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(main, *tasks, return_exceptions=True)
+            await _drive(states, plan, runs, concurrency, rate, workload.seed, deadline_s)
         finally:
             pbar.close()
         duration = time.perf_counter() - t0
         client_cpu = time.thread_time() - cpu0
+    _finish_runs(runs, states, requests, duration, client_cpu)
+    return runs
 
+
+def _check_load(
+    groups: int,
+    requests: int,
+    concurrency: int | None,
+    rate: float | None,
+    endpoint: str,
+    affinity: str,
+) -> None:
+    """The run's shape, or a BenchError that says what is wrong with it."""
+    if not 1 <= requests <= MAX_REQUESTS:
+        raise BenchError(f"requests must be between 1 and {MAX_REQUESTS}, got {requests}")
+    if concurrency is None and rate is None:
+        raise BenchError("give a concurrency (closed loop) or a rate (open loop, req/s)")
+    if concurrency is not None and concurrency < 1:
+        raise BenchError("concurrency must be >= 1")
+    if rate is not None and rate <= 0:
+        raise BenchError("rate must be > 0 requests per second")
+    if endpoint not in ("chat", "completions"):
+        raise BenchError("endpoint must be 'chat' or 'completions'")
+    if affinity not in AFFINITIES:
+        raise BenchError(f"affinity must be one of {', '.join(AFFINITIES)}, got {affinity!r}")
+    if groups > 1 and rate is not None:
+        raise BenchError("interleaved runs are closed loop: give --concurrency, not --rate")
+
+
+def _note_pairing(runs: list[RunResult], affinity: str) -> None:
+    """What a reader of each run must know: it was interleaved, or statically pinned."""
+    if len(runs) > 1:
+        note = "interleaved with " + ", ".join(r.label for r in runs)
+        for r in runs:
+            r.notes.append(note + ": compare latencies; throughput is the mix's")
+    if affinity == "system":
+        for r in runs:
+            if len(r.targets) > 1:
+                r.notes.append(
+                    f"static affinity: system prompt i went to target i mod {len(r.targets)}"
+                )
+
+
+async def _drive(
+    states: list[_Run],
+    plan: list[RequestSpec],
+    runs: list[RunResult],
+    concurrency: int | None,
+    rate: float | None,
+    seed: int,
+    deadline_s: float,
+) -> None:
+    """Send the plan: closed loop (workers, each request to every group in turn) or open loop
+    (arrivals at `rate`), until done or the deadline, when what is in flight is cancelled."""
+    tasks: list[asyncio.Task[None]] = []
+    if rate is None:
+        assert concurrency is not None
+        queue = iter(plan)
+
+        async def worker() -> None:
+            for spec in queue:
+                # Rotate which group goes first, so that no group always follows the
+                # same one (a request right after its own kind finds warmer caches).
+                k = spec.index % len(states)
+                order = states[k:] + states[:k]
+                for st in order:
+                    await st.issue(spec)
+
+        tasks = [asyncio.create_task(worker()) for _ in range(min(concurrency, len(plan)))]
+        main: asyncio.Future[Any] = asyncio.gather(*tasks)
+    else:
+        main = asyncio.ensure_future(_open_loop(states[0], plan, rate, concurrency, seed, tasks))
+    try:
+        await asyncio.wait_for(asyncio.shield(main), timeout=deadline_s)
+    except TimeoutError:
+        for run in runs:
+            run.notes.append(f"max duration {deadline_s:g}s reached: in-flight requests cancelled")
+        main.cancel()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(main, *tasks, return_exceptions=True)
+
+
+def _finish_runs(
+    runs: list[RunResult], states: list[_Run], requests: int, duration: float, client_cpu: float
+) -> None:
+    """Each run's requests in order, those cut by the deadline named, and the client's CPU."""
     for run, state in zip(runs, states, strict=True):
         run.duration = duration
         run.client_cpu_s = client_cpu / len(runs)
@@ -523,7 +558,6 @@ async def run_paired(
                 f"the bench client used {client_cpu / duration:.0%} of a core: "
                 "it may be the bottleneck; lower the load or run the client on another machine"
             )
-    return runs
 
 
 async def _open_loop(
