@@ -387,13 +387,7 @@ async def run_paired(
     """
     _check_load(len(groups), requests, concurrency, rate, endpoint, affinity)
     deadline_s = min(max_duration or MAX_DURATION_S, MAX_DURATION_S)
-    group_targets = []
-    for base_url, _, _ in groups:
-        targets = check_targets([base_url] if isinstance(base_url, str) else base_url, allow_remote)
-        if not targets:
-            raise BenchError("no target URL given")
-        group_targets.append(targets)
-
+    group_targets = [_group_targets(base_url, allow_remote) for base_url, _, _ in groups]
     plan = workload.plan(requests)
     headers = {"Content-Type": "application/json"}
     # The token goes on the session so that /v1/models discovery is authorized too.
@@ -410,22 +404,8 @@ async def run_paired(
                 f"{group_targets[0][0]}/v1/models lists no model; pass --model (model=...) "
                 "explicitly"
             )
-        runs = [
-            RunResult(
-                label=label or _default_label(targets),
-                targets=targets,
-                workload=workload.params(),
-                model=model,
-                endpoint=endpoint,
-                concurrency=concurrency,
-                rate=rate,
-                requests_planned=requests,
-                started_at=datetime.now(UTC).isoformat(timespec="seconds"),
-                role=role,
-            )
-            for (_, label, role), targets in zip(groups, group_targets, strict=True)
-        ]
-        _note_pairing(runs, affinity)
+        shape = {"model": model, "endpoint": endpoint, "concurrency": concurrency, "rate": rate}
+        runs = _new_runs(groups, group_targets, workload, requests, affinity, **shape)
         pbar = tqdm(
             total=requests * len(runs),
             desc=" + ".join(r.label for r in runs),
@@ -448,18 +428,24 @@ async def run_paired(
             )
             for targets in group_targets
         ]
-        cpu0 = time.thread_time()
-        t0 = time.perf_counter()
+        cpu0, t0 = time.thread_time(), time.perf_counter()
         for st in states:
             st.t0 = t0
         try:
             await _drive(states, plan, runs, concurrency, rate, workload.seed, deadline_s)
         finally:
             pbar.close()
-        duration = time.perf_counter() - t0
-        client_cpu = time.thread_time() - cpu0
+        duration, client_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
     _finish_runs(runs, states, requests, duration, client_cpu)
     return runs
+
+
+def _group_targets(base_url: str | Sequence[str], allow_remote: bool) -> list[str]:
+    """A group's target URLs, checked (loopback unless allowed)."""
+    targets = check_targets([base_url] if isinstance(base_url, str) else base_url, allow_remote)
+    if not targets:
+        raise BenchError("no target URL given")
+    return targets
 
 
 def _check_load(
@@ -485,6 +471,33 @@ def _check_load(
         raise BenchError(f"affinity must be one of {', '.join(AFFINITIES)}, got {affinity!r}")
     if groups > 1 and rate is not None:
         raise BenchError("interleaved runs are closed loop: give --concurrency, not --rate")
+
+
+def _new_runs(
+    groups: Sequence[tuple[str | Sequence[str], str | None, str]],
+    group_targets: list[list[str]],
+    workload: Workload,
+    requests: int,
+    affinity: str,
+    **shape: Any,
+) -> list[RunResult]:
+    """One result per group, empty, with what the run is (`shape`: model, endpoint,
+    concurrency, rate) and the notes its pairing needs."""
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    runs = [
+        RunResult(
+            label=label or _default_label(targets),
+            targets=targets,
+            workload=workload.params(),
+            requests_planned=requests,
+            started_at=started,
+            role=role,
+            **shape,
+        )
+        for (_, label, role), targets in zip(groups, group_targets, strict=True)
+    ]
+    _note_pairing(runs, affinity)
+    return runs
 
 
 def _note_pairing(runs: list[RunResult], affinity: str) -> None:
