@@ -61,6 +61,11 @@ class PrefixIndex(Protocol):
         """Bound the blocks kept for `backend` (learned from the engine's reports)."""
         ...
 
+    async def purge(self) -> None:
+        """Delete now what forget() left to the background in a store shared by replicas
+        (Redis down: nothing raises, the background writer deletes it on reconnect)."""
+        ...
+
     def forget(self, backend: str, departure: str = "") -> None:
         """Drop everything held for `backend`: it left the fleet, or a new (cold) engine took
         its address. Lookups answer 0 for it from now on. A store shared by replicas deletes
@@ -152,6 +157,9 @@ class MemoryPrefixIndex:
 
     async def close(self) -> None:
         pass
+
+    async def purge(self) -> None:
+        pass  # nothing shared: forget() deleted at once
 
     async def lookup(self, blocks: Sequence[int], backends: Sequence[str]) -> dict[str, int]:
         return self.lookup_now(blocks, backends)

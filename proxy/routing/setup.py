@@ -89,9 +89,7 @@ class Routing:
         await self._purge()
 
     async def _purge(self) -> None:
-        purge = getattr(self.index, "purge", None)  # a shared index (RedisPrefixIndex)
-        if purge is not None:
-            await purge()
+        await self.index.purge()
         await self.board.purge()
         if self.shared is not None:
             await self.shared.purge()

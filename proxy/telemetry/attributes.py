@@ -226,8 +226,7 @@ def decision(w: Writer, d: Decision) -> None:
     w.count(MATCHED_BLOCKS, matched)
     if d.exact:
         w.text(MATCH_SOURCE, "kv_events" if winner in d.exact else "index")
-    block_chars: int = getattr(d, "block_chars", 0)
-    prompt_chars: int = getattr(d, "prompt_chars", 0)
+    block_chars, prompt_chars = d.block_chars, d.prompt_chars
     if block_chars:
         chars = matched * block_chars
         w.count(MATCHED_CHARS, chars)

@@ -456,12 +456,10 @@ class RequestMetrics:
             if hit is not None and not hit < 1.0:  # min(1.0, hit): min() parses its arguments
                 hit = 1.0
             predicted = None
-            prompt_chars: int = getattr(decision, "prompt_chars", 0)
-            if decision is not None and backend and prompt_chars:
+            if decision is not None and backend and decision.prompt_chars:
                 # predicted for the backend that served it (a retry may have moved it)
-                block_chars: int = getattr(decision, "block_chars", 0)
                 matched = decision.matched_blocks.get(backend, 0)
-                predicted = matched * block_chars / prompt_chars
+                predicted = matched * decision.block_chars / decision.prompt_chars
                 predicted = predicted if predicted < 1.0 else 1.0  # min() parses its arguments
             row = Row(
                 series=series,
