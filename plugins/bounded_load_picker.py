@@ -41,7 +41,7 @@ from pydantic import Field
 
 from plugins.predicted_ttft_scorer import PredictedTtftScorer
 from proxy.routing.rendezvous import hrw_order, key_of, split_by_load
-from proxy.routing.types import BackendView, PluginSettings, RouteContext
+from proxy.routing.types import BackendView, PickerHints, PluginSettings, RouteContext
 
 
 class BoundedLoadPicker:
@@ -68,14 +68,19 @@ class BoundedLoadPicker:
         self.slack = slack
         self.affinity_blocks = max(1, affinity_blocks)
         self.warm_blocks = max(1, warm_blocks)
-        # Read by the router: assign hot prefixes homes (proxy.routing.placement).
-        self.uses_placement = placement
-        self.placement_config = {"copy_load": self.copy_load, **(placement_config or {})}
-        # Read where the routing is built: with Redis, replicas exchange homes and learned
-        # capacities (proxy.routing.shared_placement) unless this is off.
-        self.shares_placement = shared
         self.spill_ratio = spill_ratio
         self._ttft = PredictedTtftScorer()
+        # What the router around it reads (the policy carries it: proxy.routing.types): hot
+        # prefixes get homes (proxy.routing.placement) unless `placement` is off, shared with
+        # the other replicas through Redis (proxy.routing.shared_placement) unless `shared` is.
+        options = {"copy_load": self.copy_load, **(placement_config or {})}
+        self.hints = PickerHints(
+            affinity_blocks=self.affinity_blocks,
+            warm_blocks=self.warm_blocks,
+            placement=options if placement else None,
+            shares_placement=shared,
+            load_bound=(epsilon, slack, self.choices),
+        )
 
     class PlacementOptions(PluginSettings):
         """The placement's knobs (proxy.routing.placement.Placement); unset: its defaults."""

@@ -65,12 +65,14 @@ class PrefixAwarePolicy:
         scorers = [
             (SCORERS[n].from_config(blocks.get(n, {})), w) for n, w in weights.items() if w > 0
         ]
+        picker = BoundedLoadPicker.from_config(blocks.get(BoundedLoadPicker.name, {}))
         return Policy(
             name=cls.name,
             filters=[ModelFilter(), HealthFilter(), RoleFilter()],
             scorers=scorers,
-            picker=BoundedLoadPicker.from_config(blocks.get(BoundedLoadPicker.name, {})),
+            picker=picker,
             uses_prefix=True,
+            hints=picker.hints,
         )
 
 

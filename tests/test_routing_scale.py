@@ -176,7 +176,7 @@ def routers(placement: bool, clock: Clock, capacity: int) -> tuple[Router, Route
     cfg = RoutingConfig(policy="prefix_aware", plugins={"bounded_load": {"placement": placement}})
     new = Router(build_policy(cfg), index=MemoryPrefixIndex(capacity, 60.0, clock=clock))
     policy = build_policy(cfg)
-    options = getattr(policy.picker, "placement_config", {})
+    options = policy.hints.placement or {}
     old = Router(
         policy,
         index=ReferenceIndex(capacity, 60.0, clock=clock),

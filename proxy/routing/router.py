@@ -102,11 +102,12 @@ class Router:
         default_cap = DEFAULT_CAPACITY_BLOCKS if index is None else index.default_capacity
         self.capacity = capacity or CapacityLearner(default_blocks=default_cap)
         # The prompt head whose popularity counts: the picker's affinity key, where it has one.
-        self.head_blocks = int(getattr(policy.picker, "affinity_blocks", 8))
-        self.warm_blocks = int(getattr(policy.picker, "warm_blocks", 4))
+        hints = policy.hints
+        self.head_blocks = hints.affinity_blocks
+        self.warm_blocks = hints.warm_blocks
         # Pickers that route hot prefixes to assigned homes get an explicit placement.
-        if placement is None and getattr(policy.picker, "uses_placement", False):
-            placement = Placement(**getattr(policy.picker, "placement_config", {}))
+        if placement is None and hints.placement is not None:
+            placement = Placement(**hints.placement)
         if placement is not None:
             placement.attach(self.popularity)  # its loads follow the shares it is passed
             self.capacity.listener = placement.pin_room  # its room keeps the sizes it read
@@ -166,8 +167,7 @@ class Router:
                         await self._claim(ctx, head, fleet, held)
                     self._place(ctx, head, candidates, fleet, held, inflight, record)
                 if self.shortlists:
-                    picker = self.policy.picker
-                    plan = shortlist(ctx, candidates, fleet, held, picker, inflight)
+                    plan = shortlist(ctx, candidates, fleet, held, self.policy.hints, inflight)
                 if placed and candidates:
                     assert self.placement is not None
                     # Where a copy would evict a placed prefix (read by the picker for the

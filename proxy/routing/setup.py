@@ -198,7 +198,7 @@ def build_routing(config: Any, replica_id: str | None = None) -> Routing:
     # that refused the connection.
     router.record_on_route = False
     shared = None
-    share = getattr(router.policy.picker, "shares_placement", True)
+    share = router.policy.hints.shares_placement
     if client is not None and share and (router.placement is not None or router.learn_capacity):
         shared = SharedPlacement(
             client,

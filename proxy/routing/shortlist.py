@@ -43,15 +43,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import add, attrgetter, le, lt, mul, not_, truediv
-from typing import Any
 
 from proxy.routing.fleet import Fleet
 from proxy.routing.rendezvous import LoadBound, Shortlist, hrw_order, key_of, load_bound
-from proxy.routing.types import BackendView, RouteContext
+from proxy.routing.types import BackendView, PickerHints, RouteContext
 
 HEAD = 10  # ranking entries kept exactly as over the whole fleet (retries.max_attempts <= 10)
 SHORTLIST_ABOVE = 32  # candidates; a fleet this small is handed whole (it costs less)
-PICKERS = frozenset({"bounded_load"})  # pickers whose rules the lists below are drawn for
 
 _NAME = attrgetter("name")
 _WEIGHT = attrgetter("weight")
@@ -84,29 +82,29 @@ def shortlist(
     candidates: Sequence[BackendView],
     fleet: Fleet,
     held: Mapping[str, int],
-    picker: Any,
+    hints: PickerHints,
     inflight: Sequence[int],
 ) -> Plan | None:
-    """The shortlist for `picker` (a bounded_load picker), or None: hand it every candidate.
+    """The shortlist for a picker whose `hints` give its load bound (bounded_load's rules),
+    or None: hand it every candidate.
 
     `held`: the candidates matching at least one block of the prompt, and how many;
     `inflight`: each candidate's requests in flight."""
     n = len(candidates)
-    warm = int(getattr(picker, "warm_blocks", 4))
+    warm = hints.warm_blocks
     blocks = ctx.prefix_blocks
-    if n <= SHORTLIST_ABOVE or len(blocks) < warm or getattr(picker, "name", "") not in PICKERS:
+    if n <= SHORTLIST_ABOVE or len(blocks) < warm or hints.load_bound is None:
         return None
-    epsilon, slack = float(picker.epsilon), int(picker.slack)
+    epsilon, slack, choices = hints.load_bound
     if epsilon < -1.0 or max(filter(None, map(_WAITING, candidates)), default=0.0) > slack:
         return None  # the long-queue guard could set some apart: it compares to all of them
-    affinity = int(picker.affinity_blocks)
+    affinity = hints.affinity_blocks
     key = blocks[(len(blocks) if len(blocks) < affinity else affinity) - 1]
     if ctx.homes:
         bound = load_bound(candidates, epsilon, slack, inflight=inflight, unit=fleet.unit)
         return _placed(ctx, candidates, fleet, held, key, warm, bound)
     if max(held.values(), default=0) >= warm:
         return None  # a warm prefix, not placed: its copies are ranked by total score
-    choices = int(getattr(picker, "choices", 2))
     bound = load_bound(candidates, epsilon, slack, True, inflight, fleet.unit)
     first = _first_within(candidates, fleet, key, bound, frozenset(), max(HEAD, choices))
     return Plan(_listed(first, fleet, bound, n), over=n - bound.within_count)

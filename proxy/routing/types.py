@@ -343,3 +343,23 @@ class Policy:
     scorers: list[tuple[Scorer, float]]
     picker: Picker
     uses_prefix: bool = False  # the router hashes the prompt and looks the index up first
+    hints: PickerHints = field(default_factory=lambda: PickerHints())
+
+
+@dataclass(frozen=True, slots=True)
+class PickerHints:
+    """What a policy's picker asks of the router around it. The defaults ask nothing: a
+    third-party picker need not know of them.
+
+    affinity_blocks: the prompt head whose popularity counts (and keys its rendezvous order);
+    warm_blocks: the shortest prompt worth stickiness; placement: the settings of the
+    placement that gives hot prefixes homes (proxy.routing.placement.Placement; None: none);
+    shares_placement: with Redis, replicas exchange homes and learned capacities;
+    load_bound: (epsilon, slack, choices) of the picker's load bound, when the router may hand
+    it a shortlist drawn by its rules (proxy.routing.shortlist; None: every candidate)."""
+
+    affinity_blocks: int = 8
+    warm_blocks: int = 4
+    placement: Mapping[str, Any] | None = None
+    shares_placement: bool = True
+    load_bound: tuple[float, int, int] | None = None
