@@ -27,7 +27,7 @@ from proxy.bench.results import RunResult
 from proxy.bench.workloads import RequestSpec, Workload
 
 MAX_REQUESTS = 100_000
-# How a run with several targets picks one per request (see _Run.target_for).
+# How a run with several targets picks one per request (see GroupRun.target_for).
 AFFINITIES = ("round-robin", "system")
 MAX_DURATION_S = 24 * 3600.0
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=5)
