@@ -2,8 +2,8 @@
 
 A series is one (operation, model, backend) attribute set; its histogram points are made on
 first use, so a series shows only what it recorded. A finished request's one-value samples are
-a `Row`, named field by field and mapped to their points, folded into the histograms in
-batches (RequestMetrics.fold).
+a row (a plain tuple whose fields RowFields names, each mapped to its point by POINT_OF),
+folded into the histograms in batches (RequestMetrics.fold).
 """
 
 from __future__ import annotations
@@ -107,9 +107,10 @@ class Series:
         return p
 
 
-class Row(NamedTuple):
-    """A finished request's one-value samples, waiting to be folded into the histograms: its
-    series and exemplar, then a value (or None) for each point named in POINT_OF."""
+class RowFields(NamedTuple):
+    """What a finished request's row of one-value samples holds, in order, waiting to be
+    folded into the histograms: its series and exemplar, then a value (or None) for each point
+    named in POINT_OF. A row itself is a plain tuple in this order (see Row)."""
 
     series: Series
     exemplar: TraceRef | None
@@ -138,10 +139,11 @@ POINT_OF = {
     "hit_actual": HIT_ACTUAL,
     "hit_predicted": HIT_PREDICTED,
 }
-if set(POINT_OF) != set(Row._fields[2:]):
-    raise AssertionError("every sample of a Row needs its histogram point in POINT_OF")
-ROW_COLUMNS = tuple((Row._fields.index(name), point) for name, point in POINT_OF.items())
-NO_FACTS = (None,) * (len(Row._fields) - 3)  # all but the duration
+if set(POINT_OF) != set(RowFields._fields[2:]):
+    raise AssertionError("every sample of a row needs its histogram point in POINT_OF")
+Row = tuple[Any, ...]  # a RowFields' values in a plain tuple
+ROW_COLUMNS = tuple((RowFields._fields.index(name), point) for name, point in POINT_OF.items())
+NO_FACTS = (None,) * (len(RowFields._fields) - 3)  # all but the duration
 
 
 def fold_rows(rows: list[Row]) -> None:
@@ -150,9 +152,9 @@ def fold_rows(rows: list[Row]) -> None:
     # Any: the samples are read by column (r[col]), a float or int, or None, in each
     groups: dict[Series, list[Any]] = {}
     for r in rows:
-        g = groups.get(r.series)
+        g = groups.get(r[0])  # its series
         if g is None:
-            groups[r.series] = [r]
+            groups[r[0]] = [r]
         else:
             g.append(r)
     for series, g in groups.items():
@@ -162,7 +164,7 @@ def fold_rows(rows: list[Row]) -> None:
                 values.sort()
                 series.point(i).add_sorted(values, sum(values), None)
         for r in g:
-            exemplar = r.exemplar
+            exemplar = r[1]
             if exemplar is None:
                 continue
             for col, i in ROW_COLUMNS:
