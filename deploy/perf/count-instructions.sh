@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The proxy's user-space instructions per request, counted by valgrind's callgrind: the one CPU
-# figure a shared, noisy machine does not move (the same build counts the same to ~0.1%).
+# figure a shared, noisy machine does not move (with prefix_aware one build's counts still
+# vary by up to ~1% run to run: count each build two or three times, interleaved).
 #
 #   deploy/perf/count-instructions.sh LABEL [VAR=value ...]
 #
