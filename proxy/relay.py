@@ -335,7 +335,8 @@ class Relay:
                 except READ_ERRORS as e:
                     if ex.client_gone:
                         return None, "", carry
-                    return _broken(ex, *stream_break(e, backend.name, idle_s), carry)
+                    error, reason = stream_break(e, backend.name, idle_s)
+                    return _broken(ex, error, reason, carry, " after the first byte")
         except EventTooLarge as e:
             reason = (
                 f"{backend.name} sent {describe(e)} (the most this proxy holds of one event is "
@@ -438,14 +439,16 @@ class Relay:
         return facts
 
 
-def _broken(ex: Exchange, error: str, reason: str, carry: bytes) -> tuple[str, str, bytes]:
-    """A stream broken after its first byte (error, reason), said in the log; what was held of
-    an unfinished event (`carry`) is dropped."""
+def _broken(
+    ex: Exchange, error: str, reason: str, carry: bytes, where: str = ""
+) -> tuple[str, str, bytes]:
+    """A stream broken after its first byte, said in the log (`where`: what the log adds to
+    the reason); what was held of an unfinished event (`carry`) is dropped."""
     log.warning(
         "request %s: %s%s; ending the stream with an error event%s",
         ex.request_id,
         reason,
-        " after the first byte" if error in (IDLE_TIMEOUT, STREAM_CUT) else "",
+        where,
         f" (dropped {len(carry)} bytes of an incomplete event)" if carry else "",
     )
     return error, reason, b""
