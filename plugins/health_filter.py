@@ -1,19 +1,16 @@
 """Filter: drop backends at their in-flight bound (always), and backends marked unhealthy
 unless none is healthy (then try them all: a health check can lag a recovery).
 
-The common case (no bound configured, every backend up) is recognised in two C-level passes
-and hands the candidates back as they are."""
+The common case (no bound configured, every backend up) is recognised in two passes
+over the list and hands the candidates back as they are."""
 
 from __future__ import annotations
 
 from itertools import compress
-from operator import attrgetter
 from typing import Any
 
 from proxy.routing.types import BackendView, Dropped, PluginSettings, RouteContext, Verdict
 
-_BOUND = attrgetter("max_inflight")
-_HEALTHY = attrgetter("healthy")
 UNHEALTHY = Dropped(Verdict.UNHEALTHY, "unhealthy")
 
 
@@ -29,7 +26,7 @@ class HealthFilter:
     def filter(
         self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]
     ) -> list[BackendView]:
-        bounds = list(map(_BOUND, candidates))
+        bounds = [b.max_inflight for b in candidates]
         if bounds.count(None) != len(bounds):
             free = [b.max_inflight is None or b.inflight < b.max_inflight for b in candidates]
             if not all(free):
@@ -38,7 +35,7 @@ class HealthFilter:
                         why = f"at its in-flight bound ({b.max_inflight})"
                         dropped[b.name] = Dropped(Verdict.AT_BOUND, why)
                 candidates = list(compress(candidates, free))
-        healthy = list(map(_HEALTHY, candidates))
+        healthy = [b.healthy for b in candidates]
         if all(healthy) or not any(healthy):
             # None healthy: a health check can lag a recovery; trying beats refusing outright.
             return candidates

@@ -1,16 +1,13 @@
 """Filter: keep backends whose role can serve a whole request (mixed, or decode with fallback).
 
-Decided per distinct role (a fleet has at most three), applied in C-level passes."""
+Decided per distinct role (a fleet has at most three), applied in flat passes."""
 
 from __future__ import annotations
 
 from itertools import compress
-from operator import attrgetter
 from typing import Any, Literal
 
 from proxy.routing.types import BackendView, Dropped, PluginSettings, RouteContext, Verdict
-
-_ROLE = attrgetter("role")
 
 
 class RoleFilter:
@@ -31,7 +28,7 @@ class RoleFilter:
     def filter(
         self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]
     ) -> list[BackendView]:
-        roles = list(map(_ROLE, candidates))
+        roles = [b.role for b in candidates]
         if self._roles.issuperset(roles):
             return candidates  # (disagg off: every backend is mixed)
         keep = list(map(self._roles.__contains__, roles))

@@ -3,7 +3,7 @@
 A router sees the same backends, in the same order, decision after decision; what it derives
 from their names (where each one is, its rendezvous position for a prompt head, a zero match
 for everyone) is worth deriving once. `FleetCache.of(candidates)` compares the names and
-weights with the last decision's, a few C-level passes (~20 us at 1,024 backends), and hands
+weights with the last decision's, a few flat passes (~30 us at 1,024 backends), and hands
 back the same `Fleet` while they match (pure, no I/O).
 
 `Names` is the names in fleet order with constant-time membership: the placement asks
@@ -17,14 +17,12 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import repeat
-from operator import add, attrgetter, mul, truediv
+from operator import add, mul, truediv
 from typing import Any
 
 from proxy.routing.rendezvous import SCALE, h64, hrw_names, name_bytes
 from proxy.routing.types import BackendView
 
-_NAME = attrgetter("name")
-_WEIGHT = attrgetter("weight")
 ORDERS_KEPT = 512  # prompt heads whose rendezvous orders a fleet keeps (the placement's 256 fit)
 
 
@@ -156,8 +154,8 @@ class FleetCache:
         self.builds = 0
 
     def of(self, candidates: Sequence[BackendView]) -> Fleet:
-        names = tuple(map(_NAME, candidates))
-        weights = list(map(_WEIGHT, candidates))
+        names = tuple([b.name for b in candidates])
+        weights = [b.weight for b in candidates]
         fleet = self.fleet
         if fleet is not None and fleet.names == names:
             if fleet.weight_list == weights:

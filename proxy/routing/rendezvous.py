@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import add, attrgetter, le, mul, truediv
+from operator import add, le, mul, truediv
 
 import xxhash
 
@@ -23,8 +23,6 @@ _h64 = xxhash.xxh3_64_intdigest
 _SCALE = 1.0 / 18446744073709551616.0  # 2**-64
 h64 = _h64
 SCALE = _SCALE
-_WEIGHT = attrgetter("weight")
-_INFLIGHT = attrgetter("inflight")
 
 
 _NAMES: dict[str, bytes] = {}  # backend name -> its UTF-8 bytes (names are few and long-lived)
@@ -111,11 +109,11 @@ def load_bound(
     unit: bool = False,
 ) -> LoadBound:
     """The bound split_by_load applies to `candidates` (not empty); `count`: also count how
-    many are within it. C-level passes only: this runs over whole fleets. `inflight`: their
+    many are within it. Flat passes only: this runs over whole fleets. `inflight`: their
     in-flight counts, if already read; `unit`: every weight is 1.0 (then the normalised loads
     are the counts themselves, and the same floats come out of fewer passes)."""
     n = len(candidates)
-    loads = list(map(_INFLIGHT, candidates)) if inflight is None else inflight
+    loads = [b.inflight for b in candidates] if inflight is None else inflight
     if min(loads) < 0:
         loads = [i if i > 0 else 0 for i in loads]
     if unit:
@@ -124,7 +122,7 @@ def load_bound(
         least = float(min(loads))
         norm: Sequence[float] = loads
     else:
-        weights = list(map(_WEIGHT, candidates))
+        weights = [b.weight for b in candidates]
         if min(weights) <= 1e-9:
             weights = [w if w > 1e-9 else 1e-9 for w in weights]
         mean_w = sum(weights) / n

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from operator import attrgetter
 from typing import Any, Protocol
 
 from pydantic import Field
@@ -44,7 +43,6 @@ from proxy.routing.types import (
 )
 
 log = logging.getLogger("warmroute.routing")
-_INFLIGHT = attrgetter("inflight")
 
 
 class FirstPlacements(Protocol):
@@ -160,7 +158,7 @@ class Router:
                 if record:
                     self.popularity.observe(head)
                 ctx.prefix_share = self.popularity.share(head)
-                inflight = list(map(_INFLIGHT, candidates))
+                inflight = [b.inflight for b in candidates]
                 placed = self.placement is not None and n >= self.warm_blocks
                 if placed:
                     if record and self.claims is not None:

@@ -42,7 +42,7 @@ import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import add, attrgetter, le, lt, mul, not_, truediv
+from operator import add, le, lt, mul, not_, truediv
 
 from proxy.routing.fleet import Fleet
 from proxy.routing.rendezvous import LoadBound, Shortlist, hrw_order, key_of, load_bound
@@ -50,11 +50,6 @@ from proxy.routing.types import BackendView, PickerHints, RouteContext
 
 HEAD = 10  # ranking entries kept exactly as over the whole fleet (retries.max_attempts <= 10)
 SHORTLIST_ABOVE = 32  # candidates; a fleet this small is handed whole (it costs less)
-
-_NAME = attrgetter("name")
-_WEIGHT = attrgetter("weight")
-_INFLIGHT = attrgetter("inflight")
-_WAITING = attrgetter("load.waiting")
 
 
 @dataclass(slots=True)
@@ -96,7 +91,7 @@ def shortlist(
     if n <= SHORTLIST_ABOVE or len(blocks) < warm or hints.load_bound is None:
         return None
     epsilon, slack, choices = hints.load_bound
-    if epsilon < -1.0 or max(filter(None, map(_WAITING, candidates)), default=0.0) > slack:
+    if epsilon < -1.0 or max([b.load.waiting or 0.0 for b in candidates], default=0.0) > slack:
         return None  # the long-queue guard could set some apart: it compares to all of them
     affinity = hints.affinity_blocks
     key = blocks[(len(blocks) if len(blocks) < affinity else affinity) - 1]
@@ -152,12 +147,12 @@ def _within(views: Sequence[BackendView], bound: LoadBound, unit: bool) -> list[
     """bound.within for each of `views` (the same arithmetic, in C-level passes; `unit`:
     every weight is 1.0, so a load is its count)."""
     k = len(views)
-    inflight = list(map(_INFLIGHT, views))
+    inflight = [b.inflight for b in views]
     if min(inflight) < 0:
         inflight = [i if i > 0 else 0 for i in inflight]
     if unit:
         return list(map(le, map(add, inflight, repeat(1.0, k)), repeat(bound.limit, k)))
-    weights = list(map(_WEIGHT, views))
+    weights = [b.weight for b in views]
     if min(weights) <= 1e-9:
         weights = [w if w > 1e-9 else 1e-9 for w in weights]
     mean_w = bound.mean_w
@@ -178,11 +173,11 @@ def _best_homes(
     if len(views) <= HEAD:
         return list(views)
     k = len(views)
-    weights = list(map(_WEIGHT, views))
+    weights = [b.weight for b in views]
     if min(weights) <= 1e-9:
         weights = [w if w > 1e-9 else 1e-9 for w in weights]
-    loads = map(truediv, map(_INFLIGHT, views), weights)
-    short = map(lt, map(matched.get, map(_NAME, views), repeat(0, k)), repeat(own, k))
+    loads = map(truediv, [b.inflight for b in views], weights)
+    short = map(lt, map(matched.get, [b.name for b in views], repeat(0, k)), repeat(own, k))
     keys = list(zip(map(not_, ok), short, loads, strict=True))
     last = heapq.nsmallest(HEAD, keys)[-1]
     best = [v for v, kk in zip(views, keys, strict=True) if kk < last]
