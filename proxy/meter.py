@@ -177,6 +177,7 @@ class StreamMeter:
         "_first_sent",
         "_forward",
         "_itl",
+        "_joined",
         "_last_sent",
         "_nl",
         "_parsed_first",
@@ -201,6 +202,7 @@ class StreamMeter:
         self._nl = b""
         self._f = _Facts()
         self._parsed_first = False
+        self._joined = False  # the event being classified had its data lines joined already
         self._completed = False  # [DONE], a finish_reason, or response.completed seen
         self._events = 0
         self._chunks = 0
@@ -412,13 +414,16 @@ class StreamMeter:
         # the event has to be parsed (see _load).
         if buf.startswith(b"data: ", start, end):
             p = buf[start + 6 : end]
+            self._joined = False
         elif buf.startswith(b"data:", start, end):
             p = buf[start + 5 : end]
+            self._joined = False
         else:
             data = data_of(buf[start:end], self._nl)  # event:/id:/comments: rare, slow path
             if data is None:
                 return OTHER  # comment / keep-alive only
             p = data
+            self._joined = True  # (_load must not split it again: its lines have no data:)
         self._events += 1
         if self.api == "chat":
             if chat_output(p):
@@ -440,7 +445,7 @@ class StreamMeter:
         return kind
 
     def _load(self, p: bytes) -> Any:
-        if self._nl in p:  # a multi-line data field: join its lines first
+        if not self._joined and self._nl in p:  # a multi-line data field: join its lines first
             p = data_of(b"data:" + p, self._nl) or b""
         try:
             return orjson.loads(p)

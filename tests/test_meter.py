@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from proxy.jsonscan import ARRAY, FINISH, QUOTE, nonempty_at, value_starts
@@ -875,6 +875,7 @@ def is_usage_only_event(api: str, event: bytes, nl: bytes) -> bool:
     st.booleans(),
     st.lists(st.integers(0, 2000), max_size=8),
 )
+@example("chat", [b"\n", USAGE_THEN_DONE[1], b"\n"], True, [])  # mixed line ends (a bug once)
 def test_garbage_never_raises_and_strip_mode_loses_no_bytes(
     api: API, pieces: list[bytes], strip: bool, splits: list[int]
 ) -> None:
@@ -966,3 +967,27 @@ def test_an_events_data_is_its_data_lines_joined_without_other_fields() -> None:
     assert data_of(b"data:  x") == b" x"  # only one space belongs to the framing
     assert data_of(b": ping") is None and data_of(b"event: x\nretry: 5") is None
     assert data_of(b"id: 1\r\ndata: [DONE]", b"\r\n") == b"[DONE]"
+
+
+def test_a_joined_data_field_is_not_split_again() -> None:
+    """An event that does not start with its data line (an event: line, or a stray line end
+    in a stream of mixed line ends) has its data lines joined before it is read; they were
+    then split again as if still raw, so only the first line was parsed. A usage chunk
+    followed by [DONE] in one such event was taken for a usage-only event and cut whole in
+    strip mode, [DONE] with it (found by the garbage property test above)."""
+    mixed = b'\ndata: {"id":"u","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}'
+    stream = mixed + b"\r\n\r\ndata: [DONE]\r\n\r\n\n"
+    m = StreamMeter("chat", t0=0.0, strip_usage=True)
+    out = m.feed(stream, 1.0)
+    rest, _ = m.finish(2.0)
+    assert out + rest == stream  # not usage-only as a whole: nothing cut
+    # A usage chunk whose JSON spans two data lines, after an event: line, is read whole.
+    two_lines = (
+        b'event: chunk\ndata: {"id":"u","choices":[],\n'
+        b'data: "usage":{"prompt_tokens":3,"completion_tokens":2}}\n\ndata: [DONE]\n\n'
+    )
+    m = StreamMeter("chat", t0=0.0, strip_usage=True)
+    out = m.feed(two_lines, 1.0)
+    _, facts = m.finish(2.0)
+    assert (facts.input_tokens, facts.output_tokens) == (3, 2)
+    assert out == b"data: [DONE]\n\n"  # the usage-only event is what strip mode cuts
