@@ -153,3 +153,37 @@ def test_a_copy_of_only_the_shared_part_does_not_count_as_a_home() -> None:
     history = dataclasses.replace(ctx, matched_blocks={"home": 0, "copy": 110, "other": 0})
     order, reason = picker.pick(history, views, {})
     assert order[0] == "copy" and "homes" in reason, reason
+
+
+def test_a_prefix_keeps_its_homes_while_its_need_wobbles_within_its_shares_noise() -> None:
+    """With the shares' statistics attached (a popularity's effective sample count), the band
+    is two standard errors of the share: a prompt with 1% of the traffic, measured over ~739
+    requests, is known to ~+-37%, so its need moves that much from one rebalance to the next
+    without anything having changed. It keeps its homes through that, on either side."""
+    from proxy.routing.popularity import PrefixPopularity
+
+    pop = PrefixPopularity()
+    assert 730 < pop.samples < 750  # (1 + d) / (1 - d) for a half-life of 256
+    p = Placement(copy_load=1.0, copy_inflight=1.0, inflight=1e9, samples=pop.samples)
+    # x = share x 1,000: 10 homes needed at a 1% share.
+    assert p._needed(0.010, 1000, 10) == 10
+    assert p._needed(0.013, 1000, 10) == 10  # 13 needed: within the share's noise
+    assert p._needed(0.008, 1000, 10) == 10  # 8 needed: within it too
+    # (At 1% two standard errors are 73% of the share: the band stops at half its homes.)
+    assert p._needed(0.030, 1000, 10) == 26  # a real surge: 30 less 42% (at 3%) of 10
+    assert p._needed(0.003, 1000, 10) == 8  # a real drop: 3 + half its homes
+    # A hot prompt is measured well: its band is about the tenth of its homes it was.
+    assert p._needed(0.34, 1000, 300) == 310  # 340 less 10% (two standard errors) of 300
+    assert p._needed(0.25, 1000, 300) == 289  # 250 + 13% (two standard errors) of 300
+    # Without statistics (no popularity attached): shrunk at once, as before.
+    bare = Placement(copy_load=1.0, copy_inflight=1.0, inflight=1e9)
+    assert bare._needed(0.008, 1000, 10) == 8
+
+
+def test_the_router_hands_its_popularitys_noise_to_the_placement() -> None:
+    from proxy.config import RoutingConfig
+    from proxy.routing.setup import build_router
+
+    router = build_router(RoutingConfig(policy="prefix_aware"))
+    assert router.placement is not None
+    assert router.placement.samples == router.popularity.samples > 0

@@ -70,6 +70,7 @@ __all__ = ["Placed", "Placement", "SharedHomes", "Shares"]
 
 REBALANCE_STEP = 256  # units of a rebalance's work carried out per request (see advance)
 GROW_BAND = 0.1  # a prefix gains homes only once it needs this share more than it has
+MAX_WOBBLE = 0.5  # the most of its homes a measured share's noise may keep (see _needed)
 CLAIM_CHOICES = 8  # backends past the needed homes a shared first placement chooses among
 
 
@@ -93,6 +94,8 @@ class Placement:
     copy_inflight: float = 3.0  # a home should carry at most this many of its requests at once
     inflight: float = 0.0  # running average of the fleet's requests in flight
     size_alpha: float = 0.2  # weight of a new measurement in a prefix's size
+    # The shares' effective sample count (Shares.samples, from `attach`): how noisy they are.
+    samples: float = 0.0
     placed: dict[int, Placed] = field(default_factory=dict)
     # Free cache per backend, as placed (a Room, read lazily, on fleets of over 64).
     room: MutableMapping[str, float] = field(default_factory=dict)
@@ -119,6 +122,7 @@ class Placement:
     def attach(self, shares: Shares) -> None:
         """Keep the loads from `shares` (the share_of every call passes must be its current)."""
         self.tallies.shares = shares
+        self.samples = shares.samples
         shares.listener = self.reweigh
         self.tallies.recount(self.placed)
 
@@ -676,22 +680,44 @@ class Placement:
     def _needed(self, share: float, backends: int, have: int = 0) -> int:
         """Homes a prefix with this share of the traffic needs: no home above copy_load of a
         fair backend load, and none above `copy_inflight` of its requests in flight (at low
-        concurrency a copy spreads no load worth a cold prefill and an eviction). More than
-        it `have`s only past the line by a quarter of a home or a tenth of what it has,
-        whichever is more: a share is measured over a few hundred requests (a half-life of 256
-        in proxy.routing.popularity), so a hot prompt's share wobbles by about a tenth, and
-        every copy evicts. (With a fixed quarter, a prompt on 300 of 1,024 engines gained a
-        home at most requests and lost it at the next rebalance.)"""
+        concurrency a copy spreads no load worth a cold prefill and an eviction).
+
+        A prefix that `have`s homes keeps that many while the need stays within a band of it,
+        on either side: it gains one only past the line by the band, and loses one only once
+        the need is a band below it. A share is measured, not known: over a half-life of 256
+        requests (proxy.routing.popularity) a prompt with 1% of the traffic is counted ~7
+        times, give or take 2.7, so its need wobbles by ~37% from one rebalance to the next.
+        The band is the larger of a quarter of a home, a tenth of what it has, and two
+        standard errors of the share (`samples`: the share's effective sample count, from the
+        popularity attached; at most MAX_WOBBLE of it). With the tenth alone, and a shrink at
+        any dip, a prompt on 12 of 1,024 engines gained a home at a third of its requests and
+        lost it at the next rebalance: each move a cold prefill, and each gain a placement."""
         by_load = share * self.inflight / self.copy_inflight if self.copy_inflight > 0 else 1e9
         x = share * backends / self.copy_load
         x = by_load if by_load < x else x
         need = math.ceil(x - 1e-9)
-        if need > have > 0:
-            band = have * GROW_BAND
-            fewer = math.ceil(x - (0.25 if band < 0.25 else band) - 1e-9)
-            need = fewer if have < fewer else have
+        if have > 0 and need != have:
+            rel = self._wobble(share)
+            band = have * (GROW_BAND if rel < GROW_BAND else rel)
+            band = 0.25 if band < 0.25 else band
+            if need > have:
+                fewer = math.ceil(x - band - 1e-9)
+                need = fewer if have < fewer else have
+            elif self.samples:  # (with no share statistics: shrunk at once, as before)
+                more = math.ceil(x + self._wobble(share) * have - 1e-9)
+                need = more if more < have else have
         need = need if 1 < need else 1
         return need if need < backends else backends
+
+    def _wobble(self, share: float) -> float:
+        """Two standard errors of a measured share, relative to it (0 without `samples`)."""
+        samples = self.samples
+        if not samples:
+            return 0.0
+        if share <= 0.0:
+            return MAX_WOBBLE
+        rel = 2.0 * math.sqrt((1.0 - share) / (share * samples)) if share < 1.0 else 0.0
+        return rel if rel < MAX_WOBBLE else MAX_WOBBLE
 
     def _forget_coolest(self, share_of: Callable[[int], float]) -> None:
         tallies = self.tallies

@@ -27,6 +27,10 @@ REBASE_EVERY = 1 << 14
 class PrefixPopularity:
     def __init__(self, half_life: float = 256.0, max_keys: int = 4096, warmup: int = 16) -> None:
         self.decay = 0.5 ** (1.0 / half_life)
+        # Requests a share is effectively measured over (Kish's effective sample size of the
+        # decayed weights, (1 + d) / (1 - d): ~739 for a half-life of 256): a share s is
+        # known to about sqrt(s (1 - s) / samples).
+        self.samples = (1.0 + self.decay) / (1.0 - self.decay)
         self.warmup = warmup  # requests seen before a share means anything
         self.max_keys = max_keys
         self.tick = 0

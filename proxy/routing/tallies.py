@@ -38,6 +38,7 @@ class Shares(Protocol):
 
     base: int
     listener: Callable[[int], None] | None
+    samples: float  # effective number of requests a share is measured over (its noise)
 
     def weight(self, key: int) -> float: ...
 
