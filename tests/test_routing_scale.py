@@ -97,9 +97,13 @@ class ReferencePlacement(Placement):
         def fits(b: str) -> bool:
             return room[b] >= p.size
 
+        def keeps(b: str) -> bool:  # within twice the imbalance, or under a fair load without it
+            fair = total / total_weight if total > 0 else math.inf
+            return within(b, 2.0) or loads[b] < fair - 1e-12
+
         chosen: list[str] = []
         for b in previous:
-            if len(chosen) < need and b in loads and b not in chosen and within(b, 2.0) and fits(b):
+            if len(chosen) < need and b in loads and b not in chosen and keeps(b) and fits(b):
                 chosen.append(b)
         for b in sorted(holders, key=lambda b: (loads[b], rank[b])):
             if len(chosen) < need and b not in chosen and within(b) and fits(b):

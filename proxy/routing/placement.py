@@ -603,10 +603,15 @@ class Placement:
         # Previous homes that still fit and are within the bound stay (hysteresis).
         # Previous homes keep their prefix up to twice the imbalance: shares measured over a
         # few hundred requests are noisy, and a move costs a cold prefill and an eviction.
+        # Or while the backend, without this copy, carries less than a fair load: copies come
+        # whole, and when the placed prefixes need more copies than there are backends, some
+        # backend must carry two; the second copy should not move at every rebalance.
+        fair = total / weight_sum if total > 0 else math.inf
         for b in previous:
-            if len(chosen) < need and b in loads and b not in taken and within(b, 2.0) and fits(b):
-                chosen.append(b)
-                taken.add(b)
+            if len(chosen) < need and b in loads and b not in taken and fits(b):
+                if within(b, 2.0) or loads[b] < fair - 1e-12:
+                    chosen.append(b)
+                    taken.add(b)
         # Then backends that already hold it (with a shared index, what another replica
         # placed), then the first within the bound and with room in the prefix's rendezvous
         # order: the same choice on every replica, where the least loaded would not be.
