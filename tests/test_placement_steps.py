@@ -100,12 +100,12 @@ def test_a_prefix_forgotten_midway_is_skipped_and_a_departure_ends_the_rebalance
     assert all(leaving not in v for v in homes_of(p).values())
 
 
-def test_a_hot_prefix_gains_a_home_only_past_a_tenth_of_what_it_has() -> None:
+def test_a_hot_prefix_gains_homes_only_past_a_tenth_of_what_it_has_then_all_it_needs() -> None:
     p = Placement(copy_load=1.0, copy_inflight=1.0, inflight=1e9)
     # x = share x backends: 0.3 x 1,000 = 300 homes needed for 300 held.
     assert p._needed(0.3, 1000, 300) == 300
     assert p._needed(0.32, 1000, 300) == 300  # 320 needed: within the wobble of a share
-    assert p._needed(0.34, 1000, 300) == 310  # 340: past 300 + 30, so 340 - 30
+    assert p._needed(0.34, 1000, 300) == 340  # 340: past 300 + 30, so all of it
     # A prefix on a few homes keeps the quarter-home band it had.
     assert p._needed(0.0022, 1000, 2) == 2  # 2.2 needed
     assert p._needed(0.0023, 1000, 2) == 3  # 2.3: past a quarter
@@ -170,11 +170,13 @@ def test_a_prefix_keeps_its_homes_while_its_need_wobbles_within_its_shares_noise
     assert p._needed(0.013, 1000, 10) == 10  # 13 needed: within the share's noise
     assert p._needed(0.008, 1000, 10) == 10  # 8 needed: within it too
     # (At 1% two standard errors are 73% of the share: the band stops at half its homes.)
-    assert p._needed(0.030, 1000, 10) == 26  # a real surge: 30 less 42% (at 3%) of 10
-    assert p._needed(0.003, 1000, 10) == 8  # a real drop: 3 + half its homes
+    assert p._needed(0.030, 1000, 10) == 30  # a real surge: past 10 + 42% (at 3%), all of 30
+    assert p._needed(0.003, 1000, 10) == 3  # a real drop: under 10 - half its homes, to 3
     # A hot prompt is measured well: its band is about the tenth of its homes it was.
-    assert p._needed(0.34, 1000, 300) == 310  # 340 less 10% (two standard errors) of 300
-    assert p._needed(0.25, 1000, 300) == 289  # 250 + 13% (two standard errors) of 300
+    assert p._needed(0.32, 1000, 300) == 300  # within 11% (two standard errors) of 300
+    assert p._needed(0.34, 1000, 300) == 340  # past it
+    assert p._needed(0.27, 1000, 300) == 300  # within 12% below
+    assert p._needed(0.25, 1000, 300) == 250  # past 13% (two standard errors) below
     # Without statistics (no popularity attached): shrunk at once, as before.
     bare = Placement(copy_load=1.0, copy_inflight=1.0, inflight=1e9)
     assert bare._needed(0.008, 1000, 10) == 8
@@ -213,3 +215,24 @@ def test_when_the_fleet_needs_more_copies_than_backends_a_rebalance_keeps_them()
         p.rebalance(NAMES, WEIGHTS, caps.__getitem__, shares.__getitem__, order)
     assert {k: len(h) for k, h in homes_of(p).items()} == counts  # within the band
     assert p.moves == moves  # (10 moves before the rule)
+
+
+def test_a_capacity_that_moves_during_a_rebalance_is_read_as_it_was_at_its_start() -> None:
+    """A rebalance spread over requests reads each backend's room lazily; a learned capacity
+    moving between its steps (pin_room, the learner's listener) must not change what it reads,
+    or replicas and the reference placement disagree on homes: the room of the rebalance under
+    way is pinned too, not only the placement's."""
+    for seed in range(3):
+        at_once, shares, caps = placed(seed)
+        stepped = copy.deepcopy(at_once)
+        at_once.rebalance(NAMES, WEIGHTS, caps.__getitem__, shares.__getitem__, order)
+        moving = dict(caps)
+        stepped.start_rebalance(NAMES, WEIGHTS, moving.__getitem__, shares.__getitem__, order)
+        stepped.advance(1)  # the ranking, no prefix yet
+        for b in NAMES[::3]:
+            stepped.pin_room(b)  # the learner tells before it moves
+            moving[b] = 1.0  # (a cache found much smaller)
+        while not stepped.advance():
+            pass
+        assert homes_of(stepped) == homes_of(at_once)
+        assert dict(stepped.room) == dict(at_once.room)

@@ -68,7 +68,11 @@ from proxy.routing.tallies import Placed, Shares, Tallies, unfixed
 
 __all__ = ["Placed", "Placement", "SharedHomes", "Shares"]
 
-REBALANCE_STEP = 256  # units of a rebalance's work carried out per request (see advance)
+REBALANCE_STEP = 64  # units of a rebalance's work carried out per request (see advance)
+# A rebalance comes at most once per this many units of its work per request: where the
+# placement is large (hundreds of homes), it comes less often than every `rebalance_every`
+# requests, so that its amortised cost per request does not grow with the fleet.
+REBALANCE_UNITS_PER_REQUEST = 16
 GROW_BAND = 0.1  # a prefix gains homes only once it needs this share more than it has
 MAX_WOBBLE = 0.5  # the most of its homes a measured share's noise may keep (see _needed)
 CLAIM_CHOICES = 8  # backends past the needed homes a shared first placement chooses among
@@ -101,6 +105,9 @@ class Placement:
     room: MutableMapping[str, float] = field(default_factory=dict)
     requests: int = 0
     rebalances: int = 0
+    # The request count at which the next rebalance is due (see start_rebalance; the first
+    # after rebalance_every requests).
+    next_rebalance: int = field(default=0, init=False)
     moves: int = 0
     # False while another replica recomputes the assignment (shared placement): this one
     # then only places the prefixes it sees first, and adopts the rest.
@@ -118,6 +125,7 @@ class Placement:
     # What the placed prefixes add up to per backend, kept as homes change (tallies.py).
     tallies: Tallies = field(default_factory=Tallies)
     _steps: Iterator[int] | None = field(default=None, repr=False)  # a rebalance under way
+    _rebalance_room: MutableMapping[str, float] | None = field(default=None, repr=False)
 
     def attach(self, shares: Shares) -> None:
         """Keep the loads from `shares` (the share_of every call passes must be its current)."""
@@ -128,10 +136,11 @@ class Placement:
 
     def pin_room(self, backend: str) -> None:
         """`backend`'s learned capacity is about to move (a CapacityLearner listener): a room
-        read lazily keeps the value it was taken with (placement_views.Room)."""
-        room = self.room
-        if isinstance(room, Room):
-            room.pin(backend)
+        read lazily keeps the value it was taken with (placement_views.Room), the placement's
+        and that of a rebalance under way (begun from the capacities of its start)."""
+        for room in (self.room, self._rebalance_room):
+            if isinstance(room, Room):
+                room.pin(backend)
 
     def reweigh(self, key: int) -> None:
         """`key`'s weight changed (the Shares listener)."""
@@ -153,8 +162,11 @@ class Placement:
         p.last = blocks
         return p
 
+    def __post_init__(self) -> None:
+        self.next_rebalance = self.rebalance_every
+
     def due(self) -> bool:
-        return self.leads and self.requests >= (self.rebalances + 1) * self.rebalance_every
+        return self.leads and self.requests >= self.next_rebalance
 
     def homes(
         self,
@@ -334,6 +346,13 @@ class Placement:
         unfinished is finished first). At 1,024 backends a whole recomputation is several
         milliseconds: done at once it was the tail of every 64th decision."""
         self.advance(math.inf)
+        # Its work in units (as advance counts them, with the homes it has now): the next one
+        # comes after rebalance_every requests, or after enough of them to carry this much
+        # work at REBALANCE_UNITS_PER_REQUEST, whichever is later.
+        units = 2 * len(self.placed) + 2 * sum(len(p.homes) for p in self.placed.values())
+        interval = -(-units // REBALANCE_UNITS_PER_REQUEST)
+        every = self.rebalance_every
+        self.next_rebalance = self.requests + (every if interval < every else interval)
         self._steps = self._rebalance_steps(backends, weights, capacity, share_of, order)
 
     def advance(self, budget: float = REBALANCE_STEP) -> bool:
@@ -390,7 +409,7 @@ class Placement:
                 weights, "uniform", False
             )
             loads = Accumulated(inside, uniform)
-            room = Room(inside, lambda b: fill * capacity(b))
+            room = self._rebalance_room = Room(inside, lambda b: fill * capacity(b))
         else:
             loads = dict.fromkeys(backends, 0.0)
             room = {b: self.fill * capacity(b) for b in backends}
@@ -415,6 +434,7 @@ class Placement:
                 room[h] -= p.size
             yield 1 + len(previous) + need
         self.room = room
+        self._rebalance_room = None
         self.reassigned = True
         self._fresh = {}  # the whole assignment goes out: nothing of it is this replica's alone
 
@@ -688,29 +708,28 @@ class Placement:
         concurrency a copy spreads no load worth a cold prefill and an eviction).
 
         A prefix that `have`s homes keeps that many while the need stays within a band of it,
-        on either side: it gains one only past the line by the band, and loses one only once
-        the need is a band below it. A share is measured, not known: over a half-life of 256
-        requests (proxy.routing.popularity) a prompt with 1% of the traffic is counted ~7
-        times, give or take 2.7, so its need wobbles by ~37% from one rebalance to the next.
-        The band is the larger of a quarter of a home, a tenth of what it has, and two
-        standard errors of the share (`samples`: the share's effective sample count, from the
-        popularity attached; at most MAX_WOBBLE of it). With the tenth alone, and a shrink at
-        any dip, a prompt on 12 of 1,024 engines gained a home at a third of its requests and
-        lost it at the next rebalance: each move a cold prefill, and each gain a placement."""
+        on either side, and past the band takes the whole need at once. A share is measured,
+        not known: over a half-life of 256 requests (proxy.routing.popularity) a prompt with
+        1% of the traffic is counted ~7 times, give or take 2.7, so its need wobbles by ~37%
+        from one rebalance to the next. The band is the larger of a quarter of a home, a
+        tenth of what it has, and two standard errors of the share (`samples`: the share's
+        effective sample count, from the popularity attached; at most MAX_WOBBLE of it).
+        With the tenth alone, a shrink at any dip, and growth to the need less the band (which
+        left the prefix at the band's edge, where the next rise of its share grew it again), a
+        prompt on 12 of 1,024 engines gained a home at a third of its requests and lost it at
+        the next rebalance: each move a cold prefill, and each gain a placement."""
         by_load = share * self.inflight / self.copy_inflight if self.copy_inflight > 0 else 1e9
         x = share * backends / self.copy_load
         x = by_load if by_load < x else x
         need = math.ceil(x - 1e-9)
         if have > 0 and need != have:
             rel = self._wobble(share)
-            band = have * (GROW_BAND if rel < GROW_BAND else rel)
-            band = 0.25 if band < 0.25 else band
             if need > have:
-                fewer = math.ceil(x - band - 1e-9)
-                need = fewer if have < fewer else have
-            elif self.samples:  # (with no share statistics: shrunk at once, as before)
-                more = math.ceil(x + self._wobble(share) * have - 1e-9)
-                need = more if more < have else have
+                band = have * (GROW_BAND if rel < GROW_BAND else rel)
+                if math.ceil(x - (0.25 if band < 0.25 else band) - 1e-9) <= have:
+                    need = have
+            elif self.samples and math.ceil(x + rel * have - 1e-9) >= have:
+                need = have  # (with no share statistics: shrunk at once, as before)
         need = need if 1 < need else 1
         return need if need < backends else backends
 
