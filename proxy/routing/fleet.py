@@ -141,6 +141,8 @@ class Fleet:
         self.weights = fw
         self.zeros: dict[str, int] = dict.fromkeys(names, 0)
         self.rendezvous = Rendezvous(names, weights)
+        # Placed prefixes' homes in this fleet, by id of their homes tuple (shortlist._homes_in).
+        self.homes_kept: dict[int, tuple[Any, Any]] = {}
 
     def __len__(self) -> int:
         return len(self.names)

@@ -184,7 +184,14 @@ class Placement:
         """The homes of the prefix `key` among `backends`, placing it now if it has none there."""
         p = self.placed.get(key)
         inside = fast_members(backends)
-        homes = tuple(filter(inside.__contains__, p.homes)) if p is not None else ()
+        homes: tuple[str, ...] = ()
+        if p is not None:
+            seen = p.inside  # (kept for a tuple of names only: the same object, the same names)
+            if seen is None or seen[0] is not backends or seen[1] is not p.homes:
+                kept = tuple(filter(inside.__contains__, p.homes))
+                seen = (backends, p.homes, p.homes if kept == p.homes else kept)
+                p.inside = seen if isinstance(backends, tuple) else None
+            homes = seen[2]
         if p is not None and homes:
             share = share_of(key)
             n = len(backends)

@@ -50,6 +50,7 @@ from proxy.routing.types import BackendView, PickerHints, RouteContext
 
 HEAD = 10  # ranking entries kept exactly as over the whole fleet (retries.max_attempts <= 10)
 SHORTLIST_ABOVE = 32  # candidates; a fleet this small is handed whole (it costs less)
+HOMES_KEPT = 1024  # placed prefixes whose homes a fleet keeps looked up (Placement.max_keys: 256)
 
 
 @dataclass(slots=True)
@@ -115,18 +116,15 @@ def _placed(
     bound: LoadBound,
 ) -> Plan | None:
     index = fleet.index
-    placed = [index[h] for h in ctx.homes if h in index]
+    placed, home_names, homes_set, home_members = _homes_in(fleet, ctx.homes)
     if not placed:
         return None
-    placed.sort()
-    home_names = [candidates[i].name for i in placed]
     matched = ctx.matched_blocks
     got = list(map(matched.get, home_names, repeat(0)))
     most = max(got)
     # A non-home holding this much counts as a home (the picker's rule, home_reach).
     shared = ctx.shared_blocks
     reach = (most if most > shared else shared) + warm
-    homes_set = frozenset(ctx.homes)
     extra = sorted(
         index[b] for b, m in held.items() if m >= reach and b not in homes_set and b in index
     )
@@ -137,10 +135,31 @@ def _placed(
     own = ctx.shared_blocks + warm
     top = _best_homes(ctx, views, ok, matched, own)
     top.append(views[got.index(most)])
-    names = frozenset(b.name for b in views)
+    names = home_members if not extra else frozenset(b.name for b in views)
     others = _first_within(candidates, fleet, key, bound, names, HEAD)
     listed = _listed(top + views[len(placed) :] + others, fleet, bound, len(candidates))
     return Plan(listed, homes=len(views), home_names=names)
+
+
+def _homes_in(
+    fleet: Fleet, homes: tuple[str, ...]
+) -> tuple[list[int], list[str], frozenset[str], frozenset[str]]:
+    """A placed prefix's homes in `fleet`: their positions (in fleet order), their names in
+    that order, every home, and the homes in the fleet. Kept per homes tuple (the placement
+    hands back the same tuple while a prefix's homes and the fleet stay): a prefix on
+    hundreds of engines is looked up, sorted and hashed once, not at each of its requests."""
+    kept = fleet.homes_kept
+    found = kept.get(id(homes))
+    if found is not None and found[0] is homes:
+        return found[1]
+    index, names = fleet.index, fleet.names
+    placed = sorted([index[h] for h in homes if h in index])
+    home_names = [names[i] for i in placed]
+    out = (placed, home_names, frozenset(homes), frozenset(home_names))
+    if len(kept) >= HOMES_KEPT:
+        kept.clear()
+    kept[id(homes)] = (homes, out)
+    return out
 
 
 def _within(views: Sequence[BackendView], bound: LoadBound, unit: bool) -> list[bool]:

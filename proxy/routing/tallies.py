@@ -58,6 +58,12 @@ class Placed:
     weight: int = 0  # its Shares weight as the load tally counts it (fixed point)
     tallied_size: int = 0  # its size as the tallies count it (fixed point)
     seq: int = 0  # its place in the placement's order (the coolest's tie-break)
+    # Its homes among the last fleet it was looked up in: (that fleet's names, the homes
+    # they were taken from, those of them in it), so that a lookup in the same fleet with
+    # the same homes hands back the same tuple instead of filtering hundreds of homes again.
+    inside: tuple[object, tuple[str, ...], tuple[str, ...]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
 
 @dataclass
