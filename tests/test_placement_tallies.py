@@ -207,3 +207,36 @@ def test_forgetting_a_backend_keeps_the_tallies_what_counting_the_placed_prefixe
         assert tallied.tallies.weights.get(name, 0) == sum(
             int(ldexp(pop.weight(k), 128)) // len(p.homes) for k, p in on
         )
+
+
+def test_tallies_made_current_equal_a_fresh_count() -> None:
+    """Prefixes whose share or size moved are counted again when next read (Tallies.current,
+    one pass of differences per prefix): the tallies then equal counting every placed prefix
+    afresh, for prefixes with hundreds of homes and with a few."""
+    from proxy.routing.tallies import Placed, Tallies
+
+    rng = random.Random(7)
+    pop = PrefixPopularity(half_life=32)
+    names = [f"e{i}" for i in range(300)]
+    placed: dict[int, Placed] = {}
+    for key in range(20):
+        homes = tuple(rng.sample(names, rng.choice((1, 3, 12, 150))))
+        placed[key] = Placed(homes, float(rng.randint(10, 400)), ())
+    for _ in range(40):
+        pop.observe(rng.randrange(20))
+    tallies = Tallies(shares=pop)
+    pop.listener = lambda k: tallies.stale.add(k)  # (recount replaces the set)
+    tallies.recount(placed)
+    for _ in range(500):
+        key = rng.randrange(20)
+        pop.observe(key)  # its weight moves (the listener marks it stale)
+        if rng.random() < 0.3:
+            placed[key].size = float(rng.randint(10, 400))
+            tallies.stale.add(key)
+        if rng.random() < 0.2:
+            tallies.current(placed)
+            fresh = Tallies(shares=pop)
+            fresh.recount(placed)
+            assert (tallies.hosted, tallies.sizes, tallies.weights) == (
+                fresh.hosted, fresh.sizes, fresh.weights,
+            )  # fmt: skip
