@@ -122,6 +122,9 @@ async def test_the_decision_time_harness_writes_a_row_per_store_size_and_seed(tm
     ]  # fmt: skip
     assert all(0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] for r in rows)
     assert out.read_text().count('"store"') == 4
+    # Views kept between decisions, as the proxy keeps them: the same rows.
+    kept = await routing_cost.main(None, [40], 30, [1], reuse_views=True)
+    assert [(r["store"], r["backends"]) for r in kept] == [("memory", 40)]
 
 
 def test_a_copy_of_only_the_shared_part_does_not_count_as_a_home() -> None:

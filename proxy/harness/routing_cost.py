@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import time
@@ -70,17 +71,31 @@ def _requests(count: int, rng: random.Random) -> list[dict[str, Any]]:
     ]
 
 
-async def measure(router: Router, n_backends: int, count: int, seed: int = 1) -> list[float]:
+async def measure(
+    router: Router, n_backends: int, count: int, seed: int = 1, reuse_views: bool = False
+) -> list[float]:
+    """`reuse_views`: keep the views from one decision to the next, remaking only those
+    whose in-flight count moved (the winner's, and one random request's end), as the
+    proxy's ViewCache does; otherwise every view is new, with fresh random loads."""
     rng = random.Random(seed)
     bodies = _requests(count, rng)
     times = []
     fleet = _fleet(n_backends)
+    backends = _backends(fleet, rng)
+    position = {b.name: i for i, b in enumerate(backends)}
     for i, body in enumerate(bodies):
-        backends = _backends(fleet, rng)
+        if not reuse_views:
+            backends = _backends(fleet, rng)
         ctx = RouteContext(f"r{i}", "m", "chat", body, {}, time.monotonic())
         start = time.perf_counter()
-        await router.route(ctx, backends)
+        decision = await router.route(ctx, list(backends) if reuse_views else backends)
         times.append(time.perf_counter() - start)
+        if reuse_views and decision.winner is not None:
+            w = position[decision.winner]
+            backends[w] = dataclasses.replace(backends[w], inflight=backends[w].inflight + 1)
+            k = rng.randrange(n_backends)
+            if backends[k].inflight > 0:
+                backends[k] = dataclasses.replace(backends[k], inflight=backends[k].inflight - 1)
         if i % 64 == 0:
             await asyncio.sleep(0)  # let the batched Redis writes run, as between requests
     return times[count // 10 :]  # drop warm-up (script load, first connections, cold caches)
@@ -101,6 +116,7 @@ async def main(
     backend_counts: list[int],
     count: int,
     seeds: list[int] | None = None,
+    reuse_views: bool = False,
 ) -> list[dict[str, Any]]:
     cfg = RoutingConfig(policy="prefix_aware")
     rows: list[dict[str, Any]] = []
@@ -123,14 +139,15 @@ async def main(
     for seed in seeds or [1]:
         for n in backend_counts:
             router = build_router(cfg, index=MemoryPrefixIndex())
-            note("memory", n, seed, await measure(router, n, count, seed))
+            note("memory", n, seed, await measure(router, n, count, seed, reuse_views))
             if redis_url:
                 prefix = f"wrbench-{uuid.uuid4().hex[:8]}"
                 client = open_redis(redis_url)
                 index = RedisPrefixIndex(client, key_prefix=prefix, owns_client=True)
                 await index.start()
                 try:
-                    times = await measure(build_router(cfg, index=index), n, count, seed)
+                    router = build_router(cfg, index=index)
+                    times = await measure(router, n, count, seed, reuse_views)
                     note("redis", n, seed, times, f"  mode={index.mode}")
                 finally:
                     keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]
@@ -151,7 +168,13 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument(
+        "--reuse-views",
+        action="store_true",
+        help="keep the views between decisions, remaking those whose in-flight count moved, "
+        "as the proxy does (default: every view new each decision, with random loads)",
+    )
     args = parser.parse_args()
-    rows = asyncio.run(main(args.redis, args.backends, args.requests, args.seeds))
+    rows = asyncio.run(main(args.redis, args.backends, args.requests, args.seeds, args.reuse_views))
     if args.json:
         write(rows, args.json)
