@@ -239,3 +239,28 @@ def test_a_capacity_that_moves_during_a_rebalance_is_read_as_it_was_at_its_start
             pass
         assert homes_of(stepped) == homes_of(at_once)
         assert dict(stepped.room) == dict(at_once.room)
+
+
+def test_previous_homes_kept_in_passes_are_those_kept_one_by_one(monkeypatch) -> None:
+    """A prefix with more than KEEP_IN_PASSES homes has them checked in passes (kept_homes)
+    instead of one by one: rebalances and growth of Zipf prefixes on 200 backends, their
+    capacities and shares moved between rounds, place exactly as the one-by-one rule does."""
+    import proxy.routing.placement as placement_module
+
+    for seed in range(4):
+        passes, shares, caps = placed(seed)
+        rule = copy.deepcopy(passes)
+        rng = random.Random(seed)
+        for _ in range(4):
+            for b in rng.sample(NAMES, 40):
+                caps[b] = rng.choice((300.0, 2_000.0, 20_000.0))
+            shares = {k: v * rng.uniform(0.6, 1.6) for k, v in shares.items()}
+            for p, threshold in ((passes, 16), (rule, 10**9)):
+                monkeypatch.setattr(placement_module, "KEEP_IN_PASSES", threshold)
+                p.rebalance(NAMES, WEIGHTS, caps.__getitem__, shares.__getitem__, order)
+                for key in list(shares)[:5]:  # the hottest grow at once
+                    grown = {k: v * 1.5 for k, v in shares.items()}
+                    p.homes(key, p.placed[key].last or [key], NAMES, WEIGHTS, caps.__getitem__,
+                            grown.__getitem__, {}, order)  # fmt: skip
+            assert homes_of(passes) == homes_of(rule)
+            assert max(len(h) for h in homes_of(passes).values()) > 16  # the passes ran

@@ -60,6 +60,7 @@ from proxy.routing.placement_views import (
     Room,
     common_prefix,
     fast_members,
+    kept_homes,
     rank_of,
     spare_homes,
     total_weight,
@@ -76,6 +77,7 @@ REBALANCE_UNITS_PER_REQUEST = 16
 GROW_BAND = 0.1  # a prefix gains homes only once it needs this share more than it has
 MAX_WOBBLE = 0.5  # the most of its homes a measured share's noise may keep (see _needed)
 CLAIM_CHOICES = 8  # backends past the needed homes a shared first placement chooses among
+KEEP_IN_PASSES = 16  # previous homes past which _choose keeps them in passes (kept_homes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -634,7 +636,16 @@ class Placement:
         # whole, and when the placed prefixes need more copies than there are backends, some
         # backend must carry two; the second copy should not move at every rebalance.
         fair = total / weight_sum if total > 0 else math.inf
-        for b in previous:
+        kept = None
+        if len(previous) > KEEP_IN_PASSES:  # (a hot prefix's hundreds: the same rule)
+            twice = (1.0 + self.imbalance * 2.0) * total / weight_sum if total > 0 else math.inf
+            members = fast_members(backends) if isinstance(loads, Loads | Accumulated) else loads
+            kept = kept_homes(
+                previous, need, members, loads, room, p.size, per_copy, weights, twice, fair
+            )
+        if kept is not None:
+            chosen, taken = kept, set(kept)
+        for b in previous if kept is None else ():
             if len(chosen) < need and b in loads and b not in taken and fits(b):
                 if within(b, 2.0) or loads[b] < fair - 1e-12:
                     chosen.append(b)

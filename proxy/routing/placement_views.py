@@ -202,6 +202,53 @@ class Accumulated(MutableMapping[str, float]):
         return len(self._universe)
 
 
+def read_all(values: Mapping[str, float], names: Sequence[str]) -> list[float]:
+    """values[name] for each of `names` (all of them keys of `values`), in one pass: the
+    same floats as reading them one by one, without a method call per name where `values`
+    is one of this module's lazy views."""
+    if isinstance(values, Loads):
+        tally, scale, weights = values._tally.get, values._scale, values._weights
+        return [math.ldexp(tally(b, 0), -128) * scale / weight_of(weights, b) for b in names]
+    if isinstance(values, Accumulated):
+        got = values._values.get
+        return [got(b, 0.0) for b in names]
+    if isinstance(values, Room):
+        kept = values._values
+        return [kept[b] if b in kept else values[b] for b in names]
+    return [values[b] for b in names]
+
+
+def kept_homes(
+    previous: Sequence[str],
+    need: int,
+    universe: Collection[str],
+    loads: Mapping[str, float],
+    room: Mapping[str, float],
+    size: float,
+    per_copy: float,
+    weights: Mapping[str, float],
+    bound: float,
+    fair: float,
+) -> list[str] | None:
+    """Placement._choose's first rule in passes over `previous` (a hot prefix has hundreds of
+    homes, kept or not at each rebalance): the first `need` of them that are in `universe`,
+    have room for `size`, and are within `bound` with this copy or under `fair` without it;
+    None where a home repeats (the rule's one-by-one form handles that)."""
+    inside = [b for b in previous if b in universe]
+    if len(frozenset(inside)) != len(inside):
+        return None
+    if not inside:
+        return []
+    load = read_all(loads, inside)
+    free = read_all(room, inside)
+    line, under = bound + 1e-12, fair - 1e-12
+    keep = [
+        f >= size and (ld + per_copy / weight_of(weights, b) <= line or ld < under)
+        for b, ld, f in zip(inside, load, free, strict=True)
+    ]
+    return list(compress(inside, keep))[:need]
+
+
 def within_by_value(
     universe: Collection[str], values: Mapping[str, float], within: Callable[[str], bool]
 ) -> list[str]:
