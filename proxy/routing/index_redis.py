@@ -12,7 +12,7 @@ import logging
 import time
 from array import array
 from collections import Counter, OrderedDict, deque
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from redis import exceptions as redis_errors
@@ -149,6 +149,7 @@ class RedisPrefixIndex:
         reconnect_max_s: float = 5.0,
         owns_client: bool = False,
         timeouts_to_outage: int = TIMEOUTS_TO_OUTAGE,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.client = client
         self.key_prefix = key_prefix
@@ -160,8 +161,10 @@ class RedisPrefixIndex:
         self.reconnect_min_s = reconnect_min_s
         self.reconnect_max_s = reconnect_max_s
         self.owns_client = owns_client
-        # Wall-clock scores: replicas on different hosts must agree on what "old" means.
-        self.local = MemoryPrefixIndex(capacity_blocks, ttl_s, clock=time.time)
+        # Wall-clock scores: replicas on different hosts must agree on what "old" means (a
+        # harness in virtual time passes its own `clock`, on the wall clock's epoch). The local
+        # copy's clock is the one every score and age here is read from.
+        self.local = MemoryPrefixIndex(capacity_blocks, ttl_s, clock=clock)
         self._capacity: dict[str, int] = {}
         self.refresh_s = refresh_s
         # (backend, blocks, time, index of the first block): only the part not written lately.
@@ -256,7 +259,7 @@ class RedisPrefixIndex:
             self.counters["fallback_lookups"] += 1
             return self.local.holders_now(blocks, backends)
         self.counters["lookups"] += 1
-        oldest = time.time() - SCORE_EPOCH - self.ttl_s
+        oldest = self.local.clock() - SCORE_EPOCH - self.ttl_s
         ticket = self._timeouts.start()
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -297,7 +300,7 @@ class RedisPrefixIndex:
         if not blocks:
             return
         self.counters["records"] += 1
-        now = time.time()
+        now = self.local.clock()
         # A popular prefix is recorded on every request; rewriting its hundreds of blocks each
         # time is what made Redis (and our event loop) slow. Blocks this replica wrote less than
         # refresh_s ago are skipped: their Redis score lags by at most refresh_s, which is far
@@ -410,7 +413,7 @@ class RedisPrefixIndex:
         # Redis unpacks and scores the blocks, so this loop (which shares the event loop with
         # every request) costs O(1) per record, not O(blocks). No pipeline: Cluster clients
         # refuse scripts in pipelines, and one call already carries up to RECORDS_PER_CALL.
-        now = time.time() - SCORE_EPOCH
+        now = self.local.clock() - SCORE_EPOCH
         ttl_ms = int(self.ttl_s * 1000)
         head_ttl_ms = int((self.ttl_s + HEAD_TTL_MARGIN_S) * 1000)
         done = 0

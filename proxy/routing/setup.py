@@ -14,7 +14,8 @@ await routing.close()                  # in lifespan shutdown
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, cast
@@ -170,9 +171,13 @@ def build_router(routing: Any, index: PrefixIndex | None = None) -> Router:
     return Router.from_blocks(build_policy(routing), blocks, index=index)
 
 
-def build_routing(config: Any, replica_id: str | None = None) -> Routing:
+def build_routing(
+    config: Any, replica_id: str | None = None, clock: Callable[[], float] | None = None
+) -> Routing:
     """From a proxy.config.Config: routing.policy/plugins and redis.* (url, cluster, timeout_s,
-    key_prefix). Index sizing lives in routing.plugins.prefix: capacity_blocks, ttl_s."""
+    key_prefix). Index sizing lives in routing.plugins.prefix: capacity_blocks, ttl_s.
+    `clock`: the index's clock (default: wall time with Redis, monotonic in memory), for a
+    harness that runs in virtual time."""
     blocks: dict[str, Any] = dict(config.routing.plugins or {})
     sizing = IndexSettings.of(blocks.get(PREFIX_BLOCK))
     capacity, ttl_s = sizing.capacity_blocks, sizing.ttl_s
@@ -186,11 +191,12 @@ def build_routing(config: Any, replica_id: str | None = None) -> Routing:
             timeout_s=rc.timeout_s,
             capacity_blocks=capacity,
             ttl_s=ttl_s,
+            clock=clock or time.time,
         )
         board = InflightBoard(client, key_prefix=rc.key_prefix, replica_id=replica_id)
     else:
         client = None
-        index = MemoryPrefixIndex(capacity, ttl_s)
+        index = MemoryPrefixIndex(capacity, ttl_s, clock=clock or time.monotonic)
         board = InflightBoard()
     router = build_router(config.routing, index=index)
     # The proxy records the prefix once the request is on the wire to the backend that got it
