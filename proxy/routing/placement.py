@@ -645,11 +645,12 @@ class Placement:
             )
         if kept is not None:
             chosen, taken = kept, set(kept)
-        for b in previous if kept is None else ():
-            if len(chosen) < need and b in loads and b not in taken and fits(b):
-                if within(b, 2.0) or loads[b] < fair - 1e-12:
-                    chosen.append(b)
-                    taken.add(b)
+        else:
+            for b in previous:
+                if len(chosen) < need and b in loads and b not in taken and fits(b):
+                    if within(b, 2.0) or loads[b] < fair - 1e-12:
+                        chosen.append(b)
+                        taken.add(b)
         # Then backends that already hold it (with a shared index, what another replica
         # placed), then the first within the bound and with room in the prefix's rendezvous
         # order: the same choice on every replica, where the least loaded would not be.
@@ -746,8 +747,9 @@ class Placement:
                 band = have * (GROW_BAND if rel < GROW_BAND else rel)
                 if math.ceil(x - (0.25 if band < 0.25 else band) - 1e-9) <= have:
                     need = have
+            # (Without share statistics, `samples` 0, a shrink is taken at once, as before.)
             elif self.samples and math.ceil(x + rel * have - 1e-9) >= have:
-                need = have  # (with no share statistics: shrunk at once, as before)
+                need = have
         need = need if 1 < need else 1
         return need if need < backends else backends
 
