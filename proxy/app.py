@@ -30,6 +30,8 @@ from proxy.routing.index import capacity_blocks_from_tokens
 from proxy.routing.setup import block_errors, block_names, build_router, build_routing
 from proxy.state import AppState, RequestRouting
 from proxy.telemetry import Telemetry
+from proxy.tenants import http as tenants_http
+from proxy.tenants.budgets import DEFAULT_TENANT, Budgets
 from proxy.upstream import Upstream, client_ssl_context
 
 log = logging.getLogger("warmroute")
@@ -112,6 +114,8 @@ def create_app(
     routes += fleet_routes(fleet)  # POST/DELETE /admin/backends...: add, drain, resume, remove
     state.doctor = install_doctor(state)
     routes += doctor_routes(state, state.doctor)  # GET /admin/doctor, the findings gauge
+    if forwarding.budgets is not None:
+        routes += tenants_http.routes(forwarding.budgets)  # GET /admin/tenants
     lifespan = _lifespan(state, engine_caches, fleet, reloader)
     inner = Starlette(routes=routes, lifespan=lifespan)
     inner.state.warmroute = state
@@ -179,6 +183,7 @@ def _forwarding(state: AppState, fleet: Reconciler) -> Forwarding:
         retry=RetryPolicy(config.retries),
         pd=pd_flows(config, state),
         membership=fleet,
+        budgets=_budgets(state),
     )
     state.forwarding = forwarding
     registry = state.registry
@@ -192,6 +197,23 @@ def _forwarding(state: AppState, fleet: Reconciler) -> Forwarding:
     if forwarding.pd is not None:
         state.telemetry.read_disagg(forwarding.pd.gauges)
     return forwarding
+
+
+def _budgets(state: AppState) -> Budgets | None:
+    """The tenants' budgets, when any limit is set: in Redis when it is configured."""
+    config = state.config
+    if not config.tenants.limited:
+        return None
+    budgets = Budgets(
+        config.tenants,
+        redis=state.routing.redis,
+        key_prefix=config.redis.key_prefix,
+        replica=state.routing.board.replica_id,
+        timeout_s=config.redis.timeout_s,
+        tenants=tuple(k.name for k in config.server.api_keys) or (DEFAULT_TENANT,),
+    )
+    tenants_http.observe(budgets, state.telemetry)
+    return budgets
 
 
 def _lifespan(
@@ -212,6 +234,8 @@ def _lifespan(
         for cache in engine_caches.values():
             await cache.start()
         await fleet.start()
+        budgets = state.forwarding.budgets
+        charging = None if budgets is None else asyncio.create_task(budgets.run_charging())
         if reloader is not None:
             reloader.install_signal()
             await reloader.start()
@@ -231,6 +255,10 @@ def _lifespan(
         try:
             yield
         finally:
+            if charging is not None:
+                charging.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await charging
             if reloader is not None:
                 await reloader.close()
             await fleet.close()

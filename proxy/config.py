@@ -481,6 +481,42 @@ class RedisConfig(_Model):
         return v
 
 
+class BudgetLimits(_Model):
+    """Per-minute limits of one tenant (or of one of its models); None: not limited. Each
+    holds across replicas through Redis (proxy/tenants/, docs/tenants.md)."""
+
+    requests_per_minute: int | None = Field(None, ge=1)
+    input_tokens_per_minute: int | None = Field(None, ge=1)  # the prompt's tokens
+    output_tokens_per_minute: int | None = Field(None, ge=1)  # the generated tokens
+    tokens_per_minute: int | None = Field(None, ge=1)  # input + output, as OpenAI counts TPM
+    max_concurrent: int | None = Field(None, ge=1)  # requests in flight, per replica
+
+    @property
+    def limited(self) -> bool:
+        return any(v is not None for v in self.model_dump().values() if not isinstance(v, dict))
+
+
+class TenantConfig(BudgetLimits):
+    models: dict[str, BudgetLimits] = Field(default_factory=dict)  # per model, on top
+
+    @property
+    def limited(self) -> bool:
+        return super().limited or any(m.limited for m in self.models.values())
+
+
+class TenantsConfig(_Model):
+    """Tenants are the configured API keys (server.api_keys), or one tenant, `default`,
+    when keys are off."""
+
+    default: TenantConfig = TenantConfig()  # every tenant without an entry under `keys`
+    keys: dict[str, TenantConfig] = Field(default_factory=dict)  # by API key name
+    charge_every_s: float = Field(1.0, gt=0)  # a running stream's output charged this often
+
+    @property
+    def limited(self) -> bool:
+        return self.default.limited or any(t.limited for t in self.keys.values())
+
+
 class TelemetryConfig(_Model):
     enabled: bool = True  # false: no spans, no metrics (the stream is still metered for routing)
     service_name: str = "warmroute"
@@ -511,6 +547,19 @@ class Config(_Model):
     telemetry: TelemetryConfig = TelemetryConfig()
     disagg: DisaggConfig = DisaggConfig()
     fleet: FleetConfig = FleetConfig()
+    tenants: TenantsConfig = TenantsConfig()
+
+    @model_validator(mode="after")
+    def _tenants_are_keys(self) -> Config:
+        names = {k.name for k in self.server.api_keys}
+        for name in self.tenants.keys:
+            if name not in names:
+                known = ", ".join(sorted(names)) or "none: server.api_keys is empty"
+                raise ValueError(
+                    f"tenants.keys.{name}: no API key is named {name!r} (server.api_keys: "
+                    f"{known}); tenants are the keys' names"
+                )
+        return self
 
     @field_validator("backends")
     @classmethod

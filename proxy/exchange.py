@@ -7,12 +7,14 @@ relay streams its response; none of them needs more than this module to share it
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from proxy.ports import UpstreamResponseLike
     from proxy.routing.types import Decision, RouteContext
+    from proxy.types import StreamFacts
 
 API_PATHS = {
     "chat": "/v1/chat/completions",
@@ -45,6 +47,9 @@ class Exchange:
     client: tuple[str, int] | None = None  # the client's address, for X-Forwarded-For
     task: asyncio.Task[Any] | None = None  # the task serving it (cut() cancels it)
     cut_reason: tuple[str, str] | None = None  # (code, reason) when cut by the proxy
+    facts: StreamFacts | None = None  # what the client was sent, once the answer ended
+    output_events: Callable[[], int] | None = None  # a streaming answer's output events so far
+    response_headers: tuple[tuple[bytes, bytes], ...] = ()  # added to the answer (x-ratelimit-*)
 
     def cut(self, code: str, reason: str) -> None:
         """End this request with a clean error: its backend left the fleet (a stream gets an

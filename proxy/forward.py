@@ -52,6 +52,7 @@ from proxy.request_headers import upstream_headers
 from proxy.retry import RETRYABLE_STATUS, Resume, Retry, RetryPolicy, classify, retry_after_s
 from proxy.routing.types import Decision, RouteContext, Verdict, verdict_of
 from proxy.state import Fleet, Recorder, RequestRouting, UpstreamClient, start_record
+from proxy.tenants.gate import through_budgets
 from proxy.types import FailureKind
 from proxy.upstream import CONNECT_ERRORS, UpstreamProtocolError
 
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from proxy.pdflow import PdFlows
     from proxy.ports import UpstreamResponseLike
     from proxy.telemetry import RequestRecord
+    from proxy.tenants.budgets import Budgets
     from proxy.types import StreamFacts
 
 __all__ = ["API_PATHS", "Forwarding", "ProxyEndpoint", "with_include_usage"]
@@ -85,6 +87,7 @@ class Forwarding:
     # The fleet's membership (proxy/fleet/reconciler.py): its epoch, and whether it is
     # changing now, go on every request's span.
     membership: Membership | None = None
+    budgets: Budgets | None = None  # the tenants' limits (proxy/tenants/), when any is set
 
 
 class ProxyEndpoint:
@@ -133,7 +136,12 @@ class ProxyEndpoint:
                 fw.recorder.refused(e.status, e.code or "invalid_request")
                 await respond(send, e.status, e.body(), request_id)
                 return
-            await self._handle(ex, scope.get("client"), receive, send)
+            client = scope.get("client")
+            if fw.budgets is None:
+                await self._handle(ex, client, receive, send)
+            else:
+                handle = functools.partial(self._handle, ex, client, receive)
+                await through_budgets(fw.budgets, ex, send, handle, fw.recorder.refused)
         finally:
             fw.open_requests -= 1
 
@@ -411,9 +419,8 @@ class ProxyEndpoint:
             log.warning("request %s refused: %s", ex.request_id, message)
         else:
             log.error("request %s failed: %s", ex.request_id, message)
-        await respond(
-            send, status, error_body(message, "server_error", None, code), ex.request_id, extra
-        )
+        body = error_body(message, "server_error", None, code)
+        await respond(send, status, body, ex.request_id, (*extra, *ex.response_headers))
         record.finish(None, status=status, error_type=code)
 
     async def open_leg(
@@ -551,13 +558,8 @@ async def _refuse_coded(send: Send, request_id: str, coding: str) -> None:
         f"Request bodies with Content-Encoding {coding[:64]!r} are not supported by this proxy: "
         "send the JSON uncompressed."
     )
-    await respond(
-        send,
-        415,
-        error_body(message, code="unsupported_content_encoding"),
-        request_id,
-        ((b"accept-encoding", b"identity"),),
-    )
+    body = error_body(message, code="unsupported_content_encoding")
+    await respond(send, 415, body, request_id, ((b"accept-encoding", b"identity"),))
 
 
 def _retry_after(upstream: UpstreamResponseLike) -> float:

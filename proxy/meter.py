@@ -214,6 +214,11 @@ class StreamMeter:
         self._itl: list[float] = []
         self._forward: list[float] = []
 
+    def output_events(self) -> int:
+        """Output-bearing events read so far (a token each, for the engines in front of which
+        this runs: what a tenant's output budget is charged while the stream runs)."""
+        return self._chunks
+
     @property
     def completed(self) -> bool:
         """The stream's end was seen: [DONE], a finish reason, or response.completed."""

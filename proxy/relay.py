@@ -86,6 +86,9 @@ def response_headers(
     out.append((b"x-warmroute-backend", backend.name.encode("latin-1")))
     if debug and ex.decision is not None:
         out.append((b"x-warmroute-route", orjson.dumps(ex.decision.as_dict())))
+    if ex.response_headers:  # the tenant's budgets (proxy/tenants/) replace the backend's
+        out = [h for h in out if not h[0].startswith(b"x-ratelimit-")]
+        out += ex.response_headers
     return out
 
 
@@ -177,6 +180,7 @@ class Relay:
         if facts is not None:
             facts.e2e_s = time.perf_counter() - ex.t0  # written, as for a stream's last event
             self.steering.observe_response(backend.name, facts, ex.ctx)
+        ex.facts = facts
         record.finish(
             facts,
             status=status,
@@ -216,7 +220,7 @@ class Relay:
         self.fleet.mark_failure(backend, reason, kind=kind)
         body = error_body(reason, "server_error", None, code)
         extra = ((b"retry-after", OVER_BUDGET_RETRY_AFTER_S),) if over else ()
-        await respond(send, status, body, ex.request_id, extra)
+        await respond(send, status, body, ex.request_id, (*extra, *ex.response_headers))
         ex.started_response = True
         record.finish(None, status=status, error_type=code, backend=backend.name)
 
@@ -243,6 +247,7 @@ class Relay:
             return None
         meter = StreamMeter(self.api, t0=ex.t0, strip_usage=strip)  # type: ignore[arg-type]
         meter.upstream_sent(t_sent)
+        ex.output_events = meter.output_events
         # The first read decides between "retry elsewhere" and "committed to this backend".
         try:
             data = await upstream.readany()
@@ -361,6 +366,7 @@ class Relay:
             "the proxy is shutting down; the stream was cut",
         )
         tail, facts = meter.finish(time.perf_counter(), error=error, cancelled=False)
+        ex.facts = facts
         record.finish(facts, status=upstream.status, error_type=error, backend=backend.name)
         log.warning(
             "request %s: stream cut %s on %s",
@@ -430,6 +436,7 @@ class Relay:
                 ex.request_id,
                 backend.name,
             )
+        ex.facts = facts
         record.finish(
             facts,
             status=499 if cancelled else upstream.status,

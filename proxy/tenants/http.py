@@ -1,0 +1,99 @@
+"""GET /admin/tenants (served only where /admin is: proxy/access.py), and the tenants'
+metrics: what each tenant was admitted, refused and charged here, and its budgets left."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+if TYPE_CHECKING:
+    from proxy.telemetry import Telemetry
+    from proxy.tenants.budgets import Budgets
+
+
+def routes(budgets: Budgets) -> list[Route]:
+    async def tenants(request: Request) -> Response:
+        return Response(orjson.dumps(await describe(budgets)), media_type="application/json")
+
+    return [Route("/admin/tenants", tenants, methods=["GET"])]
+
+
+async def describe(budgets: Budgets) -> dict[str, Any]:
+    """Each tenant's limits with what is left of them now (across replicas when Redis holds
+    them), and what this replica admitted, refused and charged."""
+    out: dict[str, Any] = {**budgets.view(), "tenants": {}}
+    for tenant in budgets.tenants:
+        _, cap = budgets.limits_for(tenant, "")
+        models = budgets.config.keys.get(tenant, budgets.config.default).models
+        found = []
+        for model in ["", *models]:
+            outcome = await budgets.peek(tenant, model)
+            for r in outcome.readings if outcome is not None else ():
+                if r.limit.model == model:
+                    found.append(
+                        {
+                            "limit": r.limit.kind + "_per_minute",
+                            "model": model or None,
+                            "per_minute": r.limit.per_minute,
+                            "remaining": r.remaining,
+                            "full_in_s": round(r.reset_s, 3),
+                        }
+                    )
+        stats = budgets.stats.get(tenant)
+        out["tenants"][tenant] = {
+            "limits": found,
+            "max_concurrent": cap,
+            "inflight_here": stats.inflight if stats else 0,
+            "admitted_here": stats.admitted if stats else 0,
+            "refused_here": dict(stats.refused) if stats else {},
+            "input_tokens_here": stats.input_tokens if stats else 0,
+            "output_tokens_here": stats.output_tokens if stats else 0,
+        }
+    return out
+
+
+def observe(budgets: Budgets, telemetry: Telemetry) -> None:
+    """The tenants' counts as metrics (tenants are configured: bounded labels)."""
+    from opentelemetry.metrics import Observation
+
+    meter = telemetry.meter_provider.get_meter("warmroute")
+
+    def requests(_options: Any) -> list[Observation]:
+        out = []
+        for tenant, s in list(budgets.stats.items()):
+            out.append(Observation(s.admitted, {"warmroute.client": tenant, "outcome": "ok"}))
+            for kind, n in s.refused.items():
+                attrs = {"warmroute.client": tenant, "outcome": f"refused_{kind}"}
+                out.append(Observation(n, attrs))
+        return out
+
+    def tokens(_options: Any) -> list[Observation]:
+        out = []
+        for tenant, s in list(budgets.stats.items()):
+            for direction, n in (("input", s.input_tokens), ("output", s.output_tokens)):
+                attrs = {"warmroute.client": tenant, "direction": direction}
+                out.append(Observation(n, attrs))
+        return out
+
+    meter.create_observable_counter(
+        "warmroute.tenant.requests",
+        [requests],
+        unit="{request}",
+        description="Requests per tenant: admitted, or refused by a budget (429), by kind.",
+    )
+    meter.create_observable_counter(
+        "warmroute.tenant.tokens",
+        [tokens],
+        unit="{token}",
+        description="Tokens charged to each tenant's budgets by this replica, in and out.",
+    )
+    meter.create_observable_up_down_counter(
+        "warmroute.tenant.budgets_shared",
+        [lambda _o: [Observation(1 if budgets.shared else 0)]],
+        description="1 while the budgets are held in Redis for every replica; 0 while this "
+        "replica enforces its share alone (Redis away, or not configured).",
+    )
