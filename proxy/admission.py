@@ -1,27 +1,92 @@
-"""Admission: a bound on the requests the proxy works on at once, with a short queue.
+"""Admission: a bound on the requests the proxy works on at once, with a short queue that is
+fair among tenants.
 
-Past `limit` requests in flight, a new one waits in a FIFO queue of at most `queue` requests
-for at most `wait_s`; one that finds the queue full, or waits too long, is refused at once
-(503 with Retry-After, in OpenAI's error shape) rather than left hanging or piled onto the
-backends. A finished request hands its slot straight to the oldest waiter.
+Past `limit` requests in flight, a new one waits in a queue of at most `queue` requests for at
+most `wait_s`; one that finds the queue full, or waits too long, is refused at once (503 with
+Retry-After, in OpenAI's error shape) rather than left hanging or piled onto the backends. A
+finished request hands its slot straight to the next waiter.
+
+Who goes next is decided by priority class, then by start-time fair queuing over tenants
+(Goyal et al., SIGCOMM 1996), charged in tokens (docs/tenants.md):
+
+- a higher class (interactive before standard before batch) always goes first;
+- within a class, each request is tagged when it arrives: its start is the later of the
+  queue's virtual time (the start of the request last let in) and its tenant's last finish;
+  its finish is that start plus its cost in tokens (the prompt's estimate and the output its
+  tenant's requests usually get) over its tenant's weight. The smallest start goes first, so
+  a tenant that sends little finds its request at the front, a tenant alone gets every slot,
+  and tenants flooding together get slots in their weights' ratio. When a request ends, what
+  it really cost (the engine's usage) corrects its tenant's last finish;
+- within a tenant, first come first served.
+
+When the queue is full, a newcomer that would go before someone waiting takes that one's
+place: the waiter of the lowest class with the latest start is shed, with an error of its own
+(SHED_PRIORITY: a lower class; SHED_FAIR: a tenant that asked for more than its share). A
+newcomer that would go last is refused: OVER_SHARE when other tenants wait (its tenant is
+the one over its share), QUEUE_FULL when it is alone. Without tickets (no API keys: one
+tenant) the queue is FIFO, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 QUEUE_FULL = "queue_full"
 QUEUE_TIMEOUT = "queue_timeout"
+SHED_PRIORITY = "shed_priority"  # a waiter of a lower class gave its place to a higher one
+SHED_FAIR = "shed_fair"  # a waiter of a tenant over its share gave its place to another
+OVER_SHARE = "over_share"  # the queue is full and this tenant has asked for more than others
+
+# Priority classes, best first: their rank is their position.
+CLASSES = ("interactive", "standard", "batch")
+STANDARD = 1
+EXPECTED_OUTPUT = 256.0  # tokens a tenant's request is expected to produce, before any is seen
+OUTPUT_WEIGHT = 0.2  # how fast a tenant's expected output follows what it was served
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request in the admission's eyes: whose, how urgent, how dear (in tokens)."""
+
+    tenant: str = ""
+    weight: float = 1.0
+    rank: int = STANDARD  # its class's position in CLASSES
+    prompt_tokens: float = 0.0  # estimated at the edge (the body's length / 4)
+    cost: float = 0.0  # tokens it was tagged with (prompt and expected output)
+    start: float = 0.0  # its start tag, in tokens per unit of weight
+    served: tuple[int | None, int | None] | None = None  # the engine's (input, output)
+    waiter: asyncio.Future[str | None] | None = None
+
+
+# The ticket of the request the current task serves (set by the edge): the request path
+# notes what was served on it (served()), which corrects its tenant's tags.
+TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar(
+    "warmroute_ticket", default=None
+)
+
+
+def served(facts: Any) -> None:
+    """The current request was served `facts` (StreamFacts, or None): its tokens."""
+    ticket = TICKET.get()
+    if ticket is not None and facts is not None:
+        ticket.served = (facts.input_tokens, facts.output_tokens)
 
 
 @dataclass
 class AdmissionStats:
     admitted: int = 0
     queued: int = 0  # admitted after waiting
+    # the shed and over-share reasons appear once they happen (only with tenants)
     rejected: dict[str, int] = field(default_factory=lambda: {QUEUE_FULL: 0, QUEUE_TIMEOUT: 0})
+
+    def reject(self, reason: str) -> str:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        return reason
 
 
 class Admission:
@@ -35,65 +100,184 @@ class Admission:
         self.wait_s = wait_s
         self.inflight = 0
         self.stats = AdmissionStats()
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
+        self.waiting = 0
+        # rank -> tenant -> its waiting tickets, in arrival (and start tag) order
+        self._queues: dict[int, dict[str, deque[Ticket]]] = {}
+        self.virtual = 0.0  # the start tag of the last ticket let in
+        self.finish: dict[str, float] = {}  # each tenant's last finish tag
+        self.expected_output: dict[str, float] = {}  # per tenant, from what it was served
+        self.running: dict[str, int] = {}  # admitted and not finished, per tenant
 
     @property
     def retry_after_s(self) -> int:
         """What a refused client is told to wait (whole seconds, at least 1)."""
         return max(1, math.ceil(self.wait_s))
 
-    def admit_now(self) -> bool:
+    def admit_now(self, ticket: Ticket | None = None) -> bool:
         """Take a slot if one is free and nobody waits for one (else enter() queues)."""
-        if self.inflight < self.limit and not self._waiters:
+        if self.inflight < self.limit and not self.waiting:
             self.inflight += 1
             self.stats.admitted += 1
+            if ticket is not None:
+                self._tag(ticket)
+                self._let_in(ticket)
             return True
         return False
 
-    async def enter(self) -> str | None:
-        """Take a slot: None once admitted, else why not (QUEUE_FULL, QUEUE_TIMEOUT)."""
-        if self.admit_now():
+    async def enter(self, ticket: Ticket | None = None) -> str | None:
+        """Take a slot: None once admitted, else why not (QUEUE_FULL, QUEUE_TIMEOUT,
+        OVER_SHARE, or shed from the queue: SHED_PRIORITY, SHED_FAIR)."""
+        ticket = ticket or Ticket()
+        if self.admit_now(ticket):
             return None
-        if len(self._waiters) >= self.queue:
-            self.stats.rejected[QUEUE_FULL] += 1
-            return QUEUE_FULL
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        self._tag(ticket)
+        if self.waiting >= self.queue:
+            refused = self._make_room(ticket)
+            if refused is not None:
+                self._untag(ticket)
+                return self.stats.reject(refused)
+        waiter: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        ticket.waiter = waiter
+        self._queues.setdefault(ticket.rank, {}).setdefault(ticket.tenant, deque()).append(ticket)
+        self.waiting += 1
         try:
             async with asyncio.timeout(self.wait_s):
-                await waiter
+                outcome = await waiter
         except TimeoutError:
             if not (waiter.done() and not waiter.cancelled()):
-                self._forget(waiter)
-                self.stats.rejected[QUEUE_TIMEOUT] += 1
-                return QUEUE_TIMEOUT
-            # a slot was handed over as the time ran out: take it
+                self._forget(ticket)
+                return self.stats.reject(QUEUE_TIMEOUT)
+            outcome = waiter.result()  # handed a slot (or shed) as the time ran out
         except BaseException:  # cancelled while waiting: a slot handed over goes on
-            self._forget(waiter)
-            if waiter.done() and not waiter.cancelled():
-                self.leave()
+            self._forget(ticket)
+            if waiter.done() and not waiter.cancelled() and waiter.result() is None:
+                self.leave(ticket)
             raise
+        if outcome is not None:  # shed: its place went to a request before it
+            return self.stats.reject(outcome)
         # leave() handed its slot over: inflight was not decremented for us
         self.stats.admitted += 1
         self.stats.queued += 1
         return None
 
-    def leave(self) -> None:
-        """Give the slot back, to the oldest waiter if one is still waiting."""
-        waiters = self._waiters
-        while waiters:
-            waiter = waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
+    def leave(self, ticket: Ticket | None = None) -> None:
+        """Give the slot back, to the next waiter if one is waiting (by class, then the
+        earliest start tag, then first come)."""
+        if ticket is not None:
+            self._settle(ticket)
+        while self.waiting:
+            nxt = self._next()
+            if nxt.waiter is not None and not nxt.waiter.done():
+                self._let_in(nxt)
+                nxt.waiter.set_result(None)
                 return
         self.inflight -= 1
 
-    def _forget(self, waiter: asyncio.Future[None]) -> None:
+    # -- the fair order ---------------------------------------------------------------------
+    def _tag(self, ticket: Ticket) -> None:
+        tenant = ticket.tenant
+        ticket.cost = ticket.prompt_tokens + self.expected_output.get(tenant, EXPECTED_OUTPUT)
+        last = self.finish.get(tenant, 0.0)
+        ticket.start = last if last > self.virtual else self.virtual
+        self.finish[tenant] = ticket.start + ticket.cost / ticket.weight
+
+    def _untag(self, ticket: Ticket) -> None:
+        """`ticket` will not be served (refused, shed, gone): if it was its tenant's last,
+        the tenant's finish goes back to where it was."""
+        if self.finish.get(ticket.tenant) == ticket.start + ticket.cost / ticket.weight:
+            self.finish[ticket.tenant] = ticket.start
+
+    def _let_in(self, ticket: Ticket) -> None:
+        if ticket.start > self.virtual:
+            self.virtual = ticket.start
+        self.running[ticket.tenant] = self.running.get(ticket.tenant, 0) + 1
+
+    def _next(self) -> Ticket:
+        """Take the next ticket out of the queues (there is one)."""
+        for rank in sorted(self._queues):
+            queues = self._queues[rank]
+            if not queues:
+                continue
+            if len(queues) == 1:
+                tenant = next(iter(queues))
+            else:
+                tenant = min(queues, key=lambda t: queues[t][0].start)
+            mine = queues[tenant]
+            ticket = mine.popleft()
+            if not mine:
+                del queues[tenant]
+            self.waiting -= 1
+            return ticket
+        raise AssertionError("admission: waiting > 0 with every queue empty")
+
+    def _make_room(self, ticket: Ticket) -> str | None:
+        """The queue is full: shed the waiter `ticket` should go before, or say why
+        `ticket` is refused."""
+        worst = max((r for r, q in self._queues.items() if q), default=None)
+        if worst is None:
+            return QUEUE_FULL  # no queue at all (admission_queue: 0)
+        queues = self._queues[worst]
+        victim_tenant = max(queues, key=lambda t: queues[t][-1].start)
+        victims = queues[victim_tenant]
+        victim = victims[-1]  # the latest start of the lowest class
+        if worst > ticket.rank:
+            reason = SHED_PRIORITY
+        elif worst == ticket.rank and victim.start > ticket.start:
+            reason = SHED_FAIR
+        else:
+            others = any(t != ticket.tenant for q in self._queues.values() for t in q)
+            return OVER_SHARE if others else QUEUE_FULL
+        victims.pop()
+        if not victims:
+            del queues[victim_tenant]
+        self.waiting -= 1
+        self._untag(victim)
+        assert victim.waiter is not None
+        victim.waiter.set_result(reason)
+        return None
+
+    def _settle(self, ticket: Ticket) -> None:
+        """The request ended: its tenant's tags take what it really cost."""
+        tenant = ticket.tenant
+        left = self.running.get(tenant, 0) - 1
+        if left > 0:
+            self.running[tenant] = left
+        else:
+            self.running.pop(tenant, None)
+        if ticket.served is None:
+            return
+        prompt, output = ticket.served
+        real = (ticket.prompt_tokens if prompt is None else prompt) + (output or 0)
+        self.finish[tenant] = self.finish.get(tenant, 0.0) + (real - ticket.cost) / ticket.weight
+        if output is not None:
+            mean = self.expected_output.get(tenant, EXPECTED_OUTPUT)
+            self.expected_output[tenant] = mean + OUTPUT_WEIGHT * (output - mean)
+
+    def _forget(self, ticket: Ticket) -> None:
+        queues = self._queues.get(ticket.rank, {})
+        mine = queues.get(ticket.tenant)
+        if mine is None:
+            return
         try:
-            self._waiters.remove(waiter)
-        except ValueError:  # leave() popped it already
-            pass
+            mine.remove(ticket)
+        except ValueError:  # leave() or _make_room() took it already
+            return
+        self.waiting -= 1
+        if not mine:
+            del queues[ticket.tenant]
+        self._untag(ticket)
+
+    def shares(self) -> dict[str, dict[str, Any]]:
+        """Each tenant's place in the queue (for /admin/tenants): waiting, running, and how
+        far its last finish tag is ahead of the queue's virtual time (tokens per unit of
+        weight asked for beyond what the others had: the larger, the later it goes)."""
+        out: dict[str, dict[str, Any]] = {}
+        for tenant in {*self.finish, *self.running}:
+            waiting = sum(len(q.get(tenant, ())) for q in self._queues.values())
+            ahead = self.finish.get(tenant, 0.0) - self.virtual
+            out[tenant] = {
+                "waiting": waiting,
+                "running": self.running.get(tenant, 0),
+                "ahead_tokens_per_weight": round(ahead if ahead > 0 else 0.0, 1),
+            }
+        return out

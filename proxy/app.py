@@ -15,6 +15,7 @@ from starlette.routing import Mount, Route
 
 import plugins
 from proxy import handlers
+from proxy.admission import Admission
 from proxy.backends import CONTROL_LIMITS, Backend, BackendRegistry
 from proxy.config import BackendConfig, Config, ConfigError, section_errors, unknown_key
 from proxy.doctor.http import backend_info
@@ -114,8 +115,13 @@ def create_app(
     routes += fleet_routes(fleet)  # POST/DELETE /admin/backends...: add, drain, resume, remove
     state.doctor = install_doctor(state)
     routes += doctor_routes(state, state.doctor)  # GET /admin/doctor, the findings gauge
-    if forwarding.budgets is not None:
-        routes += tenants_http.routes(forwarding.budgets)  # GET /admin/tenants
+    server = config.server
+    state.admission = Admission(
+        server.max_inflight, server.admission_queue, server.admission_timeout_s
+    )
+    if forwarding.budgets is not None or server.api_keys:
+        # GET /admin/tenants: budgets left, and each tenant's place in the queue
+        routes += tenants_http.routes(forwarding.budgets, state.admission, _tenant_names(config))
     lifespan = _lifespan(state, engine_caches, fleet, reloader)
     inner = Starlette(routes=routes, lifespan=lifespan)
     inner.state.warmroute = state
@@ -210,10 +216,14 @@ def _budgets(state: AppState) -> Budgets | None:
         key_prefix=config.redis.key_prefix,
         replica=state.routing.board.replica_id,
         timeout_s=config.redis.timeout_s,
-        tenants=tuple(k.name for k in config.server.api_keys) or (DEFAULT_TENANT,),
+        tenants=_tenant_names(config),
     )
     tenants_http.observe(budgets, state.telemetry)
     return budgets
+
+
+def _tenant_names(config: Config) -> tuple[str, ...]:
+    return tuple(k.name for k in config.server.api_keys) or (DEFAULT_TENANT,)
 
 
 def _lifespan(
@@ -396,6 +406,8 @@ class WarmrouteApp:
             inner,
             state.telemetry,
             known_model=lambda m: any(b.models is not None and m in b.models for b in backends),
+            tenants=state.config.tenants,
+            admission=state.admission,
         )
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

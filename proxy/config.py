@@ -493,11 +493,27 @@ class BudgetLimits(_Model):
 
     @property
     def limited(self) -> bool:
-        return any(v is not None for v in self.model_dump().values() if not isinstance(v, dict))
+        return any(
+            v is not None
+            for v in (
+                self.requests_per_minute,
+                self.input_tokens_per_minute,
+                self.output_tokens_per_minute,
+                self.tokens_per_minute,
+                self.max_concurrent,
+            )
+        )
 
 
 class TenantConfig(BudgetLimits):
     models: dict[str, BudgetLimits] = Field(default_factory=dict)  # per model, on top
+    # When requests wait for a slot (server.admission_queue): its share against the other
+    # tenants waiting, and its class (interactive before standard before batch).
+    weight: float = Field(1.0, gt=0)
+    priority: Literal["interactive", "standard", "batch"] = "standard"
+    # Whether a request may raise its class with `x-warmroute-priority` (lowering it is
+    # always allowed).
+    priority_header: bool = False
 
     @property
     def limited(self) -> bool:

@@ -20,16 +20,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.access import CLIENT, TENANT, AdminAccess, KeyRing, bearer
-from proxy.admission import Admission
+from proxy.admission import TICKET, Admission, Ticket
 from proxy.asgi import JSON, ASGIApp, Message, Receive, Scope, Send, header, respond
 from proxy.errors import error_body
 from proxy.limits import APP_STATE_KEY, Connections, ConnLimits, default_max_connections
 from proxy.redact import quote, sane_request_id
+from proxy.tenants.tickets import PRIORITY_HEADER, TicketError, refusal, ticket_for
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-    from proxy.config import ServerConfig
+    from proxy.config import ServerConfig, TenantsConfig
     from proxy.telemetry import Telemetry
 
 ADMIN_LISTENER_PATHS = ("/admin/", "/metrics", "/health", "/ready")
@@ -47,6 +48,8 @@ class Edge:
         inner: Starlette,
         telemetry: Telemetry | None = None,
         known_model: Callable[[str], bool] | None = None,
+        tenants: TenantsConfig | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.endpoints = endpoints
         self.inner = inner
@@ -55,9 +58,11 @@ class Edge:
         self.admin = AdminAccess.from_settings(
             server.port, server.admin_port, server.admin_token_sha256
         )
-        self.admission = Admission(
+        self.admission = admission or Admission(
             server.max_inflight, server.admission_queue, server.admission_timeout_s
         )
+        # With keys, each request gets a ticket: its tenant's share and class in the queue.
+        self.tenants = tenants
         max_connections = server.max_connections or default_max_connections()
         self.connections = Connections(
             ConnLimits(
@@ -117,32 +122,57 @@ class Edge:
                 self._refused(401, "invalid_api_key")
                 await _refuse_key(_with_request_id(send, _request_id(scope)), scope)
                 return
+        ticket = None
+        if client is not None and self.tenants is not None:
+            try:
+                ticket = ticket_for(
+                    self.tenants,
+                    client,
+                    header(scope, PRIORITY_HEADER.encode()),
+                    header(scope, b"content-length"),
+                )
+            except TicketError as e:
+                self._refused(e.status, e.code)
+                await _error(
+                    _with_request_id(send, _request_id(scope)), e.status, e.message, e.code
+                )
+                return
         admission = self.admission
-        refused = await admission.enter()
+        refused = await admission.enter(ticket)
         if refused is not None:
-            self._refused(503, "overloaded")
-            await _error(
-                _with_request_id(send, _request_id(scope)),
-                503,
-                f"This proxy is at its limit of {admission.limit} requests in flight and "
-                f"{admission.queue} waiting (server.max_inflight, server.admission_queue); "
-                f"retry after {admission.retry_after_s} s.",
-                "overloaded",
-                "server_error",
-                [(b"retry-after", str(admission.retry_after_s).encode())],
-            )
+            await self._refuse_admission(refused, ticket, send, scope)
             return
         tokens = None
         if client is not None:
             tokens = (CLIENT.set(client), TENANT.set(client) if self.isolate_tenants else None)
+        held = TICKET.set(ticket) if ticket is not None else None
         try:
             await endpoint(scope, receive, send)
         finally:
-            admission.leave()
+            admission.leave(ticket)
+            if held is not None:
+                TICKET.reset(held)
             if tokens is not None:
                 CLIENT.reset(tokens[0])
                 if tokens[1] is not None:
                     TENANT.reset(tokens[1])
+
+    async def _refuse_admission(
+        self, reason: str, ticket: Ticket | None, send: Send, scope: Scope
+    ) -> None:
+        status, code, type_, message = refusal(reason, self.admission, ticket)
+        self._refused(status, code)
+        if ticket is not None and status == 429:
+            log.info("request of %s refused (%s): %s", ticket.tenant, reason, message)
+        wait = str(self.admission.retry_after_s).encode()
+        await _error(
+            _with_request_id(send, _request_id(scope)),
+            status,
+            message,
+            code,
+            type_,
+            [(b"retry-after", wait)],
+        )
 
     def _refused(self, status: int, code: str) -> None:
         if self.telemetry is not None:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from proxy.admission import served
 from proxy.asgi import (
     BodyTooLarge,
     ClientDisconnected,
@@ -142,6 +143,7 @@ class ProxyEndpoint:
             else:
                 handle = functools.partial(self._handle, ex, client, receive)
                 await through_budgets(fw.budgets, ex, send, handle, fw.recorder.refused)
+            served(ex.facts)  # the admission's fair share counts the engine's tokens
         finally:
             fw.open_requests -= 1
 

@@ -208,6 +208,7 @@ class AppState:
     forwarding: Any = None  # proxy.forward.Forwarding, set by create_app
     fleet: Reconciler | None = None  # membership changes (proxy/fleet/), set by create_app
     doctor: Any = None  # proxy.doctor.http.Doctor, set by create_app
+    admission: Any = None  # proxy.admission.Admission, the edge's, set by create_app
 
     @property
     def open_requests(self) -> int:

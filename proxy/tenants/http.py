@@ -11,49 +11,66 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 if TYPE_CHECKING:
+    from proxy.admission import Admission
     from proxy.telemetry import Telemetry
     from proxy.tenants.budgets import Budgets
 
 
-def routes(budgets: Budgets) -> list[Route]:
-    async def tenants(request: Request) -> Response:
-        return Response(orjson.dumps(await describe(budgets)), media_type="application/json")
+def routes(budgets: Budgets | None, admission: Admission, tenants: tuple[str, ...]) -> list[Route]:
+    async def view(request: Request) -> Response:
+        found = await describe(budgets, admission, tenants)
+        return Response(orjson.dumps(found), media_type="application/json")
 
-    return [Route("/admin/tenants", tenants, methods=["GET"])]
+    return [Route("/admin/tenants", view, methods=["GET"])]
 
 
-async def describe(budgets: Budgets) -> dict[str, Any]:
+async def describe(
+    budgets: Budgets | None, admission: Admission, tenants: tuple[str, ...]
+) -> dict[str, Any]:
     """Each tenant's limits with what is left of them now (across replicas when Redis holds
-    them), and what this replica admitted, refused and charged."""
-    out: dict[str, Any] = {**budgets.view(), "tenants": {}}
-    for tenant in budgets.tenants:
-        _, cap = budgets.limits_for(tenant, "")
-        models = budgets.config.keys.get(tenant, budgets.config.default).models
-        found = []
-        for model in ["", *models]:
-            outcome = await budgets.peek(tenant, model)
-            for r in outcome.readings if outcome is not None else ():
-                if r.limit.model == model:
-                    found.append(
-                        {
-                            "limit": r.limit.kind + "_per_minute",
-                            "model": model or None,
-                            "per_minute": r.limit.per_minute,
-                            "remaining": r.remaining,
-                            "full_in_s": round(r.reset_s, 3),
-                        }
-                    )
-        stats = budgets.stats.get(tenant)
-        out["tenants"][tenant] = {
-            "limits": found,
-            "max_concurrent": cap,
-            "inflight_here": stats.inflight if stats else 0,
-            "admitted_here": stats.admitted if stats else 0,
-            "refused_here": dict(stats.refused) if stats else {},
-            "input_tokens_here": stats.input_tokens if stats else 0,
-            "output_tokens_here": stats.output_tokens if stats else 0,
+    them), what this replica admitted, refused and charged, and its place in the admission
+    queue (waiting, running, how far ahead of the others it has asked: who goes last)."""
+    out: dict[str, Any] = {**(budgets.view() if budgets else {"budgets": "none"}), "tenants": {}}
+    shares = admission.shares()
+    for tenant in tenants:
+        entry: dict[str, Any] = {
+            "queue": shares.get(
+                tenant, {"waiting": 0, "running": 0, "ahead_tokens_per_weight": 0.0}
+            )
         }
+        if budgets is not None:
+            entry.update(await _budgets_of(budgets, tenant))
+        out["tenants"][tenant] = entry
     return out
+
+
+async def _budgets_of(budgets: Budgets, tenant: str) -> dict[str, Any]:
+    _, cap = budgets.limits_for(tenant, "")
+    models = budgets.config.keys.get(tenant, budgets.config.default).models
+    found = []
+    for model in ["", *models]:
+        outcome = await budgets.peek(tenant, model)
+        for r in outcome.readings if outcome is not None else ():
+            if r.limit.model == model:
+                found.append(
+                    {
+                        "limit": r.limit.kind + "_per_minute",
+                        "model": model or None,
+                        "per_minute": r.limit.per_minute,
+                        "remaining": r.remaining,
+                        "full_in_s": round(r.reset_s, 3),
+                    }
+                )
+    stats = budgets.stats.get(tenant)
+    return {
+        "limits": found,
+        "max_concurrent": cap,
+        "inflight_here": stats.inflight if stats else 0,
+        "admitted_here": stats.admitted if stats else 0,
+        "refused_here": dict(stats.refused) if stats else {},
+        "input_tokens_here": stats.input_tokens if stats else 0,
+        "output_tokens_here": stats.output_tokens if stats else 0,
+    }
 
 
 def observe(budgets: Budgets, telemetry: Telemetry) -> None:

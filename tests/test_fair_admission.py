@@ -1,0 +1,256 @@
+"""The admission queue among tenants (proxy/admission.py): by class, then start-time fair
+queuing over tenants (tags in tokens per unit of weight), then first come; a full queue
+sheds the waiter a newcomer should go before. Then the real proxy: a tenant flooding one
+slot, another's request served first, the flooder's excess refused with 429 and Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.admission import (
+    OVER_SHARE,
+    QUEUE_FULL,
+    SHED_FAIR,
+    SHED_PRIORITY,
+    Admission,
+    Ticket,
+)
+from tests.support import ServerThread, until
+
+MODEL = "test-model"
+
+
+async def served_order(admission: Admission, tickets: list[Ticket]) -> list[str]:
+    """Queue `tickets` in this order behind one held slot, then free the slot once per
+    ticket: the tenants in the order they got it (their ticket's tenant, rank as a
+    suffix when not standard)."""
+    order: list[str] = []
+
+    async def request(t: Ticket) -> None:
+        assert await admission.enter(t) is None
+        order.append(t.tenant)
+
+    tasks = []
+    for t in tickets:
+        tasks.append(asyncio.create_task(request(t)))
+        await asyncio.sleep(0)  # queued in this order
+    for _ in tickets:
+        admission.leave()
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    return order
+
+
+def held(queue: int = 100) -> Admission:
+    admission = Admission(limit=1, queue=queue, wait_s=30.0)
+    assert admission.admit_now()
+    return admission
+
+
+async def test_two_tenants_flooding_alternate_and_each_keeps_its_own_order() -> None:
+    admission = held()
+    tickets = [Ticket("a", prompt_tokens=100) for _ in range(6)]
+    tickets += [Ticket("b", prompt_tokens=100) for _ in range(6)]
+    order = await served_order(admission, tickets)
+    assert order == ["a", "b"] * 6  # not six of a first: a queued first, b is served less
+
+
+async def test_weights_share_the_slots_in_their_ratio() -> None:
+    admission = held()
+    tickets = [Ticket("a", weight=3.0, prompt_tokens=100) for _ in range(12)]
+    tickets += [Ticket("b", weight=1.0, prompt_tokens=100) for _ in range(12)]
+    order = await served_order(admission, tickets)
+    assert order[:16].count("a") == 12 and order[:16].count("b") == 4
+
+
+async def test_a_tenant_alone_gets_every_slot_first_come_first_served() -> None:
+    admission = held()
+    tickets = [Ticket("a", prompt_tokens=p) for p in (5, 500, 50)]
+    assert await served_order(admission, tickets) == ["a", "a", "a"]
+    assert admission.finish["a"] == pytest.approx(5 + 500 + 50 + 3 * 256)
+
+
+async def test_a_tenant_back_from_idle_banks_nothing() -> None:
+    """b was idle while a was served 40 requests: its first request goes first (it starts
+    at the queue's virtual time), then the two alternate; it is not 40 requests ahead."""
+    admission = held()
+    await served_order(admission, [Ticket("a", prompt_tokens=100) for _ in range(40)])
+    tickets = [Ticket("a", prompt_tokens=100) for _ in range(4)]
+    tickets += [Ticket("b", prompt_tokens=100) for _ in range(4)]
+    order = await served_order(admission, tickets)
+    assert order == ["b", "a", "b", "a", "b", "a", "b", "a"]
+
+
+async def test_what_was_served_corrects_the_estimate() -> None:
+    admission = Admission(limit=2, queue=10, wait_s=30.0)
+    big, small = Ticket("a", prompt_tokens=10), Ticket("b", prompt_tokens=10)
+    assert await admission.enter(big) is None and await admission.enter(small) is None
+    big.served = (10, 5000)  # a's answer was long
+    small.served = (10, 3)
+    admission.leave(big)
+    admission.leave(small)
+    assert admission.finish["a"] == pytest.approx(5010)
+    assert admission.finish["b"] == pytest.approx(13)
+    assert admission.expected_output["a"] > admission.expected_output["b"]
+    assert admission.running == {} and admission.inflight == 0
+
+
+async def test_a_higher_class_goes_first_whatever_its_tenant_was_served() -> None:
+    admission = held()
+    tickets = [Ticket("batch", rank=2), Ticket("std", rank=1), Ticket("live", rank=0)]
+    assert await served_order(admission, tickets) == ["live", "std", "batch"]
+
+
+async def test_a_full_queue_sheds_the_lowest_class_then_the_tenant_over_its_share() -> None:
+    admission = held(queue=2)
+    admission.finish["a"] = 1000.0  # a has asked for more than b
+    waiting = [asyncio.create_task(admission.enter(Ticket("a", rank=r))) for r in (1, 2)]
+    await asyncio.sleep(0)
+    assert admission.waiting == 2
+    # A standard request arrives: the batch waiter gives its place.
+    newcomer = asyncio.create_task(admission.enter(Ticket("b", rank=1)))
+    await asyncio.sleep(0)
+    assert await waiting[1] == SHED_PRIORITY and admission.waiting == 2
+    # Another standard one of b, served less than a: a's waiter gives its place.
+    second = asyncio.create_task(admission.enter(Ticket("b", rank=1)))
+    await asyncio.sleep(0)
+    assert await waiting[0] == SHED_FAIR
+    # a, the most served, finds the queue full of b's: refused, and told it is its share.
+    assert await admission.enter(Ticket("a", rank=1)) == OVER_SHARE
+    # b alone in the queue and full: its own newcomer is simply refused.
+    assert await admission.enter(Ticket("b", rank=1)) == QUEUE_FULL
+    assert admission.stats.rejected[SHED_PRIORITY] == 1
+    assert admission.stats.rejected[SHED_FAIR] == 1
+    for _ in range(2):  # the held slot goes to b's first, its slot to b's second
+        admission.leave()
+    assert await newcomer is None and await second is None
+    assert admission.waiting == 0 and admission.inflight == 1
+
+
+# -- the real proxy ----------------------------------------------------------------------------
+
+
+def key(name: str) -> dict[str, str]:
+    return {"name": name, "sha256": hashlib.sha256(f"key-{name}".encode()).hexdigest()}
+
+
+def waiting(url: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("warmroute_admission_waiting"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.e2e
+def test_a_flooding_tenant_gives_way_and_its_excess_is_refused_with_429(
+    fake_backends: Any, proxy_server: Callable[..., ServerThread]
+) -> None:
+    """One slot, a queue of three. The flooder holds the slot and fills the queue; a quiet
+    tenant's request takes the place of the flooder's newest (429 fair_share_exceeded with
+    Retry-After) and is served next, before the flooder's older waiters."""
+    [(app, backend)] = fake_backends(1)
+    config = {
+        "server": {
+            "api_keys": [key("flood"), key("quiet")],
+            "max_inflight": 1,
+            "admission_queue": 3,
+            "admission_timeout_s": 30,
+        },
+        "tenants": {"keys": {"quiet": {"weight": 2.0}}},
+    }
+    proxy = proxy_server([backend.url], config)
+    url = proxy.url + "/v1/chat/completions"
+    finished: list[str] = []
+    statuses: dict[str, int] = {}
+    headers: dict[str, httpx.Headers] = {}
+    lock = threading.Lock()
+    got_chunk, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        body = {
+            "model": MODEL,
+            "stream": True,
+            "messages": [{"role": "user", "content": "stall:1"}],
+        }
+        auth = {"authorization": "Bearer key-flood"}
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream("POST", url, json=body, headers=auth) as r,
+        ):
+            for _ in r.iter_raw():
+                got_chunk.set()
+                release.wait(60)
+                return
+
+    def send(tenant: str, label: str) -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": label}]}
+        r = httpx.post(
+            url, json=body, headers={"authorization": f"Bearer key-{tenant}"}, timeout=60
+        )
+        with lock:
+            statuses[label] = r.status_code
+            headers[label] = r.headers
+            if r.status_code == 200:
+                finished.append(label)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert got_chunk.wait(30)
+    threads = []
+    for i in range(3):
+        t = threading.Thread(target=send, args=("flood", f"flood-{i}"), daemon=True)
+        t.start()
+        threads.append(t)
+        until(lambda i=i: waiting(proxy.url) == i + 1)
+    quiet = threading.Thread(target=send, args=("quiet", "quiet"), daemon=True)
+    quiet.start()
+    until(lambda: "flood-2" in statuses)  # the flooder's newest gave its place
+    assert statuses["flood-2"] == 429
+    assert headers["flood-2"]["retry-after"] == "30"
+    release.set()
+    for t in [*threads, quiet]:
+        t.join(60)
+    holder.join(60)
+    assert sorted(finished) == ["flood-0", "flood-1", "quiet"]
+    # In the order the backend saw them: the quiet one first, before the flooder's older
+    # waiters (the slot is one: each went in once the one before had finished).
+    seen = [r["body"]["messages"][0]["content"] for r in app.rec.requests]
+    assert seen == ["stall:1", "quiet", "flood-0", "flood-1"]
+    view = httpx.get(proxy.url + "/admin/tenants", timeout=10).json()
+    assert view["budgets"] == "none"
+    assert view["tenants"]["quiet"]["queue"]["running"] == 0
+    assert view["tenants"]["flood"]["queue"]["waiting"] == 0
+    assert view["tenants"]["flood"]["queue"]["ahead_tokens_per_weight"] >= 0
+
+
+@pytest.mark.e2e
+def test_a_priority_header_may_lower_a_class_but_not_raise_it_unless_allowed(
+    fake_backends: Any, proxy_server: Callable[..., ServerThread]
+) -> None:
+    [(_, backend)] = fake_backends(1)
+    config = {
+        "server": {"api_keys": [key("app"), key("ops")]},
+        "tenants": {"keys": {"ops": {"priority": "batch", "priority_header": True}}},
+    }
+    proxy = proxy_server([backend.url], config)
+    url = proxy.url + "/v1/chat/completions"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+    def post(tenant: str, priority: str) -> httpx.Response:
+        auth = {"authorization": f"Bearer key-{tenant}", "x-warmroute-priority": priority}
+        return httpx.post(url, json=body, headers=auth, timeout=10)
+
+    assert post("app", "batch").status_code == 200  # lowering: always
+    r = post("app", "interactive")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "priority_not_allowed"
+    r = post("app", "urgent")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_priority"
+    assert "interactive, standard, batch" in r.json()["error"]["message"]
+    assert post("ops", "interactive").status_code == 200  # allowed to raise
