@@ -22,9 +22,9 @@ Who goes next is decided by priority class, then by start-time fair queuing over
 When the queue is full, a newcomer that would go before someone waiting takes that one's
 place: the waiter of the lowest class with the latest start is shed, with an error of its own
 (SHED_PRIORITY: a lower class; SHED_FAIR: a tenant that asked for more than its share). A
-newcomer that would go last is refused: OVER_SHARE when other tenants wait (its tenant is
-the one over its share), QUEUE_FULL when it is alone. Without tickets (no API keys: one
-tenant) the queue is FIFO, as before.
+newcomer that would go last is refused: OVER_SHARE when other tenants are served or wait
+(its tenant is the one over its share), QUEUE_FULL when it is alone. Without tickets (no API
+keys: one tenant) the queue is FIFO, as before.
 """
 
 from __future__ import annotations
@@ -224,8 +224,11 @@ class Admission:
             reason = SHED_PRIORITY
         elif worst == ticket.rank and victim.start > ticket.start:
             reason = SHED_FAIR
-        else:
-            others = any(t != ticket.tenant for q in self._queues.values() for t in q)
+        else:  # it would go last: over its share if another tenant is served or waits
+            me = ticket.tenant
+            others = any(t != me for t in self.running) or any(
+                t != me for q in self._queues.values() for t in q
+            )
             return OVER_SHARE if others else QUEUE_FULL
         victims.pop()
         if not victims:

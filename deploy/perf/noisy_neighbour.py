@@ -1,0 +1,237 @@
+"""Noisy neighbour: one tenant floods, another sends a little; what does the quiet one get?
+
+    python deploy/perf/noisy_neighbour.py [--seeds 1 2 3] [--duration 20] [--json FILE]
+
+Starts four bench-mock engines (engine mode: a 2,000-token prompt prefills in ~0.1 s, serially
+per engine, then 16 chunks 20 ms apart: ~0.42 s a request) and `warmroute serve` in front
+with `server.max_inflight` 8 (the fleet's capacity: ~19 requests a second), a queue of 16
+and two API keys, `flood` and `quiet`. Tenant `flood` sends 4x the capacity, `quiet` 20% of
+it, both Poisson, streamed; then `quiet` alone at the same rate. Prints, per seed, the quiet
+tenant's TTFT p50/p99 with and without the flood, its refusals, and what the flood got (200s,
+429s with Retry-After, 503s). `--proxy-dir DIR` runs another checkout's proxy (a build before
+the fair queue, for comparison). Not a test: numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINES = 4
+SLOTS = 8
+SERVICE_S = 0.42
+CAPACITY = SLOTS / SERVICE_S  # requests a second
+PROMPT_CHARS = 6000  # 2,000 of the mock's 3-character tokens
+CONTENT = re.compile(rb'"content":"[^"]')  # the first token (the role chunk's content is "")
+
+
+def free_port(n: int = 1) -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if all(_free(port + i) for i in range(n)):
+            return port
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_ready(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"{url} did not answer within {timeout_s} s")
+
+
+def start(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        args, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def tenant(
+    client: httpx.AsyncClient, url: str, key: str, rate: float, duration: float, seed: int
+) -> list[dict[str, Any]]:
+    """Poisson arrivals at `rate` a second for `duration` seconds; each a streamed request
+    with its own 2,000-token prompt. Returns one row per request: status, TTFT."""
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    tasks = []
+    t0 = time.perf_counter()
+    at = 0.0
+    while True:
+        at += rng.expovariate(rate)
+        if at >= duration:
+            break
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        prompt = f"{key} {seed} {at:.6f} " + "".join(rng.choices("abcdefgh ", k=PROMPT_CHARS))
+        tasks.append(asyncio.create_task(one(client, url, key, prompt, rows)))
+    await asyncio.gather(*tasks)
+    return rows
+
+
+async def one(
+    client: httpx.AsyncClient, url: str, key: str, prompt: str, rows: list[dict[str, Any]]
+) -> None:
+    body = {"model": "mock", "stream": True, "messages": [{"role": "user", "content": prompt}]}
+    headers = {"authorization": f"Bearer {key}"}
+    sent = time.perf_counter()
+    ttft = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            status, retry = r.status_code, r.headers.get("retry-after")
+            async for chunk in r.aiter_bytes():
+                if ttft is None and r.status_code == 200 and CONTENT.search(chunk):
+                    ttft = time.perf_counter() - sent
+    except httpx.HTTPError as e:
+        status, retry = type(e).__name__, None
+    rows.append({"status": status, "ttft_s": ttft, "retry_after": retry})
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ttfts = [r["ttft_s"] * 1000 for r in rows if r["ttft_s"] is not None]
+    statuses: dict[str, int] = {}
+    for r in rows:
+        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+    refused = [r for r in rows if r["status"] in (429, 503)]
+    return {
+        "requests": len(rows),
+        "statuses": statuses,
+        "ttft_p50_ms": pct(ttfts, 0.5),
+        "ttft_p99_ms": pct(ttfts, 0.99),
+        "refused_with_retry_after": sum(r["retry_after"] is not None for r in refused),
+        "refused": len(refused),
+    }
+
+
+async def load(url: str, seed: int, duration: float, flood: bool) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        runs = [tenant(client, url, "quiet", 0.2 * CAPACITY, duration, seed)]
+        if flood:
+            runs.append(tenant(client, url, "flood", 4 * CAPACITY, duration, seed + 1000))
+        found = await asyncio.gather(*runs)
+    out = {"quiet": summary(found[0])}
+    if flood:
+        out["flood"] = summary(found[1])
+    return out
+
+
+def run(seed: int, duration: float, proxy_dir: Path) -> dict[str, Any]:
+    mock_port, port = free_port(ENGINES), free_port()
+    mock = start(
+        [sys.executable, "-m", "proxy.bench.mock", "--port", str(mock_port),
+         "--instances", str(ENGINES), "--chunks", "16", "--chunk-interval-ms", "20",
+         "--cache-tokens", "3000", "--prefill-tokens-per-s", "20000"],
+        ROOT,
+    )  # fmt: skip
+    keys = [
+        {"name": name, "sha256": hashlib.sha256(name.encode()).hexdigest()}
+        for name in ("flood", "quiet")
+    ]
+    config: dict[str, Any] = {
+        "server": {
+            "port": port,
+            "max_inflight": SLOTS,
+            "admission_queue": 16,
+            "admission_timeout_s": 5,
+            "api_keys": keys,
+        },
+        "backends": [{"url": f"http://127.0.0.1:{mock_port + i}"} for i in range(ENGINES)],
+        "telemetry": {"enabled": False},
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(config, f)  # YAML is a superset of JSON
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMROUTE_")}
+    env["PYTHONPATH"] = str(proxy_dir)
+    proxy = start([sys.executable, "-m", "proxy", "serve", "--config", f.name], proxy_dir, env)
+    try:
+        wait_ready(f"http://127.0.0.1:{mock_port}/health")
+        wait_ready(f"http://127.0.0.1:{port}/ready")
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        alone = asyncio.run(load(url, seed, duration, flood=False))
+        both = asyncio.run(load(url, seed, duration, flood=True))
+    finally:
+        stop(proxy)
+        stop(mock)
+        Path(f.name).unlink()
+    return {"seed": seed, "alone": alone["quiet"], "quiet": both["quiet"], "flood": both["flood"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1])
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--proxy-dir", type=Path, default=ROOT)
+    parser.add_argument("--label", default="this build")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    for seed in args.seeds:
+        row = run(seed, args.duration, args.proxy_dir.resolve())
+        row["label"] = args.label
+        rows.append(row)
+        a, q, f = row["alone"], row["quiet"], row["flood"]
+        print(
+            f"{args.label} seed {seed}: quiet TTFT p50/p99 alone {a['ttft_p50_ms']:.0f}/"
+            f"{a['ttft_p99_ms']:.0f} ms, with the flood {q['ttft_p50_ms']:.0f}/"
+            f"{q['ttft_p99_ms']:.0f} ms ({q['ttft_p99_ms'] / a['ttft_p99_ms']:.2f}x p99); "
+            f"quiet refused {q['refused']} of {q['requests']}; flood {f['statuses']}, "
+            f"{f['refused_with_retry_after']} of {f['refused']} refusals with Retry-After",
+            flush=True,
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
