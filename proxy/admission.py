@@ -41,6 +41,9 @@ QUEUE_TIMEOUT = "queue_timeout"
 SHED_PRIORITY = "shed_priority"  # a waiter of a lower class gave its place to a higher one
 SHED_FAIR = "shed_fair"  # a waiter of a tenant over its share gave its place to another
 OVER_SHARE = "over_share"  # the queue is full and this tenant has asked for more than others
+DEADLINE = "deadline"  # its predicted wait and TTFT would pass its class's TTFT target
+MET, MISSED = "met", "missed"  # a request of a class with a target, by its TTFT
+SMOOTHING = 0.1  # of the moving averages of a slot's hold time and of TTFT once admitted
 
 # Priority classes, best first: their rank is their position.
 CLASSES = ("interactive", "standard", "batch")
@@ -60,6 +63,9 @@ class Ticket:
     cost: float = 0.0  # tokens it was tagged with (prompt and expected output)
     start: float = 0.0  # its start tag, in tokens per unit of weight
     served: tuple[int | None, int | None] | None = None  # the engine's (input, output)
+    ttft_s: float | None = None  # its TTFT from admission to the first token (served())
+    waited_s: float = 0.0  # in the queue
+    admitted_at: float = 0.0  # loop time
     waiter: asyncio.Future[str | None] | None = None
 
 
@@ -75,6 +81,7 @@ def served(facts: Any) -> None:
     ticket = TICKET.get()
     if ticket is not None and facts is not None:
         ticket.served = (facts.input_tokens, facts.output_tokens)
+        ticket.ttft_s = facts.ttft_s
 
 
 @dataclass
@@ -92,12 +99,20 @@ class AdmissionStats:
 class Admission:
     """The global in-flight bound (one per process; the event loop's thread only)."""
 
-    def __init__(self, limit: int, queue: int, wait_s: float) -> None:
+    def __init__(
+        self, limit: int, queue: int, wait_s: float, targets: dict[int, float] | None = None
+    ) -> None:
         if limit < 1 or queue < 0 or wait_s < 0:
             raise ValueError("admission needs limit >= 1, queue >= 0 and wait_s >= 0")
         self.limit = limit
         self.queue = queue
         self.wait_s = wait_s
+        # TTFT targets by class rank: a waiting request that cannot meet its target is
+        # refused at once (DEADLINE), and those that can are counted met or missed.
+        self.targets = targets or {}
+        self.hold_s: float | None = None  # moving average of how long a slot is held
+        self.ttft_s: dict[int, float] = {}  # moving average of TTFT once admitted, by class
+        self.goodput: dict[tuple[str, str], int] = {}  # (class, met | missed | refused)
         self.inflight = 0
         self.stats = AdmissionStats()
         self.waiting = 0
@@ -131,12 +146,18 @@ class Admission:
         if self.admit_now(ticket):
             return None
         self._tag(ticket)
+        if ticket.rank in self.targets and self._hopeless(ticket):
+            self._untag(ticket)
+            self._count(ticket.rank, DEADLINE)
+            return self.stats.reject(DEADLINE)
         if self.waiting >= self.queue:
             refused = self._make_room(ticket)
             if refused is not None:
                 self._untag(ticket)
                 return self.stats.reject(refused)
-        waiter: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        queued_at = loop.time()
+        waiter: asyncio.Future[str | None] = loop.create_future()
         ticket.waiter = waiter
         self._queues.setdefault(ticket.rank, {}).setdefault(ticket.tenant, deque()).append(ticket)
         self.waiting += 1
@@ -156,6 +177,7 @@ class Admission:
         if outcome is not None:  # shed: its place went to a request before it
             return self.stats.reject(outcome)
         # leave() handed its slot over: inflight was not decremented for us
+        ticket.waited_s = loop.time() - queued_at
         self.stats.admitted += 1
         self.stats.queued += 1
         return None
@@ -191,6 +213,48 @@ class Admission:
         if ticket.start > self.virtual:
             self.virtual = ticket.start
         self.running[ticket.tenant] = self.running.get(ticket.tenant, 0) + 1
+        if self.targets:
+            ticket.admitted_at = asyncio.get_running_loop().time()
+
+    # -- deadlines --------------------------------------------------------------------------
+    def _hopeless(self, ticket: Ticket) -> bool:
+        """Whether `ticket`, which must wait, would pass its class's TTFT target: the
+        waiters that go before it, each freeing one of `limit` slots a hold time apart,
+        then the TTFT its class gets once admitted (nothing refused before both are known)."""
+        hold, after = self.hold_s, self.ttft_s.get(ticket.rank)
+        if hold is None or after is None:
+            return False
+        ahead = 0
+        for rank, queues in self._queues.items():
+            if rank < ticket.rank:
+                ahead += sum(map(len, queues.values()))
+            elif rank == ticket.rank:
+                for q in queues.values():
+                    ahead += sum(1 for t in q if t.start <= ticket.start)
+        wait = (ahead + 1) * hold / self.limit
+        return wait + after > self.targets[ticket.rank]
+
+    def _count(self, rank: int, outcome: str) -> None:
+        key = (CLASSES[rank], outcome)
+        self.goodput[key] = self.goodput.get(key, 0) + 1
+
+    def _measure(self, ticket: Ticket) -> None:
+        """A request of a class with a target ended: its hold time and TTFT feed the
+        predictions, and it met its target or missed it (goodput, vLLM's definition: the
+        requests that met their service-level objective)."""
+        held = asyncio.get_running_loop().time() - ticket.admitted_at
+        self.hold_s = (
+            held if self.hold_s is None else self.hold_s + SMOOTHING * (held - self.hold_s)
+        )
+        if ticket.ttft_s is None:
+            return
+        rank = ticket.rank
+        before = self.ttft_s.get(rank)
+        after = ticket.ttft_s
+        self.ttft_s[rank] = after if before is None else before + SMOOTHING * (after - before)
+        target = self.targets.get(rank)
+        if target is not None:
+            self._count(rank, MET if ticket.waited_s + after <= target else MISSED)
 
     def _next(self) -> Ticket:
         """Take the next ticket out of the queues (there is one)."""
@@ -247,6 +311,8 @@ class Admission:
             self.running[tenant] = left
         else:
             self.running.pop(tenant, None)
+        if self.targets and ticket.admitted_at:
+            self._measure(ticket)
         if ticket.served is None:
             return
         prompt, output = ticket.served

@@ -15,7 +15,7 @@ from starlette.routing import Mount, Route
 
 import plugins
 from proxy import handlers
-from proxy.admission import Admission
+from proxy.admission import CLASSES, Admission
 from proxy.backends import CONTROL_LIMITS, Backend, BackendRegistry
 from proxy.config import BackendConfig, Config, ConfigError, section_errors, unknown_key
 from proxy.doctor.http import backend_info
@@ -116,8 +116,9 @@ def create_app(
     state.doctor = install_doctor(state)
     routes += doctor_routes(state, state.doctor)  # GET /admin/doctor, the findings gauge
     server = config.server
+    targets = {CLASSES.index(k): v for k, v in config.tenants.ttft_targets_s.items()}
     state.admission = Admission(
-        server.max_inflight, server.admission_queue, server.admission_timeout_s
+        server.max_inflight, server.admission_queue, server.admission_timeout_s, targets
     )
     if forwarding.budgets is not None or server.api_keys:
         # GET /admin/tenants: budgets left, and each tenant's place in the queue

@@ -527,6 +527,20 @@ class TenantsConfig(_Model):
     default: TenantConfig = TenantConfig()  # every tenant without an entry under `keys`
     keys: dict[str, TenantConfig] = Field(default_factory=dict)  # by API key name
     charge_every_s: float = Field(1.0, gt=0)  # a running stream's output charged this often
+    # A class's TTFT target: a request that must wait and is predicted to miss it is refused
+    # at once (503 deadline_unreachable) instead of waiting to time out; goodput counts the
+    # rest as met or missed.
+    ttft_targets_s: dict[Literal["interactive", "standard", "batch"], float] = Field(
+        default_factory=dict
+    )
+
+    @field_validator("ttft_targets_s")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, target in v.items():
+            if not target > 0:
+                raise ValueError(f"{name}: a TTFT target is a number of seconds above 0")
+        return v
 
     @property
     def limited(self) -> bool:

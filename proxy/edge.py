@@ -318,6 +318,18 @@ def _observe(edge: Edge, telemetry: Telemetry) -> None:
         unit="{request}",
         description="Requests refused with 503 + Retry-After, by reason.",
     )
+    meter.create_observable_counter(
+        "warmroute.admission.goodput",
+        [
+            lambda _options: [
+                Observation(n, {"warmroute.priority": klass, "outcome": outcome})
+                for (klass, outcome), n in list(admission.goodput.items())
+            ]
+        ],
+        unit="{request}",
+        description="Requests of a class with a TTFT target (tenants.ttft_targets_s): met it, "
+        "missed it, or refused at once as unable to meet it (deadline).",
+    )
     meter.create_observable_up_down_counter(
         "warmroute.connections.open",
         [gauge(lambda: conns.open)],

@@ -26,7 +26,7 @@ from proxy.redact import SafeFormatter, escape_control, redact_text, redact_url,
 from proxy.routing.prefix import PrefixHasher
 from proxy.serve import NoDelayHttpToolsProtocol, listen_socket
 from proxy.telemetry import Telemetry
-from tests.support import free_port
+from tests.support import free_port, until
 
 SECRET = "pl4nted-S3CRET-value"  # planted everywhere a credential can be; must never show
 KEY_A, KEY_B, ADMIN = "sk-tenant-a-" + SECRET, "sk-tenant-b-0001", "admin-" + SECRET
@@ -516,3 +516,26 @@ def test_a_real_serve_process_never_prints_the_credentials_in_its_urls(tmp_path:
     assert err.count("\n") > 5
     for text in seen:
         assert SECRET not in text, text[:2000]
+
+
+@pytest.mark.e2e
+def test_a_keyed_request_span_carries_its_tenant_class_and_queue_wait(backend: str) -> None:
+    config = keyed(backend)
+    config["tenants"] = {"keys": {"tenant-b": {"priority": "batch"}}}
+    with Proxy(config) as proxy:
+        auth = {"authorization": f"Bearer {KEY_B}"}
+        r = httpx.post(proxy.url + API[0], json=BODIES[API[0]], headers=auth, timeout=10)
+        assert r.status_code == 200
+
+        def server_span() -> Any:
+            found = [
+                s
+                for s in proxy.spans.get_finished_spans()
+                if (s.attributes or {}).get("warmroute.client") == "tenant-b"
+            ]
+            return found[0] if found else None
+
+        until(server_span, "the request's span")
+        attrs = server_span().attributes
+        assert attrs["warmroute.priority"] == "batch"
+        assert attrs["warmroute.queue_wait_s"] == 0.0  # a free slot: no wait

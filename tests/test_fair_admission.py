@@ -254,3 +254,48 @@ def test_a_priority_header_may_lower_a_class_but_not_raise_it_unless_allowed(
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_priority"
     assert "interactive, standard, batch" in r.json()["error"]["message"]
     assert post("ops", "interactive").status_code == 200  # allowed to raise
+
+
+# -- deadlines -----------------------------------------------------------------------------------
+
+
+async def test_a_request_that_cannot_meet_its_class_target_is_refused_at_once() -> None:
+    """A slot is held ~0.5 s and a standard request's TTFT once admitted is ~0.3 s: behind
+    no one it would start at ~0.8 s (within 1 s), behind one at ~1.3 s (refused at once)."""
+    admission = Admission(limit=1, queue=10, wait_s=30.0, targets={1: 1.0})
+    assert admission.admit_now()
+    first = asyncio.create_task(admission.enter(Ticket("a")))  # nothing measured yet: queued
+    await asyncio.sleep(0)
+    assert admission.waiting == 1
+    admission.hold_s, admission.ttft_s[1] = 0.5, 0.3
+    assert await admission.enter(Ticket("b")) == "deadline"  # behind `first`: 1.3 s
+    assert admission.goodput == {("standard", "deadline"): 1}
+    # a batch request has no target: it waits
+    batch = asyncio.create_task(admission.enter(Ticket("b", rank=2)))
+    await asyncio.sleep(0)
+    assert admission.waiting == 2
+    admission.leave()
+    assert await first is None
+    admission.leave()
+    assert await batch is None
+
+
+async def test_goodput_counts_who_met_the_target_and_feeds_the_prediction() -> None:
+    admission = Admission(limit=2, queue=10, wait_s=30.0, targets={0: 0.5})
+    fast, slow = Ticket("a", rank=0), Ticket("a", rank=0)
+    assert await admission.enter(fast) is None and await admission.enter(slow) is None
+    fast.ttft_s, slow.ttft_s = 0.2, 0.9
+    admission.leave(fast)
+    admission.leave(slow)
+    assert admission.goodput == {("interactive", "met"): 1, ("interactive", "missed"): 1}
+    assert admission.ttft_s[0] == pytest.approx(0.2 + 0.1 * (0.9 - 0.2))
+    assert admission.hold_s is not None and admission.hold_s >= 0
+
+
+def test_a_deadline_refusal_names_the_class_and_its_target() -> None:
+    from proxy.tenants.tickets import refusal
+
+    admission = Admission(1, 1, 5.0, targets={0: 2.0})
+    status, code, _, message = refusal("deadline", admission, Ticket("a", rank=0))
+    assert (status, code) == (503, "deadline_unreachable")
+    assert "`interactive`: 2 s" in message and "retry after 5 s" in message

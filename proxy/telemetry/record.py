@@ -13,11 +13,14 @@ from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from proxy.access import CLIENT
+from proxy.admission import CLASSES, TICKET
 from proxy.redact import quote
 from proxy.routing.types import Decision
 from proxy.telemetry import attributes as span_attrs
 from proxy.telemetry.attributes import CLIENT as CLIENT_ATTR
 from proxy.telemetry.attributes import ERROR_TYPE, STATUS_CODE, epoch_ns
+from proxy.telemetry.attributes import PRIORITY as PRIORITY_ATTR
+from proxy.telemetry.attributes import QUEUE_WAIT as QUEUE_WAIT_ATTR
 from proxy.telemetry.render import DictWriter
 from proxy.telemetry.spans import SpanData
 from proxy.telemetry.wire import ATTR, attributes
@@ -328,9 +331,13 @@ class RequestRecord:
             cfg = tel.cfg
             events: bytes | list[Event] = b""
             client = CLIENT.get()  # set by the edge when API keys are configured
+            ticket = TICKET.get()  # likewise: the request's class and its wait for a slot
             if span.enc is not None:
                 if client is not None:
                     span.enc.append(CLIENT_ATTR.s(client))
+                if ticket is not None:
+                    span.enc.append(PRIORITY_ATTR.s(CLASSES[ticket.rank]))
+                    span.enc.append(QUEUE_WAIT_ATTR.f(ticket.waited_s))
                 if self.request is not None:
                     span.enc.append(span_attrs.request_fields(*self._request_args(*self.request)))
                     if self.decision is not None:
@@ -344,6 +351,9 @@ class RequestRecord:
             else:
                 if client is not None:
                     span.attrs["warmroute.client"] = client
+                if ticket is not None:
+                    span.attrs["warmroute.priority"] = CLASSES[ticket.rank]
+                    span.attrs["warmroute.queue_wait_s"] = ticket.waited_s
                 span_attrs.finish(DictWriter(span.attrs), *finished)
                 events = []
                 if facts is not None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from proxy.admission import (
     CLASSES,
+    DEADLINE,
     OVER_SHARE,
     QUEUE_FULL,
     QUEUE_TIMEOUT,
@@ -75,6 +76,16 @@ def refusal(reason: str, admission: Admission, ticket: Ticket | None) -> tuple[i
             f"retry after {wait} s.",
         )
     klass = CLASSES[ticket.rank] if ticket is not None else "standard"
+    if reason == DEADLINE and ticket is not None:
+        target = admission.targets[ticket.rank]
+        return (
+            503,
+            "deadline_unreachable",
+            "server_error",
+            f"This request would not get its first token within its class's TTFT target "
+            f"(`{klass}`: {target:g} s, tenants.ttft_targets_s) with the requests waiting "
+            f"before it, so it was refused at once; retry after {wait} s.",
+        )
     if reason == SHED_PRIORITY:
         return (
             503,
