@@ -9,13 +9,17 @@ and two API keys, `flood` and `quiet`. Tenant `flood` sends 4x the capacity, `qu
 it, both Poisson, streamed; then `quiet` alone at the same rate. Prints, per seed, the quiet
 tenant's TTFT p50/p99 with and without the flood, its refusals, and what the flood got (200s,
 429s with Retry-After, 503s). `--proxy-dir DIR` runs another checkout's proxy (a build before
-the fair queue, for comparison). Not a test: numbers depend on the machine.
+the fair queue, for comparison). `--goodput TARGET_S` instead sends one tenant at 1.5x the
+capacity, without a TTFT target and then with `tenants.ttft_targets_s: {standard: TARGET_S}`,
+and prints the requests a second that got their first token within the target. Not a test:
+numbers depend on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -27,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +169,9 @@ async def load(url: str, seed: int, duration: float, flood: bool) -> dict[str, A
     return out
 
 
-def run(seed: int, duration: float, proxy_dir: Path) -> dict[str, Any]:
+@contextlib.contextmanager
+def serving(proxy_dir: Path, tenants: dict[str, Any] | None = None) -> Iterator[str]:
+    """Four engines and the proxy in front of them; yields the chat completions URL."""
     mock_port, port = free_port(ENGINES), free_port()
     mock = start(
         [sys.executable, "-m", "proxy.bench.mock", "--port", str(mock_port),
@@ -187,6 +194,8 @@ def run(seed: int, duration: float, proxy_dir: Path) -> dict[str, Any]:
         "backends": [{"url": f"http://127.0.0.1:{mock_port + i}"} for i in range(ENGINES)],
         "telemetry": {"enabled": False},
     }
+    if tenants:
+        config["tenants"] = tenants
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(config, f)  # YAML is a superset of JSON
     env = {k: v for k, v in os.environ.items() if not k.startswith("WARMROUTE_")}
@@ -195,14 +204,42 @@ def run(seed: int, duration: float, proxy_dir: Path) -> dict[str, Any]:
     try:
         wait_ready(f"http://127.0.0.1:{mock_port}/health")
         wait_ready(f"http://127.0.0.1:{port}/ready")
-        url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        alone = asyncio.run(load(url, seed, duration, flood=False))
-        both = asyncio.run(load(url, seed, duration, flood=True))
+        yield f"http://127.0.0.1:{port}/v1/chat/completions"
     finally:
         stop(proxy)
         stop(mock)
         Path(f.name).unlink()
+
+
+def run(seed: int, duration: float, proxy_dir: Path) -> dict[str, Any]:
+    with serving(proxy_dir) as url:
+        alone = asyncio.run(load(url, seed, duration, flood=False))
+        both = asyncio.run(load(url, seed, duration, flood=True))
     return {"seed": seed, "alone": alone["quiet"], "quiet": both["quiet"], "flood": both["flood"]}
+
+
+def run_goodput(seed: int, duration: float, proxy_dir: Path, target_s: float) -> dict[str, Any]:
+    """One tenant at 1.5x the capacity, without a TTFT target and with one: how many requests
+    a second get their first token within `target_s` (goodput), and how many are refused."""
+    out: dict[str, Any] = {"seed": seed, "target_s": target_s}
+    for label, tenants in (
+        ("no target", None),
+        ("target", {"ttft_targets_s": {"standard": target_s}}),
+    ):
+        with serving(proxy_dir, tenants) as url:
+            rows = asyncio.run(one_tenant(url, seed, duration))
+        met = sum(1 for r in rows if r["ttft_s"] is not None and r["ttft_s"] <= target_s)
+        found = summary(rows)
+        found["met"] = met
+        found["goodput_per_s"] = round(met / duration, 2)
+        out[label] = found
+    return out
+
+
+async def one_tenant(url: str, seed: int, duration: float) -> list[dict[str, Any]]:
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        return await tenant(client, url, "flood", 1.5 * CAPACITY, duration, seed)
 
 
 def main() -> None:
@@ -214,8 +251,29 @@ def main() -> None:
     parser.add_argument("--proxy-dir", type=Path, default=ROOT)
     parser.add_argument("--label", default="this build")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--goodput",
+        type=float,
+        metavar="TARGET_S",
+        help="instead: one tenant at 1.5x the capacity, with and without this TTFT target",
+    )
     args = parser.parse_args()
     rows = []
+    if args.goodput:
+        for seed in args.seeds:
+            row = run_goodput(seed, args.duration, args.proxy_dir.resolve(), args.goodput)
+            rows.append(row)
+            for label in ("no target", "target"):
+                g = row[label]
+                print(
+                    f"seed {seed}, {label}: {g['met']} of {g['requests']} within "
+                    f"{args.goodput:g} s ({g['goodput_per_s']}/s), TTFT p50/p99 "
+                    f"{g['ttft_p50_ms']:.0f}/{g['ttft_p99_ms']:.0f} ms, {g['statuses']}",
+                    flush=True,
+                )
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
     for seed in args.seeds:
         row = run(seed, args.duration, args.proxy_dir.resolve())
         row["label"] = args.label
