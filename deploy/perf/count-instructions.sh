@@ -13,6 +13,9 @@
 # length, default 200; ~8000 is a 2k-token prompt), REQUESTS, CONCURRENCY, PORT (default 9100).
 # An OTLP/HTTP receiver that reads and discards exports listens on 127.0.0.1:9250 while this
 # runs, for OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:9250.
+# API_KEY (in this script's environment): the load presents it as a bearer token; give the proxy
+# its digest, e.g. API_KEY=k deploy/perf/count-instructions.sh keyed \
+#   WARMROUTE_SERVER__API_KEYS=bench:$(printf %s k | sha256sum | cut -d' ' -f1)
 # Kernel time (the socket calls) is not counted. Example, telemetry off against the default:
 #   deploy/perf/count-instructions.sh off WARMROUTE_TELEMETRY__ENABLED=false
 #   deploy/perf/count-instructions.sh metrics
@@ -59,6 +62,10 @@ done
 bench=($PY -m proxy bench --base-url "http://127.0.0.1:$PORT" --workload hot-prompt
   --system-chars "${SYSTEM_CHARS:-200}" --user-chars 50 --model mock
   --concurrency "${CONCURRENCY:-8}" --no-progress)
+if [ -n "${API_KEY:-}" ]; then  # the client presents it (give the proxy its SHA-256)
+  export API_KEY
+  bench+=(--api-key-env API_KEY)
+fi
 "${bench[@]}" --requests 200 >/dev/null
 callgrind_control -i on "$proxy" >/dev/null 2>&1
 "${bench[@]}" --requests "${REQUESTS:-400}" >/dev/null
