@@ -363,3 +363,25 @@ def test_a_streamed_answer_is_charged_its_output_and_unlimited_tenants_see_no_he
     [limit] = a["limits"]
     # what was charged, less what came back since (100 tokens a second)
     assert 6000 - a["output_tokens_here"] <= limit["remaining"] < 6000
+
+
+async def test_running_streams_of_one_tenant_are_charged_in_one_call() -> None:
+    b = Budgets(tenants(output_tokens_per_minute=6000))
+    grants = [await b.admit("default", MODEL, b"{}") for _ in range(3)]
+    seen = [10, 20, 30]
+    for g, i in zip(grants, range(3), strict=True):
+        assert isinstance(g, Grant)
+        b.streaming(g, lambda i=i: seen[i])
+    calls: list[Any] = []
+    real = b.local.call
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        calls.append(args[1])
+        return real(*args, **kw)
+
+    b.local.call = counted  # type: ignore[method-assign]
+    await b.charge_live()
+    assert calls == [[60.0]]  # one charge of the three streams' 60 tokens
+    assert b.stats["default"].output_tokens == 60
+    b.local.forget_idle(b.clock() + 3600)  # an hour on, every bucket is full again
+    assert b.local.tats == {}

@@ -206,14 +206,19 @@ class Budgets:
         await self._charge(grant, more_in, more_out)
 
     async def charge_live(self) -> None:
-        """Charge each running stream's output since its last charge (one call each)."""
+        """Charge the running streams' output since their last charge: one call for all the
+        streams under the same limits (a tenant's, for one model), not one per stream."""
+        owed: dict[tuple[Limit, ...], tuple[Grant, int]] = {}
         for grant in list(self.live):
             seen = grant.output_seen() if grant.output_seen is not None else 0
             more = seen - grant.output_charged
             if more > 0:
                 grant.output_charged = seen
                 self.stats.setdefault(grant.tenant, TenantStats()).output_tokens += more
-                await self._charge(grant, 0, more)
+                first, total = owed.get(grant.limits, (grant, 0))
+                owed[grant.limits] = (first, total + more)
+        for grant, more in owed.values():
+            await self._charge(grant, 0, more)
 
     async def run_charging(self) -> None:
         """charge_live every tenants.charge_every_s, until cancelled."""
@@ -221,6 +226,7 @@ class Budgets:
             await asyncio.sleep(self.config.charge_every_s)
             try:
                 await self.charge_live()
+                self.local.forget_idle(self.clock())  # buckets full again hold nothing
             except Exception:  # never let the charger die: budgets would stop counting
                 log.exception("charging running streams failed")
 
