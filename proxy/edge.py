@@ -122,7 +122,7 @@ class Edge:
                 self._refused(401, "invalid_api_key")
                 await _refuse_key(_with_request_id(send, _request_id(scope)), scope)
                 return
-        ticket = None
+        ticket = Ticket()  # without keys: one tenant, the standard class (FIFO)
         if client is not None and self.tenants is not None:
             try:
                 ticket = ticket_for(
@@ -145,7 +145,7 @@ class Edge:
         tokens = None
         if client is not None:
             tokens = (CLIENT.set(client), TENANT.set(client) if self.isolate_tenants else None)
-        held = TICKET.set(ticket) if ticket is not None else None
+        held = TICKET.set(ticket) if client is not None else None
         try:
             await endpoint(scope, receive, send)
         finally:
@@ -158,11 +158,11 @@ class Edge:
                     TENANT.reset(tokens[1])
 
     async def _refuse_admission(
-        self, reason: str, ticket: Ticket | None, send: Send, scope: Scope
+        self, reason: str, ticket: Ticket, send: Send, scope: Scope
     ) -> None:
         status, code, type_, message = refusal(reason, self.admission, ticket)
         self._refused(status, code)
-        if ticket is not None and status == 429:
+        if status == 429:
             log.info("request of %s refused (%s): %s", ticket.tenant, reason, message)
         wait = str(self.admission.retry_after_s).encode()
         await _error(

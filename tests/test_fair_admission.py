@@ -299,3 +299,26 @@ def test_a_deadline_refusal_names_the_class_and_its_target() -> None:
     status, code, _, message = refusal("deadline", admission, Ticket("a", rank=0))
     assert (status, code) == (503, "deadline_unreachable")
     assert "`interactive`: 2 s" in message and "retry after 5 s" in message
+
+
+async def test_without_keys_the_queue_is_first_come_and_counts_nothing_twice() -> None:
+    """What the edge does without API keys: a ticket of the one tenant for each request that
+    has to queue, given back when it ends; nobody stays counted as running."""
+    admission = held()
+    tickets = [Ticket() for _ in range(5)]
+    order: list[int] = []
+
+    async def request(i: int) -> None:
+        assert await admission.enter(tickets[i]) is None
+        order.append(i)
+        await asyncio.sleep(0)
+        admission.leave(tickets[i])
+
+    tasks = []
+    for i in range(5):
+        tasks.append(asyncio.create_task(request(i)))
+        await asyncio.sleep(0)
+    admission.leave()  # the held slot
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3, 4]
+    assert admission.running == {} and admission.inflight == 0 and admission.waiting == 0
