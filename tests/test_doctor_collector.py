@@ -210,3 +210,25 @@ def test_the_windows_of_a_fleet_of_long_answers_stay_near_the_gap_budget_in_memo
     assert c.gaps_per_stream < MAX_GAPS_PER_STREAM
     budget_mb = GAP_BUDGET_BYTES / 1e6
     assert 0.9 * budget_mb < one < four < 1.15 * budget_mb
+
+
+def test_a_keyed_request_is_kept_with_its_tenant_wait_and_tokens_for_the_queue_rule() -> None:
+    from proxy.access import CLIENT
+    from proxy.admission import TICKET, Ticket
+    from proxy.doctor.http import Doctor
+
+    c, clock = collector()
+    doctor = Doctor(c)
+    ticket = Ticket("team-a")
+    ticket.waited_s = 0.25
+    held = (CLIENT.set("team-a"), TICKET.set(ticket))
+    try:
+        doctor.finished("m", "a", facts([0.01]), None, Decision(), 99.0)
+    finally:
+        CLIENT.reset(held[0])
+        TICKET.reset(held[1])
+    doctor.finished("m", "a", facts([0.01]), None, Decision(), 99.5)  # no key: not a tenant's
+    [row] = c.tenant_requests()
+    assert (row.tenant, row.waited_s, row.tokens) == ("team-a", 0.25, 402)  # 400 in, 2 out
+    clock.now += 400  # past the window
+    assert c.tenant_requests() == []

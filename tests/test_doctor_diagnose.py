@@ -393,6 +393,7 @@ def test_every_rule_has_a_test_above() -> None:
         "long_context_itl",
         "decode_below_ceiling",
         "decode_at_ceiling",
+        "tenant_crowding",  # the admission queue's, at the end of this file
     }
     assert tested == set(FINDING_IDS)
 
@@ -672,3 +673,30 @@ def test_cli_colours_a_terminal_by_itself_and_not_with_no_color(
         assert code == 0 and "WARNING queueing" in out and "\x1b[" not in out
         code, out, _ = run_cli(["doctor", "--url", url, "--color", "always"], monkeypatch)
         assert code == 0 and "\x1b[33mWARNING queueing" in out
+
+
+# -- the admission queue, proxy-wide ------------------------------------------------------------
+
+
+def test_tenant_crowding_when_one_tenant_has_most_tokens_and_the_others_wait() -> None:
+    from proxy.doctor.model import TenantRequest
+
+    flood = [TenantRequest(i * 0.1, "flood", 0.9, 4000) for i in range(30)]
+    quiet = [TenantRequest(i * 0.5, "quiet", 0.3, 500) for i in range(10)]
+    report = diagnose([], tenants=flood + quiet)
+    [f] = [x.as_dict() for x in report.findings]
+    assert f["id"] == "tenant_crowding" and f["backend"] == "admission"
+    assert f["severity"] == "critical"  # 96% of the tokens
+    e = f["evidence"]
+    assert e["tenant"] == "flood" and e["token_share"] == pytest.approx(120000 / 125000)
+    assert e["others_wait_s_mean"] == pytest.approx(0.3) and e["others_requests"] == 10
+    assert "tenants.keys.flood" in f["change"]
+    text = render_text(report.as_dict(), color=False)
+    assert "admission (the proxy's admission queue)" in text
+    assert "CRITICAL tenant_crowding: tenant `flood` had 96%" in text
+    # The others hardly waited: not the flood's doing, whatever its share.
+    calm = [TenantRequest(r.t0, r.tenant, 0.01, r.tokens) for r in quiet]
+    assert diagnose([], tenants=flood + calm).findings == []
+    # One tenant alone, or too few requests: nothing to judge.
+    assert diagnose([], tenants=flood).findings == []
+    assert diagnose([], tenants=flood[:5] + quiet[:5]).findings == []

@@ -23,6 +23,7 @@ from proxy.bench.workloads import make_workload
 from proxy.cli import main
 from proxy.config import load_config
 from proxy.doctor import FINDING_IDS, SCHEMA, diagnose
+from proxy.doctor.model import TenantRequest
 from proxy.doctor.report import MEASUREMENT_KEYS
 from proxy.doctor.virtual import VirtualRecorder
 from proxy.harness.virtual import run_virtual
@@ -56,8 +57,15 @@ def test_the_schema_is_valid_and_names_what_the_code_emits() -> None:
     assert per_finding == list(FINDING_IDS)
 
 
+def crowded_tenants() -> list[TenantRequest]:
+    """A flood with most of the tokens, two others waiting 0.3 s for their slots."""
+    flood = [TenantRequest(i * 0.1, "flood", 0.9, 4000) for i in range(30)]
+    return flood + [TenantRequest(i * 0.5, f"quiet-{i % 2}", 0.3, 500) for i in range(10)]
+
+
 def every_finding() -> dict[str, Any]:
-    """One report holding all eight findings, one backend each, from hand-built windows."""
+    """One report holding every finding: one backend each from hand-built windows, and the
+    admission queue's from a flood of keyed requests."""
     from proxy.doctor.hardware import declared
     from tests.test_doctor_diagnose import sequential
 
@@ -112,7 +120,12 @@ def every_finding() -> dict[str, Any]:
     ]
     for i, w in enumerate(windows):
         w.backend = f"10.0.0.{i + 1}:8000"
-    report = diagnose(windows, window_s=300.0, generated_at="2025-06-01T12:00:00+00:00")
+    report = diagnose(
+        windows,
+        window_s=300.0,
+        generated_at="2025-06-01T12:00:00+00:00",
+        tenants=crowded_tenants(),
+    )
     assert [f.id for f in report.findings] == list(FINDING_IDS)
     return report.as_dict()
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from proxy.doctor.model import GaugeSample, Hardware, RequestSample, Window
+from proxy.doctor.model import GaugeSample, Hardware, RequestSample, TenantRequest, Window
 
 DEFAULT_WINDOW_S = 300.0
 MAX_REQUESTS = 2000  # per backend and model: enough for an ITL p99 at any traffic
@@ -174,6 +174,17 @@ class Collector:
         self._errors: dict[tuple[str, str], deque[float]] = {}
         self._gauges: dict[str, deque[GaugeSample]] = {}
         self._last_scrape: dict[str, float] = {}
+        # Requests that presented an API key, for the admission queue's fairness (bounded).
+        self._tenants: deque[TenantRequest] = deque(maxlen=max_requests)
+
+    def tenant_finished(self, t0: float, tenant: str, waited_s: float, tokens: int) -> None:
+        """A keyed request ended: whose it was, its wait for a slot, its tokens."""
+        self._tenants.append(TenantRequest(t0, tenant, waited_s, tokens))
+
+    def tenant_requests(self, window_s: float | None = None) -> list[TenantRequest]:
+        """The keyed requests of the last `window_s` seconds."""
+        since = self.clock() - (self.window_s if window_s is None else window_s)
+        return [r for r in list(self._tenants) if r.t0 >= since]
 
     # -- fed once per finished request ----------------------------------------------------
     def finished(

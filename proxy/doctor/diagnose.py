@@ -2,7 +2,11 @@
 
 Each rule reads one window's Measures (analysis.py) and fires only on enough evidence; where
 two findings would describe one cause, the cause wins (a full KV pool explains both the queue
-and the evicted prefixes). Why each threshold is where it is: docs/doctor.md.
+and the evicted prefixes). Why each threshold is where it is: docs/doctor.md. One rule,
+tenant_crowding, is proxy-wide: it reads the span's keyed requests, not a backend's window.
+
+Size: every rule beside its evidence and its change text, so that one file reads as the
+doctor's whole judgement; the proxy-wide rule took it just past 600 lines.
 """
 
 from __future__ import annotations
@@ -12,7 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.doctor.analysis import Measures, measure
-from proxy.doctor.model import FINDING_IDS, BackendReport, Finding, Report, Window
+from proxy.doctor.model import (
+    ADMISSION,
+    FINDING_IDS,
+    BackendReport,
+    Finding,
+    Report,
+    TenantRequest,
+    Window,
+)
 from proxy.doctor.report import measurements, notes
 
 
@@ -496,7 +508,8 @@ RULES: tuple[Rule, ...] = (
     decode_below_ceiling,
     decode_at_ceiling,
 )
-assert tuple(r.__name__ for r in RULES) == FINDING_IDS
+# Per backend window; tenant_crowding, the proxy-wide one, is judged once per report.
+assert (*(r.__name__ for r in RULES), "tenant_crowding") == FINDING_IDS
 
 
 def diagnose_window(m: Measures, t: Thresholds) -> list[Finding]:
@@ -514,14 +527,55 @@ def diagnose_window(m: Measures, t: Thresholds) -> list[Finding]:
     return found
 
 
+def tenant_crowding(rows: Sequence[TenantRequest], t: Thresholds) -> Finding | None:
+    """One tenant's load is what makes the others wait: it had most of the tokens served
+    while the other tenants' requests waited, on average, a perceptible time for a slot."""
+    tokens: dict[str, int] = {}
+    for r in rows:
+        tokens[r.tenant] = tokens.get(r.tenant, 0) + r.tokens
+    total = sum(tokens.values())
+    if len(rows) < t.min_requests or len(tokens) < 2 or total <= 0:
+        return None
+    top = max(tokens, key=lambda k: tokens[k])
+    share = tokens[top] / total
+    mine = [r.waited_s for r in rows if r.tenant == top]
+    others = [r.waited_s for r in rows if r.tenant != top]
+    waited = sum(others) / len(others)
+    if share < t.dominated or waited < t.min_cost_s:
+        return None
+    evidence = {
+        "tenant": top,
+        "token_share": share,
+        "request_share": len(mine) / len(rows),
+        "others_wait_s_mean": waited,
+        "tenant_wait_s_mean": sum(mine) / len(mine),
+        "others_requests": len(others),
+        "tenants": len(tokens),
+    }
+    return Finding(
+        "tenant_crowding",
+        "critical" if share >= t.dominated_critical else "warning",
+        ADMISSION,
+        "",
+        f"tenant `{top}` had {share:.0%} of the tokens served while the other tenants' "
+        f"requests waited {waited * 1000:.0f} ms on average for an admission slot",
+        {k: _round(v) for k, v in evidence.items()},
+        f"cap `{top}` (tenants.keys.{top}: tokens_per_minute or requests_per_minute), or give "
+        "it a lower weight or `priority: batch` so the others go first; if every tenant needs "
+        "what it sends, add capacity (server.max_inflight, more engines)",
+    )
+
+
 def diagnose(
     windows: Sequence[Window],
     thresholds: Thresholds | None = None,
     *,
     window_s: float | None = None,
     generated_at: str = "",
+    tenants: Sequence[TenantRequest] = (),
 ) -> Report:
-    """The report for these windows: every backend's measurements and findings."""
+    """The report for these windows: every backend's measurements and findings, and the
+    admission queue's (`tenants`: the keyed requests of the same span)."""
     t = thresholds or Thresholds()
     backends: list[BackendReport] = []
     findings: list[Finding] = []
@@ -544,4 +598,7 @@ def diagnose(
                 notes=notes(m, t.min_requests, t.min_gaps),
             )
         )
+    crowding = tenant_crowding(tenants, t)
+    if crowding is not None:
+        findings.append(crowding)
     return Report(window_s, backends, findings, generated_at)

@@ -21,6 +21,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from proxy.access import CLIENT
+from proxy.admission import TICKET
 from proxy.doctor import hardware
 from proxy.doctor.collector import DEFAULT_WINDOW_S, BackendInfo, Collector, Load
 from proxy.doctor.diagnose import Thresholds, diagnose
@@ -75,16 +77,25 @@ class Doctor:
             self.thresholds,
             window_s=span,
             generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            tenants=self.collector.tenant_requests(span),
         )
         if window_s is None or window_s == self.collector.window_s:
             found = [(f.id, f.backend, f.severity) for f in report.findings]
             self._last = (time.monotonic(), found)
         return report
 
-    def finished(self, *args: Any) -> None:
+    def finished(
+        self, model: str, backend: str, facts: Any, error: Any, decision: Any, t0: float
+    ) -> None:
         """The telemetry hook: never lets a doctor bug fail a request's bookkeeping."""
         try:
-            self.collector.finished(*args)
+            self.collector.finished(model, backend, facts, error, decision, t0)
+            ticket, tenant = TICKET.get(), CLIENT.get()  # set by the edge for keyed requests
+            if ticket is not None and tenant is not None:
+                tokens = 0
+                if facts is not None:
+                    tokens = (facts.input_tokens or 0) + (facts.output_tokens or 0)
+                self.collector.tenant_finished(t0, tenant, ticket.waited_s, tokens)
         except Exception:
             log.exception("doctor: could not record a finished request")
 

@@ -24,7 +24,9 @@ FINDING_IDS = (
     "long_context_itl",
     "decode_below_ceiling",
     "decode_at_ceiling",
+    "tenant_crowding",  # proxy-wide: the admission queue, not a backend (ADMISSION)
 )
+ADMISSION = "admission"  # the `backend` of a finding about the proxy's admission queue
 SEVERITIES = ("warning", "critical")
 
 # Counter names in GaugeSample.counters: cumulative engine counters, compared across a window.
@@ -151,6 +153,17 @@ class Window:
     # The disaggregation decider's current view (GET /admin/disagg: mode, active, reason);
     # None when disagg.mode is off.
     disagg: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRequest:
+    """One request that presented an API key: whose, how long it waited for an admission
+    slot, and its tokens (prompt + output, as the engine counted them; 0 when unknown)."""
+
+    t0: float
+    tenant: str
+    waited_s: float
+    tokens: int
 
 
 @dataclass(slots=True)

@@ -128,6 +128,16 @@ def render_text(report: Mapping[str, Any], *, color: bool = False, source: str =
         for note in b.get("notes", []):
             out.append("  " + c(_DIM, f"note: {note}"))
         out.append("")
+    shown = {(b["backend"], b["model"]) for b in report.get("backends", [])}
+    for (backend, model), found in by_backend.items():  # the admission queue's, proxy-wide
+        if (backend, model) in shown:
+            continue
+        out.append(c(_BOLD, f"{backend} (the proxy's admission queue)"))
+        for f in found:
+            tag = c(_SEVERITY.get(f["severity"], ""), f"{f['severity'].upper()} {f['id']}")
+            out.append(f"  {tag}: {f['summary']}")
+            out.append(f"    change: {f['change']}")
+        out.append("")
     if not findings:
         out.append(c(_GREEN, "healthy: no finding on any backend"))
     return "\n".join(out).rstrip() + "\n"
