@@ -48,9 +48,10 @@ CHARS_PER_TOKEN = 4
 RETRY_REDIS_S = 1.0  # after a failed call, Redis is tried again this much later
 
 
-def estimate_input_tokens(raw: bytes) -> int:
-    """The prompt's tokens before the engine counts them: the body's length / 4."""
-    return max(1, math.ceil(len(raw) / CHARS_PER_TOKEN))
+def estimate_tokens(body_bytes: int) -> int:
+    """A request's prompt tokens before the engine counts them: its body's length / 4 (the
+    budgets charge this at admission; the admission queue tags a request with it)."""
+    return max(1, math.ceil(body_bytes / CHARS_PER_TOKEN))
 
 
 @dataclass(slots=True, eq=False)  # by identity: the running ones are kept in a set
@@ -139,7 +140,7 @@ class Budgets:
     async def admit(self, tenant: str, model: str, raw: bytes) -> Grant | Refusal:
         limits, cap = self.limits_for(tenant, model)
         stats = self.stats.setdefault(tenant, TenantStats())
-        estimate = estimate_input_tokens(raw)
+        estimate = estimate_tokens(len(raw))
         if cap is not None and stats.inflight >= cap:
             return self._refuse(
                 stats,

@@ -3,7 +3,6 @@ prompt), and what a client is told when the queue refuses or sheds it."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from proxy.admission import (
@@ -17,12 +16,12 @@ from proxy.admission import (
     Admission,
     Ticket,
 )
+from proxy.tenants.budgets import estimate_tokens
 
 if TYPE_CHECKING:
     from proxy.config import TenantsConfig
 
 PRIORITY_HEADER = "x-warmroute-priority"
-CHARS_PER_TOKEN = 4
 
 
 class TicketError(Exception):
@@ -59,7 +58,7 @@ def ticket_for(
         rank = asked
     prompt = 0.0
     if content_length is not None and content_length.isdigit():
-        prompt = math.ceil(int(content_length) / CHARS_PER_TOKEN)
+        prompt = estimate_tokens(int(content_length))
     return Ticket(tenant=tenant, weight=cfg.weight, rank=rank, prompt_tokens=prompt)
 
 
