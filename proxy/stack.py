@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import IO
 
@@ -76,13 +76,23 @@ class Stack:
     ) -> None:
         self.stop_all()
 
-    def spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
+    def spawn(
+        self,
+        name: str,
+        args: Sequence[str],
+        *,
+        module: str = "proxy",
+        env: Mapping[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """`python -m module args` (`warmroute args` by default); `env` replaces the
+        environment (another checkout's proxy: its PYTHONPATH)."""
         out: int | IO[bytes] = subprocess.DEVNULL
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"{name}.log"), "wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", *args],
+            [sys.executable, "-m", module, *args],
+            env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: we can kill its whole tree

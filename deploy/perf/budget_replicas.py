@@ -20,9 +20,6 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,41 +30,10 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from proxy.stack import Stack, free_ports  # noqa: E402
+
 PROMPT_CHARS = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ready(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url} did not answer within {timeout_s} s")
-
-
-def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 async def load(urls: list[str], rate: float, seconds: float, seed: int) -> list[dict[str, Any]]:
@@ -115,53 +81,40 @@ async def load(urls: list[str], rate: float, seconds: float, seed: int) -> list[
 
 
 def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    mock_port = free_port()
-    mock = start(
-        [
-            sys.executable,
-            "-m",
-            "proxy.bench.mock",
-            "--port",
-            str(mock_port),
-            "--chunks",
-            "16",
-            "--cache-tokens",
-            "1000",
-            "--prefill-tokens-per-s",
-            "1000000",
-        ]
-    )
+    mock_port, *ports = free_ports(1 + args.replicas)
     prefix = f"wrbudget-{uuid.uuid4().hex[:8]}"
-    procs, urls = [], []
     config = {
         "backends": [{"url": f"http://127.0.0.1:{mock_port}"}],
         "redis": {"url": args.redis, "key_prefix": prefix},
         "tenants": {"default": {"tokens_per_minute": args.tpm}},
         "telemetry": {"enabled": False},
     }
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(config, f)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WARMROUTE_")}
-    try:
-        wait_ready(f"http://127.0.0.1:{mock_port}/health")
-        for _ in range(args.replicas):
-            port = free_port()
-            cmd = [sys.executable, "-m", "proxy", "serve", "--config", f.name, "--port", str(port)]
-            procs.append(start(cmd, env))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url in urls:
-            wait_ready(url + "/ready")
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f, Stack() as stack:
+        json.dump(config, f)
+        f.flush()
+        mock = stack.spawn(
+            "mock",
+            ["--port", str(mock_port), "--chunks", "16", "--cache-tokens", "1000",
+             "--prefill-tokens-per-s", "1000000"],
+            module="proxy.bench.mock",
+        )  # fmt: skip
+        stack.wait_http(f"http://127.0.0.1:{mock_port}/health", mock)
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        procs = [
+            stack.spawn(
+                f"proxy-{port}", ["serve", "--config", f.name, "--port", str(port)], env=env
+            )
+            for port in ports
+        ]
+        for url, proc in zip(urls, procs, strict=True):
+            stack.wait_http(url + "/ready", proc)
         # A request is ~(PROMPT_CHARS / 3 + 16) of the mock's tokens: four times the limit's
         # rate, so that the minute's burst the full bucket starts with is spent in ~20 s.
         per_request = PROMPT_CHARS / 3 + 16
         rate = 4 * args.tpm / 60 / per_request
         chat = [u + "/v1/chat/completions" for u in urls]
         rows = asyncio.run(load(chat, rate, args.seconds, seed))
-    finally:
-        for p in procs:
-            stop(p)
-        stop(mock)
-        Path(f.name).unlink()
     window = args.seconds - args.measure_from
     inside = [r for r in rows if r["at"] >= args.measure_from]
     tokens = sum(r.get("tokens", 0) for r in inside)

@@ -25,9 +25,6 @@ import json
 import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,58 +35,16 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from proxy.stack import Stack, free_ports  # noqa: E402
+
 ENGINES = 4
 SLOTS = 8
 SERVICE_S = 0.42
 CAPACITY = SLOTS / SERVICE_S  # requests a second
 PROMPT_CHARS = 6000  # 2,000 of the mock's 3-character tokens
 CONTENT = re.compile(rb'"content":"[^"]')  # the first token (the role chunk's content is "")
-
-
-def free_port(n: int = 1) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if all(_free(port + i) for i in range(n)):
-            return port
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def wait_ready(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url} did not answer within {timeout_s} s")
-
-
-def start(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        args, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+GOODPUT = ("no target", "target")  # the two runs of --goodput
 
 
 async def tenant(
@@ -122,6 +77,7 @@ async def one(
     headers = {"authorization": f"Bearer {key}"}
     sent = time.perf_counter()
     ttft = None
+    status: int | str
     try:
         async with client.stream("POST", url, json=body, headers=headers) as r:
             status, retry = r.status_code, r.headers.get("retry-after")
@@ -171,44 +127,42 @@ async def load(url: str, seed: int, duration: float, flood: bool) -> dict[str, A
 
 @contextlib.contextmanager
 def serving(proxy_dir: Path, tenants: dict[str, Any] | None = None) -> Iterator[str]:
-    """Four engines and the proxy in front of them; yields the chat completions URL."""
-    mock_port, port = free_port(ENGINES), free_port()
-    mock = start(
-        [sys.executable, "-m", "proxy.bench.mock", "--port", str(mock_port),
-         "--instances", str(ENGINES), "--chunks", "16", "--chunk-interval-ms", "20",
-         "--cache-tokens", "3000", "--prefill-tokens-per-s", "20000"],
-        ROOT,
-    )  # fmt: skip
-    keys = [
-        {"name": name, "sha256": hashlib.sha256(name.encode()).hexdigest()}
-        for name in ("flood", "quiet")
-    ]
+    """Four engines and the proxy (of `proxy_dir`'s checkout) in front of them; yields the
+    chat completions URL."""
+    *mock_ports, port = free_ports(ENGINES + 1)  # the engines', then the proxy's
+    mock_port = mock_ports[0]
     config: dict[str, Any] = {
         "server": {
             "port": port,
             "max_inflight": SLOTS,
             "admission_queue": 16,
             "admission_timeout_s": 5,
-            "api_keys": keys,
+            "api_keys": [
+                {"name": name, "sha256": hashlib.sha256(name.encode()).hexdigest()}
+                for name in ("flood", "quiet")
+            ],
         },
         "backends": [{"url": f"http://127.0.0.1:{mock_port + i}"} for i in range(ENGINES)],
         "telemetry": {"enabled": False},
     }
     if tenants:
         config["tenants"] = tenants
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(config, f)  # YAML is a superset of JSON
     env = {k: v for k, v in os.environ.items() if not k.startswith("WARMROUTE_")}
     env["PYTHONPATH"] = str(proxy_dir)
-    proxy = start([sys.executable, "-m", "proxy", "serve", "--config", f.name], proxy_dir, env)
-    try:
-        wait_ready(f"http://127.0.0.1:{mock_port}/health")
-        wait_ready(f"http://127.0.0.1:{port}/ready")
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f, Stack() as stack:
+        json.dump(config, f)  # YAML is a superset of JSON
+        f.flush()
+        mock = stack.spawn(
+            "mock",
+            ["--port", str(mock_port), "--instances", str(ENGINES), "--chunks", "16",
+             "--chunk-interval-ms", "20", "--cache-tokens", "3000",
+             "--prefill-tokens-per-s", "20000"],
+            module="proxy.bench.mock",
+        )  # fmt: skip
+        stack.wait_http(f"http://127.0.0.1:{mock_port}/health", mock)
+        proxy = stack.spawn("proxy", ["serve", "--config", f.name], env=env)
+        stack.wait_http(f"http://127.0.0.1:{port}/ready", proxy)
         yield f"http://127.0.0.1:{port}/v1/chat/completions"
-    finally:
-        stop(proxy)
-        stop(mock)
-        Path(f.name).unlink()
 
 
 def run(seed: int, duration: float, proxy_dir: Path) -> dict[str, Any]:
@@ -222,10 +176,8 @@ def run_goodput(seed: int, duration: float, proxy_dir: Path, target_s: float) ->
     """One tenant at 1.5x the capacity, without a TTFT target and with one: how many requests
     a second get their first token within `target_s` (goodput), and how many are refused."""
     out: dict[str, Any] = {"seed": seed, "target_s": target_s}
-    for label, tenants in (
-        ("no target", None),
-        ("target", {"ttft_targets_s": {"standard": target_s}}),
-    ):
+    for label in GOODPUT:
+        tenants = {"ttft_targets_s": {"standard": target_s}} if label == "target" else None
         with serving(proxy_dir, tenants) as url:
             rows = asyncio.run(one_tenant(url, seed, duration))
         met = sum(1 for r in rows if r["ttft_s"] is not None and r["ttft_s"] <= target_s)
@@ -259,36 +211,37 @@ def main() -> None:
     )
     args = parser.parse_args()
     rows = []
-    if args.goodput:
-        for seed in args.seeds:
-            row = run_goodput(seed, args.duration, args.proxy_dir.resolve(), args.goodput)
-            rows.append(row)
-            for label in ("no target", "target"):
-                g = row[label]
-                print(
-                    f"seed {seed}, {label}: {g['met']} of {g['requests']} within "
-                    f"{args.goodput:g} s ({g['goodput_per_s']}/s), TTFT p50/p99 "
-                    f"{g['ttft_p50_ms']:.0f}/{g['ttft_p99_ms']:.0f} ms, {g['statuses']}",
-                    flush=True,
-                )
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
-        return
+    proxy_dir = args.proxy_dir.resolve()
     for seed in args.seeds:
-        row = run(seed, args.duration, args.proxy_dir.resolve())
-        row["label"] = args.label
+        if args.goodput:
+            row = run_goodput(seed, args.duration, proxy_dir, args.goodput)
+            lines = [goodput_line(seed, label, row[label], args.goodput) for label in GOODPUT]
+        else:
+            row = {**run(seed, args.duration, proxy_dir), "label": args.label}
+            lines = [flood_line(args.label, seed, row)]
         rows.append(row)
-        a, q, f = row["alone"], row["quiet"], row["flood"]
-        print(
-            f"{args.label} seed {seed}: quiet TTFT p50/p99 alone {a['ttft_p50_ms']:.0f}/"
-            f"{a['ttft_p99_ms']:.0f} ms, with the flood {q['ttft_p50_ms']:.0f}/"
-            f"{q['ttft_p99_ms']:.0f} ms ({q['ttft_p99_ms'] / a['ttft_p99_ms']:.2f}x p99); "
-            f"quiet refused {q['refused']} of {q['requests']}; flood {f['statuses']}, "
-            f"{f['refused_with_retry_after']} of {f['refused']} refusals with Retry-After",
-            flush=True,
-        )
+        print("\n".join(lines), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def goodput_line(seed: int, label: str, g: dict[str, Any], target_s: float) -> str:
+    return (
+        f"seed {seed}, {label}: {g['met']} of {g['requests']} within {target_s:g} s "
+        f"({g['goodput_per_s']}/s), TTFT p50/p99 {g['ttft_p50_ms']:.0f}/"
+        f"{g['ttft_p99_ms']:.0f} ms, {g['statuses']}"
+    )
+
+
+def flood_line(label: str, seed: int, row: dict[str, Any]) -> str:
+    a, q, f = row["alone"], row["quiet"], row["flood"]
+    return (
+        f"{label} seed {seed}: quiet TTFT p50/p99 alone {a['ttft_p50_ms']:.0f}/"
+        f"{a['ttft_p99_ms']:.0f} ms, with the flood {q['ttft_p50_ms']:.0f}/"
+        f"{q['ttft_p99_ms']:.0f} ms ({q['ttft_p99_ms'] / a['ttft_p99_ms']:.2f}x p99); "
+        f"quiet refused {q['refused']} of {q['requests']}; flood {f['statuses']}, "
+        f"{f['refused_with_retry_after']} of {f['refused']} refusals with Retry-After"
+    )
 
 
 if __name__ == "__main__":
