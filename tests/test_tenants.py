@@ -10,7 +10,8 @@ import hashlib
 import random
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +23,8 @@ from proxy.routing.index import open_redis
 from proxy.tenants.budgets import Budgets, Grant, Refusal
 from proxy.tenants.gcra import ADMIT, CHARGE, PEEK, Limit, duration, headers, readings, step
 from proxy.tenants.store import LocalBuckets, RedisBuckets
-from tests.support import ServerThread, free_port
+from tests.routing_support import HAVE_REDIS_SERVER, RedisProcess
+from tests.support import ServerThread
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 MODEL = "test-model"
@@ -198,61 +200,36 @@ async def test_concurrency_cap_per_replica() -> None:
 # -- Redis away: each replica its share, no failure -----------------------------------------------
 
 
-class Relay:
-    """A TCP relay in front of the real Redis that can be frozen (stops passing bytes) or
-    killed (closes every connection and refuses new ones)."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.frozen = asyncio.Event()
-        self.conns: list[asyncio.StreamWriter] = []
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-
-    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        ur, uw = await asyncio.open_connection("127.0.0.1", 6379)
-        self.conns += [w, uw]
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(Exception):
-                while data := await src.read(65536):
-                    if self.frozen.is_set():
-                        await asyncio.Event().wait()  # never passes it on
-                    dst.write(data)
-                    await dst.drain()
-            dst.close()
-
-        await asyncio.gather(pipe(r, uw), pipe(ur, w))
-
-    async def kill(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        for w in self.conns:
-            w.close()
-        await self.server.wait_closed()
+@pytest.fixture
+def private(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A redis-server of this test's own, to kill or freeze."""
+    if not HAVE_REDIS_SERVER:
+        pytest.skip("redis-server binary not installed")
+    server = RedisProcess(tmp_path).start()
+    yield server
+    server.stop()
 
 
+@pytest.mark.e2e
+@pytest.mark.redis
 @pytest.mark.parametrize("failure", ["killed", "frozen"])
 async def test_with_redis_away_each_replica_enforces_its_share_and_nothing_fails(
-    redis: Any, failure: str, caplog: pytest.LogCaptureFixture
+    private: RedisProcess, failure: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    relay = Relay()
-    await relay.start()
     config = tenants(requests_per_minute=30)
-    clients = [open_redis(f"redis://127.0.0.1:{relay.port}/0", timeout_s=0.2) for _ in range(3)]
-    for c in clients:
-        c.test_prefix = redis.test_prefix
-    replicas = [budgets_for(c, f"r{i}", config, timeout_s=0.2) for i, c in enumerate(clients)]
+    clients = [open_redis(private.url, timeout_s=0.2) for _ in range(3)]
+    replicas = [
+        Budgets(config, redis=c, key_prefix="wr", replica=f"r{i}", timeout_s=0.2)
+        for i, c in enumerate(clients)
+    ]
     for b in replicas:
         assert isinstance(await b.admit("default", MODEL, b"{}"), Grant)
     await replicas[0].admit("default", MODEL, b"{}")
     assert all(b.shared for b in replicas)
     if failure == "killed":
-        await relay.kill()
-    else:
-        relay.frozen.set()
+        private.stop()
+    else:  # Redis answers nothing for longer than the run
+        private.client().execute_command("CLIENT", "PAUSE", "10000", "ALL")
     results = [await replicas[i % 3].admit("default", MODEL, b"{}") for i in range(60)]
     admitted = sum(isinstance(r, Grant) for r in results)
     # Each replica alone: a third of 30 (those that saw 3 live replicas), or a half or all
