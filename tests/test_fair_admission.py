@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -254,6 +255,35 @@ def test_a_priority_header_may_lower_a_class_but_not_raise_it_unless_allowed(
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_priority"
     assert "interactive, standard, batch" in r.json()["error"]["message"]
     assert post("ops", "interactive").status_code == 200  # allowed to raise
+
+
+@pytest.mark.e2e
+def test_goodput_counts_keyed_streams_against_their_class_target(
+    fake_backends: Any, proxy_server: Callable[..., ServerThread]
+) -> None:
+    """A standard target of a minute: every streamed answer of the fake backend meets it,
+    and the metric says so per class."""
+    [(_, backend)] = fake_backends(1)
+    config = {
+        "server": {"api_keys": [key("app")]},
+        "tenants": {"ttft_targets_s": {"standard": 60.0}},
+    }
+    proxy = proxy_server([backend.url], config)
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    auth = {"authorization": "Bearer key-app"}
+    for _ in range(3):
+        r = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=auth, timeout=10)
+        assert r.status_code == 200
+
+    def met() -> float:
+        text = httpx.get(proxy.url + "/metrics", timeout=10).text
+        pattern = r'warmroute_admission_goodput_total\{[^}]*outcome="met"[^}]*\} (\S+)'
+        found = re.search(pattern, text)
+        return float(found.group(1)) if found else 0.0
+
+    until(lambda: met() == 3, "three met targets on /metrics")
+    text = httpx.get(proxy.url + "/metrics", timeout=10).text
+    assert 'warmroute_priority="standard"' in text and 'outcome="missed"' not in text
 
 
 # -- deadlines -----------------------------------------------------------------------------------

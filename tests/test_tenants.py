@@ -302,6 +302,9 @@ def test_the_official_client_backs_off_on_429_and_its_retry_gets_through(
     found = re.search(refused, metrics)
     assert found and int(found.group(1)) == default["refused_here"]["tokens"]
     assert re.search(r"warmroute_tenant_budgets_shared\{[^}]*\} 1", metrics)
+    charged = r'warmroute_tenant_tokens_total\{[^}]*direction="input"[^}]*\} (\d+)'
+    found = re.search(charged, metrics)
+    assert found and int(found.group(1)) == default["input_tokens_here"]
 
 
 @pytest.mark.e2e
