@@ -141,7 +141,8 @@ class Admission:
 
     async def enter(self, ticket: Ticket | None = None) -> str | None:
         """Take a slot: None once admitted, else why not (QUEUE_FULL, QUEUE_TIMEOUT,
-        OVER_SHARE, or shed from the queue: SHED_PRIORITY, SHED_FAIR)."""
+        OVER_SHARE, DEADLINE, or shed from the queue: SHED_PRIORITY, SHED_FAIR). Give the
+        same `ticket` to leave(): it is counted running until then."""
         ticket = ticket or Ticket()
         if self.admit_now(ticket):
             return None
