@@ -16,6 +16,7 @@ from starlette.routing import Mount, Route
 import plugins
 from proxy import handlers
 from proxy.admission import CLASSES, Admission
+from proxy.backend_queue import BackendQueue
 from proxy.backends import CONTROL_LIMITS, Backend, BackendRegistry
 from proxy.config import BackendConfig, Config, ConfigError, section_errors, unknown_key
 from proxy.doctor.http import backend_info
@@ -154,8 +155,17 @@ def _build_state(config: Config, telemetry: Telemetry | None) -> AppState:
         routing=routing,
         http=http,
         telemetry=telemetry or Telemetry(config.telemetry),
-        steering=RequestRouting(routing, registry),
+        steering=RequestRouting(routing, registry, _backend_queue(config)),
     )
+
+
+def _backend_queue(config: Config) -> BackendQueue | None:
+    """Where requests wait while every backend they could go to is at its in-flight bound:
+    the admission queue's limits (none: such requests are refused at once)."""
+    server = config.server
+    if server.admission_queue < 1 or server.admission_timeout_s <= 0:
+        return None
+    return BackendQueue(server.admission_queue, server.admission_timeout_s)
 
 
 def _wire_routing(state: AppState) -> dict[str, Any]:

@@ -305,7 +305,8 @@ class ServerConfig(_Model):
     keepalive_timeout_s: float = Field(30.0, gt=0)  # idle between requests on a connection
     write_timeout_s: float = Field(60.0, gt=0)  # a client that reads none of its response
     max_connections: int | None = Field(None, ge=1)  # default: half the open-file limit
-    # Overload (proxy/admission.py): in flight at once, then a short queue, then 503
+    # Overload (proxy/admission.py): in flight at once, then a short queue, then 503; the
+    # same limits hold requests whose every backend is at its max_inflight (backend_queue.py)
     max_inflight: int = Field(4096, ge=1)
     admission_queue: int = Field(256, ge=0)
     admission_timeout_s: float = Field(5.0, ge=0)

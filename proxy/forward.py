@@ -30,9 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
-from proxy.admission import served
+from proxy.admission import TICKET, served
 from proxy.asgi import (
     BodyTooLarge,
     ClientDisconnected,
@@ -43,6 +41,7 @@ from proxy.asgi import (
     read_body,
     watch_disconnect,
 )
+from proxy.backend_queue import all_at_bound
 from proxy.config import Config
 from proxy.errors import RequestError, error_body
 from proxy.exchange import API_PATHS, Exchange
@@ -50,8 +49,8 @@ from proxy.intake import parse, too_large, with_include_usage
 from proxy.redact import quote, sane_request_id
 from proxy.relay import Relay, internal_error, respond
 from proxy.request_headers import upstream_headers
-from proxy.retry import RETRYABLE_STATUS, Resume, Retry, RetryPolicy, classify, retry_after_s
-from proxy.routing.types import Decision, RouteContext, Verdict, verdict_of
+from proxy.retry import RETRYABLE_STATUS, Resume, Retry, RetryPolicy, classify, status_retry
+from proxy.routing.types import Decision, RouteContext
 from proxy.state import Fleet, Recorder, RequestRouting, UpstreamClient, start_record
 from proxy.tenants.gate import through_budgets
 from proxy.types import FailureKind
@@ -161,11 +160,10 @@ class ProxyEndpoint:
         record.set_decision(decision)
         if fw.membership is not None and ex.ctx is not None:
             record.set_fleet(fw.membership.epoch, fw.membership.changing(ex.ctx.now))
-        ranking = fw.retry.candidates(decision.ranking)
-        if not ranking:
+        if not fw.retry.candidates(decision.ranking) and not self._may_wait(decision):
             await self._refuse_unranked(ex, send, record, decision.filtered_out)
             return
-        await self._run(ex, decision.ranking, ranking[0], record, receive, send)
+        await self._run(ex, record, receive, send)
 
     async def _route(self, ex: Exchange, send: Send) -> Decision | None:
         """The routing decision (kept on the exchange with its context), or None: routing
@@ -197,16 +195,22 @@ class ProxyEndpoint:
         return decision
 
     async def _refuse_unranked(
-        self, ex: Exchange, send: Send, record: RequestRecord, reasons: Mapping[str, str]
+        self,
+        ex: Exchange,
+        send: Send,
+        record: RequestRecord,
+        reasons: Mapping[str, str],
+        waited_s: float = 0.0,
     ) -> None:
         """No backend may take the request: 429 when every one is at its in-flight bound
         (overload: the client may come back in a moment), else 503."""
         # a filter's reason may quote the client's model (plugins/model_filter.py)
         why = "; ".join(f"{k}: {quote(v)}" for k, v in reasons.items()) or "none configured"
         model = quote(ex.body["model"])
-        if reasons and all(verdict_of(v) is Verdict.AT_BOUND for v in reasons.values()):
+        if all_at_bound(reasons):
+            waited = f" (waited {waited_s:.1f} s for one to free)" if waited_s else ""
             message = (
-                f"Every backend for model `{model}` is at its in-flight bound ({why}); "
+                f"Every backend for model `{model}` is at its in-flight bound ({why}){waited}; "
                 "retry after a short wait."
             )
             retry_after = ((b"retry-after", b"1"),)
@@ -215,17 +219,38 @@ class ProxyEndpoint:
         message = f"No backend can serve model `{model}` right now ({why})."
         await self._fail(ex, send, record, 503, message, "no_backend")
 
-    async def _run(
-        self,
-        ex: Exchange,
-        ranking: list[str],
-        first: str,
-        record: RequestRecord,
-        receive: Receive,
-        send: Send,
-    ) -> None:
+    def _may_wait(self, decision: Decision) -> bool:
+        """Whether a request no backend may take now may wait for one (every backend was at
+        its in-flight bound, and the proxy keeps a queue for that)."""
+        return self.fw.steering.waiting is not None and all_at_bound(decision.filtered_out)
+
+    async def _backend_freed(self, ex: Exchange, record: RequestRecord, send: Send) -> bool:
+        """Every backend is at its in-flight bound: wait in the fair order for one of them
+        to free a slot (proxy/backend_queue.py) and route again. False: none freed in time
+        (or the queue was full), and the client got the 429."""
+        queue, candidates = self.fw.steering.waiting, self.fw.retry.candidates
+        assert queue is not None and ex.decision is not None
+
+        async def again() -> Decision:
+            routed = await self._route(ex, send)
+            assert routed is not None  # it was read once: routing reads it again
+            record.set_decision(routed)
+            return routed
+
+        decision, waiter = await queue.route_when_freed(
+            TICKET.get(), ex.decision, again, lambda d: bool(candidates(d.ranking)), ex.request_id
+        )
+        if waiter.routed:
+            record.set_attribute("warmroute.backend_wait_s", round(waiter.waited_s, 6))
+            return True
+        await self._refuse_unranked(ex, send, record, decision.filtered_out, waiter.waited_s)
+        return False
+
+    async def _run(self, ex: Exchange, record: RequestRecord, receive: Receive, send: Send) -> None:
         """The attempts (or the P/D flow) under one disconnect watcher, to an answer, an error
-        the client is told, or a cut (the client left, shutdown) that ends the record."""
+        the client is told, or a cut (the client left, shutdown) that ends the record. A
+        request whose every backend is at its bound waits for one here, where the client's
+        leaving is watched."""
         # One watcher for the whole request: `send()` does not report a departed client, and
         # an engine must hear of the abort even while it is still queueing or prefilling.
         task = asyncio.current_task()
@@ -234,8 +259,13 @@ class ProxyEndpoint:
         left = functools.partial(_client_left, ex, task)
         watcher = task.get_loop().create_task(watch_disconnect(receive, left))
         try:
+            assert ex.decision is not None
+            if not self.fw.retry.candidates(ex.decision.ranking):
+                if not await self._backend_freed(ex, record, send):
+                    return
+            ranking = ex.decision.ranking
             if self.pd is None:
-                await self.attempts(ex, ranking, first, record, send)
+                await self.attempts(ex, ranking, ranking[0], record, send)
             else:
                 await self.pd.forward(self, ex, ranking, record, send)
         except asyncio.CancelledError:
@@ -450,18 +480,7 @@ class ProxyEndpoint:
         except LEG_ERRORS as e:
             raise classify(e) from None
         if upstream.status in RETRYABLE_STATUS:
-            wait = _retry_after(upstream) if upstream.status == 429 else 0.0
-            try:
-                detail = await _read_error_detail(upstream)
-            finally:
-                upstream.release()
-            raise Retry(
-                f"HTTP {upstream.status}{detail}",
-                f"http_{upstream.status}",
-                FailureKind.STATUS,
-                upstream.status,
-                wait,
-            )
+            raise await status_retry(upstream)
         return upstream
 
     async def _attempt(
@@ -562,37 +581,3 @@ async def _refuse_coded(send: Send, request_id: str, coding: str) -> None:
     )
     body = error_body(message, code="unsupported_content_encoding")
     await respond(send, 415, body, request_id, ((b"accept-encoding", b"identity"),))
-
-
-def _retry_after(upstream: UpstreamResponseLike) -> float:
-    """A response's Retry-After in seconds (0: none, or not a number of seconds)."""
-    for k, v in upstream.headers:
-        if k == b"retry-after":
-            return retry_after_s(v.decode("latin-1"))
-    return 0.0
-
-
-async def _read_error_detail(upstream: UpstreamResponseLike) -> str:
-    try:
-        body = await asyncio.wait_for(upstream.read(2048), 1.0)
-        message = orjson_error_message(body)
-        return (
-            f" ({message})"
-            if message
-            else f" ({body[:200].decode('utf-8', 'replace')})"
-            if body
-            else ""
-        )
-    except Exception:
-        return ""
-
-
-def orjson_error_message(body: bytes) -> str | None:
-    try:
-        data = orjson.loads(body) if body else None
-    except orjson.JSONDecodeError:
-        return None
-    if isinstance(data, dict) and isinstance(data.get("error"), dict):
-        msg = data["error"].get("message")
-        return msg if isinstance(msg, str) else None
-    return None

@@ -27,11 +27,15 @@ errors, the registry only keeps health). Rules:
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import orjson
 
 from proxy.config import RetryConfig
 from proxy.types import FailureKind
@@ -42,6 +46,9 @@ from proxy.upstream import (
     UpstreamError,
     UpstreamProtocolError,
 )
+
+if TYPE_CHECKING:
+    from proxy.ports import UpstreamResponseLike
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
@@ -79,6 +86,47 @@ class Retry(Exception):
         self.kind = kind
         self.status = status
         self.retry_after_s = retry_after_s
+
+
+async def status_retry(upstream: UpstreamResponseLike) -> Retry:
+    """A backend answered a retryable status (RETRYABLE_STATUS): the Retry, with its error's
+    message (read briefly) and a 429's Retry-After; the response is released."""
+    wait = 0.0
+    if upstream.status == 429:
+        for k, v in upstream.headers:
+            if k == b"retry-after":
+                wait = retry_after_s(v.decode("latin-1"))
+                break
+    try:
+        detail = await _error_detail(upstream)
+    finally:
+        upstream.release()
+    status = upstream.status
+    return Retry(f"HTTP {status}{detail}", f"http_{status}", FailureKind.STATUS, status, wait)
+
+
+async def _error_detail(upstream: UpstreamResponseLike) -> str:
+    """' (the error's message)', or the body's start, or '' (a second at most)."""
+    try:
+        body = await asyncio.wait_for(upstream.read(2048), 1.0)
+        message = orjson_error_message(body)
+    except Exception:
+        return ""
+    if message:
+        return f" ({message})"
+    return f" ({body[:200].decode('utf-8', 'replace')})" if body else ""
+
+
+def orjson_error_message(body: bytes) -> str | None:
+    """The message of an OpenAI-style error body, if that is what `body` is."""
+    try:
+        data = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        msg = data["error"].get("message")
+        return msg if isinstance(msg, str) else None
+    return None
 
 
 def classify(e: BaseException) -> Retry:

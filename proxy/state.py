@@ -38,6 +38,7 @@ __all__ = [
 if TYPE_CHECKING:
     import httpx
 
+    from proxy.backend_queue import BackendQueue
     from proxy.backends import Backend, BackendRegistry
     from proxy.config import Config
     from proxy.exchange import Exchange
@@ -132,10 +133,14 @@ def _up(backends: list[Backend], now: float) -> list[bool]:
 class RequestRouting:
     """The routing facade: route a request, note where it went, learn from how it went."""
 
-    __slots__ = ("_board", "_learner", "_registry", "_views", "router")
+    __slots__ = ("_board", "_learner", "_registry", "_views", "router", "waiting")
 
-    def __init__(self, routing: Routing, registry: BackendRegistry) -> None:
+    def __init__(
+        self, routing: Routing, registry: BackendRegistry, waiting: BackendQueue | None = None
+    ) -> None:
         self.router: Router = routing.router
+        # requests whose every backend is at its in-flight bound (None: they are refused)
+        self.waiting = waiting
         self._board = routing.board
         self._learner = routing.learner
         self._registry = registry
@@ -161,6 +166,9 @@ class RequestRouting:
             self._board.acquire(backend)
         else:
             self._board.release(backend)
+            waiting = self.waiting
+            if waiting is not None and waiting.waiters:
+                waiting.freed(backend)
 
     def observe_stream(self, backend: str, facts: StreamFacts, ctx: RouteContext | None) -> None:
         """Teach the router from a finished stream: the prefill rate from its upstream TTFT,

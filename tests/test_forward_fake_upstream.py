@@ -8,6 +8,7 @@ are checked exactly and fast.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -191,7 +192,10 @@ async def test_with_tracing_off_the_clients_traceparent_reaches_the_backend_unch
     assert fake.calls[0][2]["traceparent"] == parent
 
 
-async def test_every_backend_at_its_inflight_bound_answers_429_with_retry_after() -> None:
+@pytest.mark.parametrize("wait", ["no_queue", "until_freed", "past_its_time"])
+async def test_a_request_finding_every_backend_at_its_bound_waits_for_one_or_gets_429(
+    wait: str,
+) -> None:
     release = asyncio.Event()
 
     class Held(FakeResponse):
@@ -202,19 +206,52 @@ async def test_every_backend_at_its_inflight_bound_answers_429_with_retry_after(
     def held() -> FakeResponse:
         return Held(200, [CHUNK, DONE])
 
-    app, _ = _app({"127.0.0.1:9101": [held], "127.0.0.1:9102": [held]}, backend={"max_inflight": 1})
+    server = {
+        "no_queue": {"admission_queue": 0},
+        "until_freed": {},
+        "past_its_time": {"admission_timeout_s": 0.05},
+    }[wait]
+    app, _ = _app(
+        {"127.0.0.1:9101": [held, held], "127.0.0.1:9102": [held, held]},
+        backend={"max_inflight": 1},
+        server=server,
+    )
     busy = [asyncio.create_task(_call(app, _chat())) for _ in range(2)]
-    for _ in range(50):  # until both are on their backends
-        await asyncio.sleep(0.01)
-        if app.state.forwarding.open_requests == 2 and all(
-            app.state.routing.board.get(n) == 1 for n in app.state.registry.backends
-        ):
-            break
-    status, body, headers = await _call(app, _chat())
-    assert status == 429 and headers[b"retry-after"] == b"1"
-    assert orjson.loads(body)["error"]["code"] == "backends_at_capacity"
-    release.set()
+    await _until(
+        lambda: (
+            app.state.forwarding.open_requests == 2
+            and all(app.state.routing.board.get(n) == 1 for n in app.state.registry.backends)
+        )
+    )
+    third = asyncio.create_task(_call(app, _chat()))
+    queue = app.state.steering.waiting
+    if wait == "until_freed":
+        await _until(lambda: len(queue.waiters) == 1)
+        release.set()  # a backend frees its slot: the waiter routes there
+        status, body, _ = await third
+        assert status == 200 and body == CHUNK + DONE
+        assert queue.stats["routed"] == 1 and not queue.waiters
+    else:
+        status, body, headers = await third
+        assert status == 429 and headers[b"retry-after"] == b"1"
+        error = orjson.loads(body)["error"]
+        assert error["code"] == "backends_at_capacity"
+        if wait == "no_queue":
+            assert queue is None
+        else:
+            assert re.search(r"\(waited \d+\.\d s for one to free\)", error["message"])
+            assert queue.stats["queue_timeout"] == 1 and not queue.waiters
+        release.set()
     assert [s for s, _, _ in await asyncio.gather(*busy)] == [200, 200]
+
+
+async def _until(ready: Callable[[], bool]) -> None:
+    """Yield to the loop until `ready()` (the proxy's tasks move on each turn)."""
+    for _ in range(10_000):
+        if ready():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("never ready")
 
 
 class _SetAside:

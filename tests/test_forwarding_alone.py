@@ -57,6 +57,8 @@ class Fleet:
 class Steering:
     """Routing as the forwarder sees it: a fixed decision, and what it was told back."""
 
+    waiting = None  # no queue for requests whose every backend is at its bound
+
     def __init__(self, ranking: list[str], filtered_out: dict[str, str] | None = None) -> None:
         self.decision = Decision("fixed", ranking, "fixed", filtered_out=filtered_out or {})
         self.events: list[tuple[str, Any]] = []

@@ -97,7 +97,11 @@ def test_a_long_model_name_is_quoted_in_the_429_of_a_backend_at_its_bound(
     model = "m" * LARGE  # served: past intake, to the messages built after routing
     [(app, backend)] = fake_backends(1, models=(model,))
     proxy = proxy_server(
-        [backend.url], config={"backends": [{"url": backend.url, "max_inflight": 1}]}
+        [backend.url],
+        config={
+            "backends": [{"url": backend.url, "max_inflight": 1}],
+            "server": {"admission_queue": 0},  # refused at once, not after waiting
+        },
     )
     held = orjson.dumps(
         _chat(model, stream=True, messages=[{"role": "user", "content": "delay:30"}])

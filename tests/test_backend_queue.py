@@ -1,0 +1,133 @@
+"""The queue of requests whose every backend is at its in-flight bound (proxy/backend_queue.py):
+a freed slot wakes the waiter the fair order puts first among those the backend could serve."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.admission import QUEUE_FULL, QUEUE_TIMEOUT, Ticket
+from proxy.backend_queue import BackendQueue
+
+FAR = 1e9  # a deadline that does not come
+
+
+def _ticket(tenant: str, start: float, rank: int = 1) -> Ticket:
+    return Ticket(tenant=tenant, start=start, rank=rank)
+
+
+async def _settled() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_freed_slot_goes_to_the_best_class_then_the_earliest_start_tag() -> None:
+    queue = BackendQueue(size=8, wait_s=5.0, recheck_s=FAR)
+    arrivals = [
+        ("flood-late", _ticket("flood", 900.0)),
+        ("quiet", _ticket("quiet", 10.0)),
+        ("batch", _ticket("batch", 0.0, rank=2)),
+        ("interactive", _ticket("ui", 500.0, rank=0)),
+    ]
+    order: list[str] = []
+
+    async def wait(name: str, ticket: Ticket) -> None:
+        assert await queue.waiter(ticket).wait(["a"], FAR)
+        order.append(name)
+
+    tasks = [asyncio.create_task(wait(name, t)) for name, t in arrivals]
+    await _settled()
+    assert len(queue.waiters) == 4
+    for _ in arrivals:
+        queue.freed("a")
+        await _settled()
+    assert order == ["interactive", "quiet", "flood-late", "batch"]
+    await asyncio.gather(*tasks)
+
+
+async def test_a_slot_wakes_only_a_waiter_that_backend_could_serve() -> None:
+    queue = BackendQueue(size=8, wait_s=5.0, recheck_s=FAR)
+    first = asyncio.create_task(queue.waiter(_ticket("x", 0.0)).wait(["a"], FAR))
+    second = asyncio.create_task(queue.waiter(_ticket("y", 1.0)).wait(["b"], FAR))
+    await _settled()
+    queue.freed("b")  # x waits for a only: y goes, though x is first in the fair order
+    await _settled()
+    assert second.done() and not first.done()
+    queue.freed("c")  # nobody waits for c: nothing happens
+    await _settled()
+    assert not first.done()
+    queue.freed("a")
+    assert await first
+
+
+async def test_without_tenants_it_is_first_come_first_served() -> None:
+    queue = BackendQueue(size=8, wait_s=5.0, recheck_s=FAR)
+    order: list[int] = []
+
+    async def wait(i: int) -> None:
+        assert await queue.waiter(None).wait(["a"], FAR)
+        order.append(i)
+
+    tasks = [asyncio.create_task(wait(i)) for i in range(3)]
+    await _settled()
+    for _ in range(3):
+        queue.freed("a")
+        await _settled()
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2]
+
+
+async def test_a_waiter_that_lost_its_slot_waits_again_in_the_place_it_had() -> None:
+    queue = BackendQueue(size=2, wait_s=5.0, recheck_s=FAR)
+    early, late = queue.waiter(_ticket("e", 1.0)), queue.waiter(_ticket("l", 2.0))
+    first = asyncio.create_task(early.wait(["a"], FAR))
+    second = asyncio.create_task(late.wait(["a"], FAR))
+    await _settled()
+    queue.freed("a")
+    assert await first  # routed again, and a newcomer had taken the slot: it waits again
+    third = asyncio.create_task(queue.waiter(_ticket("n", 3.0)).wait(["a"], FAR))
+    await _settled()  # the queue is full again (late, the newcomer)
+    again = asyncio.create_task(early.wait(["a"], FAR))  # a place kept is kept
+    fourth = asyncio.create_task(queue.waiter(_ticket("m", 0.5)).wait(["a"], FAR))
+    await _settled()
+    assert fourth.done() and fourth.result() is False  # a new one is refused: full
+    assert [w.key[1] for w in queue.waiters] == [1.0, 2.0, 3.0]  # in front of the later ones
+    queue.freed("a")
+    await _settled()
+    assert again.done() and again.result() is True and not third.done()
+    queue.freed("a")
+    queue.freed("a")
+    assert await second and await third
+    assert queue.stats[QUEUE_FULL] == 1 and queue.stats["waited"] == 3
+
+
+async def test_a_waiter_woken_as_its_client_leaves_hands_the_slot_to_the_next() -> None:
+    queue = BackendQueue(size=8, wait_s=5.0, recheck_s=FAR)
+    leaving = asyncio.create_task(queue.waiter(_ticket("x", 0.0)).wait(["a"], FAR))
+    staying = asyncio.create_task(queue.waiter(_ticket("y", 1.0)).wait(["a"], FAR))
+    await _settled()
+    queue.freed("a")  # wakes x...
+    leaving.cancel()  # ...whose client is gone before it routes
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    assert await staying  # the slot went on to y
+    assert not queue.waiters
+
+
+async def test_past_its_deadline_a_waiter_is_told_no_and_its_time_is_counted() -> None:
+    queue = BackendQueue(size=8, wait_s=0.02, recheck_s=FAR)
+    waiter = queue.waiter(None)
+    deadline = asyncio.get_running_loop().time() + queue.wait_s
+    assert await waiter.wait(["a"], deadline)  # the deadline ends the wait: route again
+    assert not await waiter.wait(["a"], deadline)  # then: no more waiting
+    assert waiter.outcome == QUEUE_TIMEOUT and queue.stats[QUEUE_TIMEOUT] == 1
+    assert waiter.waited_s >= 0.02 and not queue.waiters
+
+
+async def test_a_waiter_routes_again_at_each_recheck_without_being_woken() -> None:
+    # (peers' releases and a changed fleet are seen only by routing again)
+    queue = BackendQueue(size=8, wait_s=5.0, recheck_s=0.01)
+    waiter = queue.waiter(None)
+    assert await waiter.wait(["a"], FAR)
+    assert not queue.waiters and waiter.outcome is None
