@@ -25,6 +25,12 @@ place: the waiter of the lowest class with the latest start is shed, with an err
 newcomer that would go last is refused: OVER_SHARE when other tenants are served or wait
 (its tenant is the one over its share), QUEUE_FULL when it is alone. Without tickets (no API
 keys: one tenant) the queue is FIFO, as before.
+
+A queue that does not preempt makes even the first in line wait for a slot to free. With a
+`reserve`, the last `reserve` free slots go only to a tenant running fewer than its weight's
+share of the slots, while another tenant is active (a request running, or one sent in the
+last ACTIVE_S): a tenant over its share waits for them even while they are free, so a quiet
+tenant's request finds one at once. Alone, a tenant still gets every slot.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +57,7 @@ CLASSES = ("interactive", "standard", "batch")
 STANDARD = 1
 EXPECTED_OUTPUT = 256.0  # tokens a tenant's request is expected to produce, before any is seen
 OUTPUT_WEIGHT = 0.2  # how fast a tenant's expected output follows what it was served
+ACTIVE_S = 5.0  # a tenant that sent a request this recently counts in the shares of slots
 
 
 @dataclass(slots=True, eq=False)
@@ -100,11 +108,22 @@ class Admission:
     """The global in-flight bound (one per process; the event loop's thread only)."""
 
     def __init__(
-        self, limit: int, queue: int, wait_s: float, targets: dict[int, float] | None = None
+        self,
+        limit: int,
+        queue: int,
+        wait_s: float,
+        targets: dict[int, float] | None = None,
+        reserve: int = 0,
     ) -> None:
-        if limit < 1 or queue < 0 or wait_s < 0:
-            raise ValueError("admission needs limit >= 1, queue >= 0 and wait_s >= 0")
+        if limit < 1 or queue < 0 or wait_s < 0 or not 0 <= reserve < limit:
+            raise ValueError(
+                "admission needs limit >= 1, queue >= 0, wait_s >= 0 and 0 <= reserve < limit"
+            )
         self.limit = limit
+        # The last `reserve` free slots go only to tenants running less than their share
+        # while others are active (_may_take): a quiet tenant finds a slot free.
+        self.reserve = reserve
+        self.seen: dict[str, tuple[float, float]] = {}  # tenant -> (last tagged, its weight)
         self.queue = queue
         self.wait_s = wait_s
         # TTFT targets by class rank: a waiting request that cannot meet its target is
@@ -130,7 +149,11 @@ class Admission:
 
     def admit_now(self, ticket: Ticket | None = None) -> bool:
         """Take a slot if one is free and nobody waits for one (else enter() queues)."""
-        if self.inflight < self.limit and not self.waiting:
+        if (
+            self.inflight < self.limit
+            and not self.waiting
+            and (ticket is None or not self.reserve or self._may_take(ticket))
+        ):
             self.inflight += 1
             self.stats.admitted += 1
             if ticket is not None:
@@ -147,6 +170,11 @@ class Admission:
         if self.admit_now(ticket):
             return None
         self._tag(ticket)
+        if self.reserve and self._first_to_go(ticket):  # a slot kept free, for it
+            self.inflight += 1
+            self.stats.admitted += 1
+            self._let_in(ticket)
+            return None
         if ticket.rank in self.targets and self._hopeless(ticket):
             self._untag(ticket)
             self._count(ticket.rank, DEADLINE)
@@ -177,7 +205,7 @@ class Admission:
             raise
         if outcome is not None:  # shed: its place went to a request before it
             return self.stats.reject(outcome)
-        # leave() handed its slot over: inflight was not decremented for us
+        # _fill() let us in: inflight counts us already
         ticket.waited_s = loop.time() - queued_at
         self.stats.admitted += 1
         self.stats.queued += 1
@@ -188,17 +216,53 @@ class Admission:
         earliest start tag, then first come)."""
         if ticket is not None:
             self._settle(ticket)
-        while self.waiting:
+        self.inflight -= 1
+        if self.waiting:
+            self._fill()
+
+    def _fill(self) -> None:
+        """Let waiters in, in order, while a slot is free and the next may take it."""
+        while self.waiting and self.inflight < self.limit:
+            if self.reserve and not self._may_take(self._head()):
+                return
             nxt = self._next()
             if nxt.waiter is not None and not nxt.waiter.done():
+                self.inflight += 1
                 self._let_in(nxt)
                 nxt.waiter.set_result(None)
-                return
-        self.inflight -= 1
+
+    # -- slots kept for the tenants below their share -----------------------------------------
+    def _may_take(self, ticket: Ticket) -> bool:
+        """Whether `ticket` may take a free slot: more than the reserve are free, or its
+        tenant runs fewer than its weight's share of the slots among the tenants active (a
+        request running, or one sent in the last ACTIVE_S), or it is the only one active."""
+        if self.limit - self.inflight > self.reserve:
+            return True
+        me = ticket.tenant
+        horizon = time.monotonic() - ACTIVE_S
+        total = ticket.weight
+        others = False
+        for tenant, (at, weight) in self.seen.items():
+            if tenant != me and (at >= horizon or tenant in self.running):
+                total += weight
+                others = True
+        return not others or self.running.get(me, 0) < self.limit * ticket.weight / total
+
+    def _first_to_go(self, ticket: Ticket) -> bool:
+        """A slot is free (kept by the reserve from the waiters), no waiter goes before
+        `ticket`, and it may take the slot."""
+        if self.inflight >= self.limit:
+            return False
+        head = self._head() if self.waiting else None
+        if head is not None and (head.rank, head.start) < (ticket.rank, ticket.start):
+            return False
+        return self._may_take(ticket)
 
     # -- the fair order ---------------------------------------------------------------------
     def _tag(self, ticket: Ticket) -> None:
         tenant = ticket.tenant
+        if self.reserve:
+            self.seen[tenant] = (time.monotonic(), ticket.weight)
         ticket.cost = ticket.prompt_tokens + self.expected_output.get(tenant, EXPECTED_OUTPUT)
         last = self.finish.get(tenant, 0.0)
         ticket.start = last if last > self.virtual else self.virtual
@@ -257,23 +321,31 @@ class Admission:
         if target is not None:
             self._count(rank, MET if ticket.waited_s + after <= target else MISSED)
 
-    def _next(self) -> Ticket:
-        """Take the next ticket out of the queues (there is one)."""
+    def _head_of(self) -> tuple[dict[str, deque[Ticket]], str]:
+        """Where the next ticket waits: its class's queues, and its tenant (one waits)."""
         for rank in sorted(self._queues):
             queues = self._queues[rank]
             if not queues:
                 continue
             if len(queues) == 1:
-                tenant = next(iter(queues))
-            else:
-                tenant = min(queues, key=lambda t: queues[t][0].start)
-            mine = queues[tenant]
-            ticket = mine.popleft()
-            if not mine:
-                del queues[tenant]
-            self.waiting -= 1
-            return ticket
+                return queues, next(iter(queues))
+            return queues, min(queues, key=lambda t: queues[t][0].start)
         raise AssertionError("admission: waiting > 0 with every queue empty")
+
+    def _head(self) -> Ticket:
+        """The next ticket to go (there is one), left in its queue."""
+        queues, tenant = self._head_of()
+        return queues[tenant][0]
+
+    def _next(self) -> Ticket:
+        """Take the next ticket out of the queues (there is one)."""
+        queues, tenant = self._head_of()
+        mine = queues[tenant]
+        ticket = mine.popleft()
+        if not mine:
+            del queues[tenant]
+        self.waiting -= 1
+        return ticket
 
     def _make_room(self, ticket: Ticket) -> str | None:
         """The queue is full: shed the waiter `ticket` should go before, or say why

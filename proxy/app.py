@@ -119,7 +119,11 @@ def create_app(
     server = config.server
     targets = {CLASSES.index(k): v for k, v in config.tenants.ttft_targets_s.items()}
     state.admission = Admission(
-        server.max_inflight, server.admission_queue, server.admission_timeout_s, targets
+        server.max_inflight,
+        server.admission_queue,
+        server.admission_timeout_s,
+        targets,
+        config.tenants.reserve_slots,
     )
     if forwarding.budgets is not None or server.api_keys:
         # GET /admin/tenants: budgets left, and each tenant's place in the queue

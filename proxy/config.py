@@ -534,6 +534,11 @@ class TenantsConfig(_Model):
     ttft_targets_s: dict[Literal["interactive", "standard", "batch"], float] = Field(
         default_factory=dict
     )
+    # Slots of server.max_inflight kept for tenants below their share: a tenant already
+    # running more than its weight's share may not take the last `reserve_slots` free slots
+    # while another tenant has sent a request in the last few seconds (0: every slot to
+    # whoever is next).
+    reserve_slots: int = Field(0, ge=0)
 
     @field_validator("ttft_targets_s")
     @classmethod
@@ -590,6 +595,12 @@ class Config(_Model):
                     f"tenants.keys.{name}: no API key is named {name!r} (server.api_keys: "
                     f"{known}); tenants are the keys' names"
                 )
+        reserve = self.tenants.reserve_slots
+        if reserve and reserve >= self.server.max_inflight:
+            raise ValueError(
+                f"tenants.reserve_slots: {reserve} would keep every one of server.max_inflight's "
+                f"{self.server.max_inflight} slots; keep fewer than that"
+            )
         return self
 
     @field_validator("backends")

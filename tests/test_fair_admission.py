@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from proxy.admission import (
+    ACTIVE_S,
     OVER_SHARE,
     QUEUE_FULL,
     SHED_FAIR,
@@ -23,6 +24,7 @@ from proxy.admission import (
     Admission,
     Ticket,
 )
+from proxy.config import ConfigError, load_config
 from tests.support import ServerThread, until
 
 MODEL = "test-model"
@@ -107,6 +109,47 @@ async def test_a_higher_class_goes_first_whatever_its_tenant_was_served() -> Non
     admission = held()
     tickets = [Ticket("batch", rank=2), Ticket("std", rank=1), Ticket("live", rank=0)]
     assert await served_order(admission, tickets) == ["live", "std", "batch"]
+
+
+async def test_reserved_slots_wait_for_the_tenant_below_its_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """limit 4, reserve 1: alone, a flooding tenant takes all four; once another tenant is
+    active, it keeps to three while over its share (2 of 4), and the quiet tenant finds the
+    fourth free though the flood waits for it; quiet for ACTIVE_S, it is the flood's again."""
+    clock = [1000.0]
+    monkeypatch.setattr("proxy.admission.time.monotonic", lambda: clock[0])
+    admission = Admission(limit=4, queue=10, wait_s=30.0, reserve=1)
+    flood = [Ticket("flood", prompt_tokens=100) for _ in range(4)]
+    for t in flood:
+        assert admission.admit_now(t)  # alone: every slot
+    admission.leave(flood.pop())
+    quiet = Ticket("quiet", prompt_tokens=100)
+    assert admission.admit_now(quiet)  # quiet takes the slot: it is active now
+    admission.leave(quiet)
+    clock[0] += 1.0
+    waiting = asyncio.create_task(admission.enter(Ticket("flood", prompt_tokens=100)))
+    await asyncio.sleep(0)
+    assert admission.inflight == 3 and admission.waiting == 1  # the fourth is kept
+    again = Ticket("quiet", prompt_tokens=100)
+    assert await admission.enter(again) is None  # at once, though the flood waits
+    assert admission.inflight == 4 and admission.waiting == 1
+    admission.leave(again)  # freed: kept again, not handed to the flood over its share
+    assert admission.inflight == 3 and not waiting.done()
+    clock[0] += ACTIVE_S + 1.0  # quiet has gone quiet: the next slot freed fills both
+    admission.leave(flood.pop())
+    assert await waiting is None
+    assert admission.inflight == 3 and admission.waiting == 0
+    assert admission.admit_now(Ticket("flood", prompt_tokens=100))
+    assert admission.inflight == 4
+
+
+def test_a_reserve_as_large_as_the_limit_is_refused() -> None:
+    with pytest.raises(ValueError, match="reserve < limit"):
+        Admission(limit=2, queue=1, wait_s=1.0, reserve=2)
+    env = {"WARMROUTE_SERVER__MAX_INFLIGHT": "8", "WARMROUTE_TENANTS__RESERVE_SLOTS": "8"}
+    with pytest.raises(ConfigError, match=r"tenants\.reserve_slots: 8 would keep every one"):
+        load_config(flags={"backends": ["http://127.0.0.1:9"]}, env=env)
 
 
 async def test_a_full_queue_sheds_the_lowest_class_then_the_tenant_over_its_share() -> None:

@@ -26,7 +26,7 @@ def test_the_summary_counts_statuses_and_percentiles() -> None:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_short_run_refuses_none_of_the_quiet_tenant() -> None:
-    row = NN.run(seed=1, duration=2.0, proxy_dir=ROOT)
+    row = NN.run(seed=1, duration=2.0, proxy_dir=ROOT, reserve=2)
     quiet, flood = row["quiet"], row["flood"]
     assert quiet["requests"] > 0 and quiet["refused"] == 0
     assert set(quiet["statuses"]) == {"200"} and row["alone"]["statuses"].keys() == {"200"}

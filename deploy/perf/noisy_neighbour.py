@@ -9,10 +9,12 @@ and two API keys, `flood` and `quiet`. Tenant `flood` sends 4x the capacity, `qu
 it, both Poisson, streamed; then `quiet` alone at the same rate. Prints, per seed, the quiet
 tenant's TTFT p50/p99 with and without the flood, its refusals, and what the flood got (200s,
 429s with Retry-After, 503s). `--proxy-dir DIR` runs another checkout's proxy (a build before
-the fair queue, for comparison). `--goodput TARGET_S` instead sends one tenant at 1.5x the
-capacity, without a TTFT target and then with `tenants.ttft_targets_s: {standard: TARGET_S}`,
-and prints the requests a second that got their first token within the target. Not a test:
-numbers depend on the machine.
+the fair queue, for comparison). `--reserve 0 2` runs each seed with `tenants.reserve_slots`
+0, then 2 (slots kept for the tenant below its share), one after the other.
+`--goodput TARGET_S` instead sends one tenant at 1.5x the capacity, without a TTFT target
+and then with `tenants.ttft_targets_s: {standard: TARGET_S}`, and prints the requests a
+second that got their first token within the target. Not a test: numbers depend on the
+machine.
 """
 
 from __future__ import annotations
@@ -165,8 +167,8 @@ def serving(proxy_dir: Path, tenants: dict[str, Any] | None = None) -> Iterator[
         yield f"http://127.0.0.1:{port}/v1/chat/completions"
 
 
-def run(seed: int, duration: float, proxy_dir: Path) -> dict[str, Any]:
-    with serving(proxy_dir) as url:
+def run(seed: int, duration: float, proxy_dir: Path, reserve: int = 0) -> dict[str, Any]:
+    with serving(proxy_dir, {"reserve_slots": reserve} if reserve else None) as url:
         alone = asyncio.run(load(url, seed, duration, flood=False))
         both = asyncio.run(load(url, seed, duration, flood=True))
     return {"seed": seed, "alone": alone["quiet"], "quiet": both["quiet"], "flood": both["flood"]}
@@ -204,6 +206,14 @@ def main() -> None:
     parser.add_argument("--label", default="this build")
     parser.add_argument("--json", default=None)
     parser.add_argument(
+        "--reserve",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="N",
+        help="tenants.reserve_slots to run each seed with, in turn (default: 0)",
+    )
+    parser.add_argument(
         "--goodput",
         type=float,
         metavar="TARGET_S",
@@ -215,12 +225,16 @@ def main() -> None:
     for seed in args.seeds:
         if args.goodput:
             row = run_goodput(seed, args.duration, proxy_dir, args.goodput)
-            lines = [goodput_line(seed, label, row[label], args.goodput) for label in GOODPUT]
-        else:
-            row = {**run(seed, args.duration, proxy_dir), "label": args.label}
-            lines = [flood_line(args.label, seed, row)]
-        rows.append(row)
-        print("\n".join(lines), flush=True)
+            rows.append(row)
+            for label in GOODPUT:
+                print(goodput_line(seed, label, row[label], args.goodput), flush=True)
+            continue
+        for reserve in args.reserve:
+            label = f"{args.label}, reserve {reserve}" if reserve else args.label
+            row = {**run(seed, args.duration, proxy_dir, reserve), "label": label}
+            row["reserve_slots"] = reserve
+            rows.append(row)
+            print(flood_line(label, seed, row), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
