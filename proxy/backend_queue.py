@@ -4,7 +4,9 @@ The admission queue (proxy/admission.py) bounds what the whole proxy works on; a
 `max_inflight` bounds what one engine is sent. When every backend that could serve a request
 is at its bound, the request waits here rather than being refused at once: at most `size`
 requests wait, each at most `wait_s` (the admission queue's limits), and one that cannot wait
-is refused as before (429 `backends_at_capacity`, Retry-After).
+is refused as before (429 `backends_at_capacity`, Retry-After). A newcomer that finds the
+queue full takes the place of the last waiter if it goes before it in the fair order (that
+one is refused: SHED_PRIORITY, SHED_FAIR), as in the admission queue.
 
 A slot freed on a backend goes to the waiter that the admission's fair order puts first among
 those that backend could serve: the best class, then the earliest start tag (tenants charged
@@ -23,7 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from proxy.admission import QUEUE_FULL, QUEUE_TIMEOUT, Ticket
+from proxy.admission import QUEUE_FULL, QUEUE_TIMEOUT, SHED_FAIR, SHED_PRIORITY, Ticket
 from proxy.routing.types import Decision, Verdict, verdict_of
 
 log = logging.getLogger("warmroute.backend_queue")
@@ -65,7 +67,14 @@ class BackendQueue:
         self.recheck_s = recheck_s
         self.waiters: list[Waiter] = []  # in the fair order
         self._arrivals = itertools.count()
-        self.stats = {"waited": 0, "routed": 0, QUEUE_FULL: 0, QUEUE_TIMEOUT: 0}
+        self.stats = {
+            "waited": 0,
+            "routed": 0,
+            QUEUE_FULL: 0,
+            QUEUE_TIMEOUT: 0,
+            SHED_PRIORITY: 0,
+            SHED_FAIR: 0,
+        }
 
     def waiter(self, ticket: Ticket | None) -> Waiter:
         """A place for the request of `ticket` (None: no tenants, first come first served)."""
@@ -115,8 +124,8 @@ class BackendQueue:
     async def _wait(self, w: Waiter, names: Collection[str], deadline: float) -> bool:
         loop = asyncio.get_running_loop()
         now = loop.time()
-        if not w.waited and len(self.waiters) >= self.size:  # (a place kept is kept)
-            w.outcome = QUEUE_FULL
+        if not w.waited and len(self.waiters) >= self.size and not self._shed_for(w):
+            w.outcome = QUEUE_FULL  # (a place kept is kept: only a newcomer is refused)
             self.stats[QUEUE_FULL] += 1
             return False
         if now >= deadline:
@@ -131,16 +140,31 @@ class BackendQueue:
         self._insert(w)
         try:
             async with asyncio.timeout(min(deadline - now, self.recheck_s)):
-                await w.woken
+                if not await w.woken:  # shed: its place went to a request before it
+                    return False
         except TimeoutError:
             self._drop(w)  # the recheck (or the deadline: the next wait says so)
         except BaseException:  # cancelled (the client left): a slot it was given goes on
             self._drop(w)
-            if w.woken.done() and not w.woken.cancelled():
+            if w.woken.done() and not w.woken.cancelled() and w.woken.result():
                 self.freed(w.woken.result())
             raise
         finally:
             w.waited_s += loop.time() - now
+        return True
+
+    def _shed_for(self, w: Waiter) -> bool:
+        """The queue is full: the last waiter gives its place to newcomer `w` if `w` goes
+        before it (a better class, or a tenant further below its share); False: `w` would
+        go last."""
+        last = self.waiters[-1] if self.waiters else None
+        if last is None or last.key <= w.key:
+            return False
+        self.waiters.pop()
+        last.outcome = SHED_PRIORITY if last.key[0] > w.key[0] else SHED_FAIR
+        self.stats[last.outcome] += 1
+        assert last.woken is not None
+        last.woken.set_result("")
         return True
 
     def _insert(self, w: Waiter) -> None:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from proxy.admission import QUEUE_FULL, QUEUE_TIMEOUT, Ticket
+from proxy.admission import QUEUE_FULL, QUEUE_TIMEOUT, SHED_FAIR, SHED_PRIORITY, Ticket
 from proxy.backend_queue import BackendQueue
 
 FAR = 1e9  # a deadline that does not come
@@ -89,9 +89,9 @@ async def test_a_waiter_that_lost_its_slot_waits_again_in_the_place_it_had() -> 
     third = asyncio.create_task(queue.waiter(_ticket("n", 3.0)).wait(["a"], FAR))
     await _settled()  # the queue is full again (late, the newcomer)
     again = asyncio.create_task(early.wait(["a"], FAR))  # a place kept is kept
-    fourth = asyncio.create_task(queue.waiter(_ticket("m", 0.5)).wait(["a"], FAR))
+    fourth = asyncio.create_task(queue.waiter(_ticket("m", 9.0)).wait(["a"], FAR))
     await _settled()
-    assert fourth.done() and fourth.result() is False  # a new one is refused: full
+    assert fourth.done() and fourth.result() is False  # a new one going last: refused
     assert [w.key[1] for w in queue.waiters] == [1.0, 2.0, 3.0]  # in front of the later ones
     queue.freed("a")
     await _settled()
@@ -100,6 +100,28 @@ async def test_a_waiter_that_lost_its_slot_waits_again_in_the_place_it_had() -> 
     queue.freed("a")
     assert await second and await third
     assert queue.stats[QUEUE_FULL] == 1 and queue.stats["waited"] == 3
+
+
+async def test_a_full_queue_sheds_its_last_waiter_for_a_newcomer_that_goes_before_it() -> None:
+    queue = BackendQueue(size=2, wait_s=5.0, recheck_s=FAR)
+    flood = [queue.waiter(_ticket("flood", s)) for s in (100.0, 200.0)]
+    waits = [asyncio.create_task(w.wait(["a"], FAR)) for w in flood]
+    await _settled()
+    quiet = queue.waiter(_ticket("quiet", 50.0))
+    quiet_wait = asyncio.create_task(quiet.wait(["a"], FAR))
+    await _settled()
+    assert waits[1].done() and waits[1].result() is False and flood[1].outcome == SHED_FAIR
+    batch = queue.waiter(_ticket("batch", 0.0, rank=2))  # would go last: refused
+    assert not await batch.wait(["a"], FAR) and batch.outcome == QUEUE_FULL
+    live = queue.waiter(_ticket("ui", 999.0, rank=0))
+    live_wait = asyncio.create_task(live.wait(["a"], FAR))
+    await _settled()
+    assert waits[0].done() and flood[0].outcome == SHED_PRIORITY  # (flood's 100 was last)
+    assert [w.key[1] for w in queue.waiters] == [999.0, 50.0]
+    queue.freed("a")
+    queue.freed("a")
+    assert await live_wait and await quiet_wait
+    assert queue.stats[SHED_FAIR] == 1 and queue.stats[SHED_PRIORITY] == 1
 
 
 async def test_a_waiter_woken_as_its_client_leaves_hands_the_slot_to_the_next() -> None:

@@ -10,7 +10,8 @@ it, both Poisson, streamed; then `quiet` alone at the same rate. Prints, per see
 tenant's TTFT p50/p99 with and without the flood, its refusals, and what the flood got (200s,
 429s with Retry-After, 503s). `--proxy-dir DIR` runs another checkout's proxy (a build before
 the fair queue, for comparison). `--reserve 0 2` runs each seed with `tenants.reserve_slots`
-0, then 2 (slots kept for the tenant below its share), one after the other.
+0, then 2 (slots kept for the tenant below its share), one after the other. `--bound
+backends` holds the 8 slots in the engines (`max_inflight: 2` each) instead of the proxy.
 `--goodput TARGET_S` instead sends one tenant at 1.5x the capacity, without a TTFT target
 and then with `tenants.ttft_targets_s: {standard: TARGET_S}`, and prints the requests a
 second that got their first token within the target. Not a test: numbers depend on the
@@ -128,15 +129,18 @@ async def load(url: str, seed: int, duration: float, flood: bool) -> dict[str, A
 
 
 @contextlib.contextmanager
-def serving(proxy_dir: Path, tenants: dict[str, Any] | None = None) -> Iterator[str]:
+def serving(
+    proxy_dir: Path, tenants: dict[str, Any] | None = None, bound: str = "proxy"
+) -> Iterator[str]:
     """Four engines and the proxy (of `proxy_dir`'s checkout) in front of them; yields the
-    chat completions URL."""
+    chat completions URL. `bound`: where the fleet's 8 slots are held: `proxy`
+    (server.max_inflight) or `backends` (each engine's max_inflight, 2)."""
     *mock_ports, port = free_ports(ENGINES + 1)  # the engines', then the proxy's
     mock_port = mock_ports[0]
     config: dict[str, Any] = {
         "server": {
             "port": port,
-            "max_inflight": SLOTS,
+            "max_inflight": SLOTS if bound == "proxy" else 4096,
             "admission_queue": 16,
             "admission_timeout_s": 5,
             "api_keys": [
@@ -144,7 +148,11 @@ def serving(proxy_dir: Path, tenants: dict[str, Any] | None = None) -> Iterator[
                 for name in ("flood", "quiet")
             ],
         },
-        "backends": [{"url": f"http://127.0.0.1:{mock_port + i}"} for i in range(ENGINES)],
+        "backends": [
+            {"url": f"http://127.0.0.1:{mock_port + i}"}
+            | ({"max_inflight": SLOTS // ENGINES} if bound == "backends" else {})
+            for i in range(ENGINES)
+        ],
         "telemetry": {"enabled": False},
     }
     if tenants:
@@ -167,8 +175,10 @@ def serving(proxy_dir: Path, tenants: dict[str, Any] | None = None) -> Iterator[
         yield f"http://127.0.0.1:{port}/v1/chat/completions"
 
 
-def run(seed: int, duration: float, proxy_dir: Path, reserve: int = 0) -> dict[str, Any]:
-    with serving(proxy_dir, {"reserve_slots": reserve} if reserve else None) as url:
+def run(
+    seed: int, duration: float, proxy_dir: Path, reserve: int = 0, bound: str = "proxy"
+) -> dict[str, Any]:
+    with serving(proxy_dir, {"reserve_slots": reserve} if reserve else None, bound) as url:
         alone = asyncio.run(load(url, seed, duration, flood=False))
         both = asyncio.run(load(url, seed, duration, flood=True))
     return {"seed": seed, "alone": alone["quiet"], "quiet": both["quiet"], "flood": both["flood"]}
@@ -214,6 +224,13 @@ def main() -> None:
         help="tenants.reserve_slots to run each seed with, in turn (default: 0)",
     )
     parser.add_argument(
+        "--bound",
+        choices=["proxy", "backends"],
+        default="proxy",
+        help="hold the 8 slots in the proxy (server.max_inflight, default) or in the "
+        "backends (max_inflight 2 each: requests wait for a backend below its bound)",
+    )
+    parser.add_argument(
         "--goodput",
         type=float,
         metavar="TARGET_S",
@@ -231,7 +248,8 @@ def main() -> None:
             continue
         for reserve in args.reserve:
             label = f"{args.label}, reserve {reserve}" if reserve else args.label
-            row = {**run(seed, args.duration, proxy_dir, reserve), "label": label}
+            found = run(seed, args.duration, proxy_dir, reserve, args.bound)
+            row = {**found, "label": label, "bound": args.bound}
             row["reserve_slots"] = reserve
             rows.append(row)
             print(flood_line(label, seed, row), flush=True)
