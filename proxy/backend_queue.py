@@ -8,13 +8,18 @@ is refused as before (429 `backends_at_capacity`, Retry-After). A newcomer that 
 queue full takes the place of the last waiter if it goes before it in the fair order (that
 one is refused: SHED_PRIORITY, SHED_FAIR), as in the admission queue.
 
-A slot freed on a backend goes to the waiter that the admission's fair order puts first among
-those that backend could serve: the best class, then the earliest start tag (tenants charged
-in tokens, docs/tenants.md), then the first to wait. The woken request routes again; if a
-newcomer took the slot in between, it waits again in the place it had. The other replicas'
-releases are seen only when their counts are synced, and the fleet can change under a
-waiter (a backend joins, a bound is raised): every waiter routes again at least every
-`recheck_s` for those.
+A slot freed on a backend goes to the waiter that the fair order puts first among those that
+backend could serve: the best class, then the earliest start tag, then the first to wait. The
+tags are this queue's own start-time fair queuing over tenants, in tokens (the cost the
+admission gave the request's ticket, over its tenant's weight; docs/tenants.md): a request
+is tagged when it first waits here, and the queue's virtual time is the start of the last
+waiter that got a backend. (The admission's tags would not do: with slots free there, its
+virtual time runs ahead with every request let in, and a quiet tenant's tag with it.)
+
+The woken request routes again; if a newcomer took the slot in between, it waits again in
+the place it had. The other replicas' releases are seen only when their counts are synced,
+and the fleet can change under a waiter (a backend joins, a bound is raised): every waiter
+routes again at least every `recheck_s` for those.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class Waiter:
 
     queue: BackendQueue
     key: tuple[int, float, int]  # class rank, start tag, arrival: the fair order
+    tenant: str | None = None  # tagged (None: first come first served)
+    size: float = 0.0  # its finish tag less its start: tokens over its tenant's weight
     names: frozenset[str] = frozenset()  # the backends it waits for
     woken: asyncio.Future[str] | None = None
     waited: bool = False  # it has had a place in the queue
@@ -67,6 +74,8 @@ class BackendQueue:
         self.recheck_s = recheck_s
         self.waiters: list[Waiter] = []  # in the fair order
         self._arrivals = itertools.count()
+        self.virtual = 0.0  # the start tag of the last waiter that got a backend
+        self.finish: dict[str, float] = {}  # each tenant's last finish tag here
         self.stats = {
             "waited": 0,
             "routed": 0,
@@ -77,9 +86,16 @@ class BackendQueue:
         }
 
     def waiter(self, ticket: Ticket | None) -> Waiter:
-        """A place for the request of `ticket` (None: no tenants, first come first served)."""
-        rank, start = (1, 0.0) if ticket is None else (ticket.rank, ticket.start)
-        return Waiter(self, (rank, start, next(self._arrivals)))
+        """A place for the request of `ticket`, tagged (None: no tenants, first come first
+        served)."""
+        if ticket is None:
+            return Waiter(self, (1, 0.0, next(self._arrivals)))
+        last = self.finish.get(ticket.tenant, 0.0)
+        start = last if last > self.virtual else self.virtual
+        size = max(ticket.cost, 1.0) / ticket.weight
+        self.finish[ticket.tenant] = start + size
+        key = (ticket.rank, start, next(self._arrivals))
+        return Waiter(self, key, tenant=ticket.tenant, size=size)
 
     def freed(self, backend: str) -> None:
         """A request on `backend` ended: wake the first waiter it could serve."""
@@ -111,6 +127,8 @@ class BackendQueue:
             if takes(decision):
                 waiter.routed = True
                 self.stats["routed"] += 1
+                if waiter.key[1] > self.virtual:
+                    self.virtual = waiter.key[1]
                 return decision, waiter
         if waiter.waited:
             log.info(
@@ -127,6 +145,7 @@ class BackendQueue:
         if not w.waited and len(self.waiters) >= self.size and not self._shed_for(w):
             w.outcome = QUEUE_FULL  # (a place kept is kept: only a newcomer is refused)
             self.stats[QUEUE_FULL] += 1
+            self._untag(w)
             return False
         if now >= deadline:
             w.outcome = QUEUE_TIMEOUT
@@ -163,9 +182,16 @@ class BackendQueue:
         self.waiters.pop()
         last.outcome = SHED_PRIORITY if last.key[0] > w.key[0] else SHED_FAIR
         self.stats[last.outcome] += 1
+        self._untag(last)
         assert last.woken is not None
         last.woken.set_result("")
         return True
+
+    def _untag(self, w: Waiter) -> None:
+        """`w` will not be served: if it was its tenant's last, the tenant's finish goes back
+        to where it was."""
+        if w.tenant is not None and self.finish.get(w.tenant) == w.key[1] + w.size:
+            self.finish[w.tenant] = w.key[1]
 
     def _insert(self, w: Waiter) -> None:
         waiters = self.waiters

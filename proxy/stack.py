@@ -83,9 +83,11 @@ class Stack:
         *,
         module: str = "proxy",
         env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
     ) -> subprocess.Popen[bytes]:
         """`python -m module args` (`warmroute args` by default); `env` replaces the
-        environment (another checkout's proxy: its PYTHONPATH)."""
+        environment. Another checkout's proxy runs in that checkout (`cwd`): `-m` puts the
+        working directory before PYTHONPATH, so a tree there would win."""
         out: int | IO[bytes] = subprocess.DEVNULL
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
@@ -93,6 +95,7 @@ class Stack:
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
             env=env,
+            cwd=cwd,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: we can kill its whole tree

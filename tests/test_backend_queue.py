@@ -9,12 +9,13 @@ import pytest
 
 from proxy.admission import QUEUE_FULL, QUEUE_TIMEOUT, SHED_FAIR, SHED_PRIORITY, Ticket
 from proxy.backend_queue import BackendQueue
+from proxy.routing.types import Decision, Dropped, Verdict
 
 FAR = 1e9  # a deadline that does not come
 
 
-def _ticket(tenant: str, start: float, rank: int = 1) -> Ticket:
-    return Ticket(tenant=tenant, start=start, rank=rank)
+def _ticket(tenant: str, cost: float = 100.0, rank: int = 1, weight: float = 1.0) -> Ticket:
+    return Ticket(tenant=tenant, cost=cost, rank=rank, weight=weight)
 
 
 async def _settled() -> None:
@@ -22,34 +23,64 @@ async def _settled() -> None:
         await asyncio.sleep(0)
 
 
-async def test_a_freed_slot_goes_to_the_best_class_then_the_earliest_start_tag() -> None:
+async def test_a_freed_slot_goes_to_the_best_class_then_the_tenant_served_least() -> None:
+    """The flood has two waiting before the quiet tenant's one arrives: the quiet one is
+    tagged at the queue's virtual time, where the flood's first is, and before its second."""
     queue = BackendQueue(size=8, wait_s=5.0, recheck_s=FAR)
     arrivals = [
-        ("flood-late", _ticket("flood", 900.0)),
-        ("quiet", _ticket("quiet", 10.0)),
-        ("batch", _ticket("batch", 0.0, rank=2)),
-        ("interactive", _ticket("ui", 500.0, rank=0)),
+        ("flood 1", _ticket("flood")),
+        ("flood 2", _ticket("flood")),
+        ("quiet", _ticket("quiet")),
+        ("batch", _ticket("batch", rank=2)),
+        ("interactive", _ticket("ui", rank=0)),
     ]
     order: list[str] = []
 
     async def wait(name: str, ticket: Ticket) -> None:
-        assert await queue.waiter(ticket).wait(["a"], FAR)
+        waiter = queue.waiter(ticket)
+        assert await waiter.wait(["a"], FAR)
         order.append(name)
 
-    tasks = [asyncio.create_task(wait(name, t)) for name, t in arrivals]
-    await _settled()
-    assert len(queue.waiters) == 4
+    tasks = []
+    for name, t in arrivals:
+        tasks.append(asyncio.create_task(wait(name, t)))
+        await _settled()
+    assert len(queue.waiters) == 5
     for _ in arrivals:
         queue.freed("a")
         await _settled()
-    assert order == ["interactive", "quiet", "flood-late", "batch"]
+    assert order == ["interactive", "flood 1", "quiet", "flood 2", "batch"]
     await asyncio.gather(*tasks)
+
+
+async def test_tags_are_in_tokens_over_weight_and_time_moves_with_who_got_a_backend() -> None:
+    queue = BackendQueue(size=8, wait_s=5.0, recheck_s=FAR)
+    big = [queue.waiter(_ticket("big", cost=1000.0)) for _ in range(2)]
+    heavy = [queue.waiter(_ticket("heavy", cost=1000.0, weight=4.0)) for _ in range(2)]
+    assert [w.key[1] for w in big] == [0.0, 1000.0]
+    assert [w.key[1] for w in heavy] == [0.0, 250.0]  # its weight: four times the share
+    decision = Decision("p", [], "r", filtered_out={"a": Dropped(Verdict.AT_BOUND, "full")})
+    routed = Decision("p", ["a"], "r")
+
+    async def again() -> Decision:
+        return routed
+
+    task = asyncio.create_task(
+        queue.route_when_freed(_ticket("late", cost=10.0), decision, again, lambda d: True)
+    )
+    await _settled()
+    queue.virtual = 500.0  # as if waiters up to a start of 500 had been served
+    queue.freed("a")
+    _, waiter = await task
+    assert waiter.routed and waiter.key[1] == 0.0  # tagged before: it keeps its place
+    assert queue.virtual == 500.0  # the time never goes back
+    assert queue.waiter(_ticket("new")).key[1] == 500.0  # a newcomer banks nothing
 
 
 async def test_a_slot_wakes_only_a_waiter_that_backend_could_serve() -> None:
     queue = BackendQueue(size=8, wait_s=5.0, recheck_s=FAR)
-    first = asyncio.create_task(queue.waiter(_ticket("x", 0.0)).wait(["a"], FAR))
-    second = asyncio.create_task(queue.waiter(_ticket("y", 1.0)).wait(["b"], FAR))
+    first = asyncio.create_task(queue.waiter(_ticket("x")).wait(["a"], FAR))
+    second = asyncio.create_task(queue.waiter(_ticket("y")).wait(["b"], FAR))
     await _settled()
     queue.freed("b")  # x waits for a only: y goes, though x is first in the fair order
     await _settled()
@@ -75,24 +106,24 @@ async def test_without_tenants_it_is_first_come_first_served() -> None:
         queue.freed("a")
         await _settled()
     await asyncio.gather(*tasks)
-    assert order == [0, 1, 2]
+    assert order == [0, 1, 2] and not queue.finish
 
 
 async def test_a_waiter_that_lost_its_slot_waits_again_in_the_place_it_had() -> None:
     queue = BackendQueue(size=2, wait_s=5.0, recheck_s=FAR)
-    early, late = queue.waiter(_ticket("e", 1.0)), queue.waiter(_ticket("l", 2.0))
+    early, late = queue.waiter(_ticket("e")), queue.waiter(_ticket("e"))  # starts 0, 100
     first = asyncio.create_task(early.wait(["a"], FAR))
     second = asyncio.create_task(late.wait(["a"], FAR))
     await _settled()
     queue.freed("a")
     assert await first  # routed again, and a newcomer had taken the slot: it waits again
-    third = asyncio.create_task(queue.waiter(_ticket("n", 3.0)).wait(["a"], FAR))
+    third = asyncio.create_task(queue.waiter(_ticket("e")).wait(["a"], FAR))  # 200
     await _settled()  # the queue is full again (late, the newcomer)
     again = asyncio.create_task(early.wait(["a"], FAR))  # a place kept is kept
-    fourth = asyncio.create_task(queue.waiter(_ticket("m", 9.0)).wait(["a"], FAR))
+    fourth = asyncio.create_task(queue.waiter(_ticket("e")).wait(["a"], FAR))  # 300
     await _settled()
     assert fourth.done() and fourth.result() is False  # a new one going last: refused
-    assert [w.key[1] for w in queue.waiters] == [1.0, 2.0, 3.0]  # in front of the later ones
+    assert [w.key[1] for w in queue.waiters] == [0.0, 100.0, 200.0]
     queue.freed("a")
     await _settled()
     assert again.done() and again.result() is True and not third.done()
@@ -104,20 +135,20 @@ async def test_a_waiter_that_lost_its_slot_waits_again_in_the_place_it_had() -> 
 
 async def test_a_full_queue_sheds_its_last_waiter_for_a_newcomer_that_goes_before_it() -> None:
     queue = BackendQueue(size=2, wait_s=5.0, recheck_s=FAR)
-    flood = [queue.waiter(_ticket("flood", s)) for s in (100.0, 200.0)]
-    waits = [asyncio.create_task(w.wait(["a"], FAR)) for w in flood]
+    flood = [queue.waiter(_ticket("flood")) for _ in range(3)]  # starts 0, 100, 200
+    waits = [asyncio.create_task(w.wait(["a"], FAR)) for w in flood[1:]]
     await _settled()
-    quiet = queue.waiter(_ticket("quiet", 50.0))
+    quiet = queue.waiter(_ticket("quiet"))  # start 0
     quiet_wait = asyncio.create_task(quiet.wait(["a"], FAR))
     await _settled()
-    assert waits[1].done() and waits[1].result() is False and flood[1].outcome == SHED_FAIR
-    batch = queue.waiter(_ticket("batch", 0.0, rank=2))  # would go last: refused
+    assert waits[1].done() and waits[1].result() is False and flood[2].outcome == SHED_FAIR
+    batch = queue.waiter(_ticket("batch", rank=2))  # would go last: refused
     assert not await batch.wait(["a"], FAR) and batch.outcome == QUEUE_FULL
-    live = queue.waiter(_ticket("ui", 999.0, rank=0))
+    live = queue.waiter(_ticket("ui", rank=0))
     live_wait = asyncio.create_task(live.wait(["a"], FAR))
     await _settled()
-    assert waits[0].done() and flood[0].outcome == SHED_PRIORITY  # (flood's 100 was last)
-    assert [w.key[1] for w in queue.waiters] == [999.0, 50.0]
+    assert waits[0].done() and flood[1].outcome == SHED_PRIORITY  # (flood's 100 was last)
+    assert [w.key[:2] for w in queue.waiters] == [(0, 0.0), (1, 0.0)]
     queue.freed("a")
     queue.freed("a")
     assert await live_wait and await quiet_wait
@@ -126,8 +157,8 @@ async def test_a_full_queue_sheds_its_last_waiter_for_a_newcomer_that_goes_befor
 
 async def test_a_waiter_woken_as_its_client_leaves_hands_the_slot_to_the_next() -> None:
     queue = BackendQueue(size=8, wait_s=5.0, recheck_s=FAR)
-    leaving = asyncio.create_task(queue.waiter(_ticket("x", 0.0)).wait(["a"], FAR))
-    staying = asyncio.create_task(queue.waiter(_ticket("y", 1.0)).wait(["a"], FAR))
+    leaving = asyncio.create_task(queue.waiter(_ticket("x")).wait(["a"], FAR))
+    staying = asyncio.create_task(queue.waiter(_ticket("y")).wait(["a"], FAR))
     await _settled()
     queue.freed("a")  # wakes x...
     leaving.cancel()  # ...whose client is gone before it routes

@@ -157,11 +157,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def spawn(
+    cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: str | Path = ROOT
+) -> subprocess.Popen[bytes]:
+    """`cmd` in `cwd` (another checkout's: `python -m` puts it before PYTHONPATH)."""
     f = log.open("ab")
     try:
         proc = subprocess.Popen(
-            cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, stdin=subprocess.DEVNULL
+            cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=env, stdin=subprocess.DEVNULL
         )
     finally:
         f.close()
@@ -300,7 +303,7 @@ class Proxy:
             "--log-level",
             "info",
         ]
-        self.proc = spawn(cmd, self.log, env)
+        self.proc = spawn(cmd, self.log, env, self.a.base or ROOT)
 
     def reload(self, urls: Sequence[str]) -> None:
         self.write_config(urls)

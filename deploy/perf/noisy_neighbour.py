@@ -170,7 +170,7 @@ def serving(
             module="proxy.bench.mock",
         )  # fmt: skip
         stack.wait_http(f"http://127.0.0.1:{mock_port}/health", mock)
-        proxy = stack.spawn("proxy", ["serve", "--config", f.name], env=env)
+        proxy = stack.spawn("proxy", ["serve", "--config", f.name], env=env, cwd=proxy_dir)
         stack.wait_http(f"http://127.0.0.1:{port}/ready", proxy)
         yield f"http://127.0.0.1:{port}/v1/chat/completions"
 
