@@ -75,6 +75,10 @@ class Ticket:
     waited_s: float = 0.0  # in the queue
     admitted_at: float = 0.0  # loop time
     waiter: asyncio.Future[str | None] | None = None
+    # For engines that order their queue by a priority (lower first): its class (interactive
+    # -2, standard 0, batch 2), plus 1 when its tenant ran more than its weight's share of
+    # the requests running as it was let in (set then).
+    level: int = 0
 
 
 # The ticket of the request the current task serves (set by the edge): the request path
@@ -141,6 +145,7 @@ class Admission:
         self.finish: dict[str, float] = {}  # each tenant's last finish tag
         self.expected_output: dict[str, float] = {}  # per tenant, from what it was served
         self.running: dict[str, int] = {}  # admitted and not finished, per tenant
+        self.weights: dict[str, float] = {}  # each tenant's, as its last ticket said
 
     @property
     def retry_after_s(self) -> int:
@@ -261,6 +266,7 @@ class Admission:
     # -- the fair order ---------------------------------------------------------------------
     def _tag(self, ticket: Ticket) -> None:
         tenant = ticket.tenant
+        self.weights[tenant] = ticket.weight
         if self.reserve:
             self.seen[tenant] = (time.monotonic(), ticket.weight)
         ticket.cost = ticket.prompt_tokens + self.expected_output.get(tenant, EXPECTED_OUTPUT)
@@ -277,7 +283,14 @@ class Admission:
     def _let_in(self, ticket: Ticket) -> None:
         if ticket.start > self.virtual:
             self.virtual = ticket.start
-        self.running[ticket.tenant] = self.running.get(ticket.tenant, 0) + 1
+        running = self.running
+        mine = running[ticket.tenant] = running.get(ticket.tenant, 0) + 1
+        ticket.level = 2 * (ticket.rank - STANDARD)
+        if len(running) > 1:  # over its share of what runs: after the others' at the engine
+            weights = self.weights
+            share = sum(running.values()) * ticket.weight
+            if mine * sum(weights.get(t, 1.0) for t in running) > share:
+                ticket.level += 1
         if self.targets:
             ticket.admitted_at = asyncio.get_running_loop().time()
 

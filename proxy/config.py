@@ -77,6 +77,11 @@ class _BackendTemplate(_Model):
     # Requests open on it at once (all replicas, with Redis); beyond it the backend is skipped,
     # and when every backend is at its bound the client gets 429 with Retry-After. None: no bound.
     max_inflight: int | None = Field(None, ge=1)
+    # The engine orders its queue by the request's `priority` field: `lower_first` (vLLM with
+    # --scheduling-policy priority; SGLang with --schedule-low-priority-values-first) or
+    # `higher_first` (SGLang's --enable-priority-scheduling). With API keys, each request is
+    # sent its class and its tenant's standing (docs/tenants.md). None: no priority is sent.
+    engine_priority: Literal["lower_first", "higher_first"] | None = None
     # SGLang prefill engines: their --disaggregation-bootstrap-port (None: the engine's default)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     # Declared hardware, optional: the doctor checks decode against its bandwidth ceiling

@@ -45,7 +45,7 @@ from proxy.backend_queue import all_at_bound
 from proxy.config import Config
 from proxy.errors import RequestError, error_body
 from proxy.exchange import API_PATHS, Exchange
-from proxy.intake import parse, too_large, with_include_usage
+from proxy.intake import parse, too_large, with_include_usage, with_priority
 from proxy.redact import quote, sane_request_id
 from proxy.relay import Relay, internal_error, respond
 from proxy.request_headers import upstream_headers
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from proxy.fleet.reconciler import Reconciler as Membership
     from proxy.pdflow import PdFlows
     from proxy.ports import UpstreamResponseLike
-    from proxy.telemetry import RequestRecord
+    from proxy.telemetry import AttemptRecord, RequestRecord
     from proxy.tenants.budgets import Budgets
     from proxy.types import StreamFacts
 
@@ -510,6 +510,8 @@ class ProxyEndpoint:
             strip = ex.strip_usage and not _keeps_own_usage(backend)
             if body is None:
                 body = ex.raw if strip or not ex.strip_usage else ex.client_raw
+            if backend.cfg.engine_priority is not None:
+                body = _prioritised(ex, body, backend.cfg.engine_priority, attempt)
             if self.pd is not None:
                 self.pd.started(ex, backend.name, t_sent, attempt)
             upstream = await self.open_leg(ex, backend, body, headers, fresh)
@@ -559,6 +561,18 @@ def _keeps_own_usage(backend: Backend) -> bool:
     stripping that chunk would take them from the client: send such engines the client's
     own request instead (the meter still reads usage from the finish chunk if present)."""
     return backend.cfg.engine == "llamacpp"
+
+
+def _prioritised(ex: Exchange, body: bytes, order: str, attempt: AttemptRecord) -> bytes:
+    """The body for an engine that orders its queue by `priority`: the request's level (its
+    class and its tenant's standing, proxy/admission.py), in the engine's sense. Without a
+    ticket (no API keys) the body goes as the client sent it."""
+    ticket = TICKET.get()
+    if ticket is None:
+        return body
+    level = ticket.level if order == "lower_first" else -ticket.level
+    attempt.set_attribute("warmroute.engine.priority", level)
+    return with_priority(body, ex.body, level)
 
 
 def _client_left(ex: Exchange, task: asyncio.Task[Any]) -> None:

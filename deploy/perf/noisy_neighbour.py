@@ -12,6 +12,8 @@ tenant's TTFT p50/p99 with and without the flood, its refusals, and what the flo
 the fair queue, for comparison). `--reserve 0 2` runs each seed with `tenants.reserve_slots`
 0, then 2 (slots kept for the tenant below its share), one after the other. `--bound
 backends` holds the 8 slots in the engines (`max_inflight: 2` each) instead of the proxy.
+`--engine-priority` has the engines order their prefill queue by the request's `priority`
+(vLLM's `--scheduling-policy priority`), which the proxy sets from the tenant's standing.
 `--goodput TARGET_S` instead sends one tenant at 1.5x the capacity, without a TTFT target
 and then with `tenants.ttft_targets_s: {standard: TARGET_S}`, and prints the requests a
 second that got their first token within the target. Not a test: numbers depend on the
@@ -130,17 +132,23 @@ async def load(url: str, seed: int, duration: float, flood: bool) -> dict[str, A
 
 @contextlib.contextmanager
 def serving(
-    proxy_dir: Path, tenants: dict[str, Any] | None = None, bound: str = "proxy"
+    proxy_dir: Path,
+    tenants: dict[str, Any] | None = None,
+    bound: str = "proxy",
+    engine_priority: bool = False,
+    slots: int = SLOTS,
 ) -> Iterator[str]:
     """Four engines and the proxy (of `proxy_dir`'s checkout) in front of them; yields the
     chat completions URL. `bound`: where the fleet's 8 slots are held: `proxy`
-    (server.max_inflight) or `backends` (each engine's max_inflight, 2)."""
+    (server.max_inflight) or `backends` (each engine's max_inflight, 2). `engine_priority`:
+    the engines order their prefill queue by the request's `priority`, which the proxy sets.
+    `slots`: requests the fleet is let hold (the load stays sized for 8)."""
     *mock_ports, port = free_ports(ENGINES + 1)  # the engines', then the proxy's
     mock_port = mock_ports[0]
     config: dict[str, Any] = {
         "server": {
             "port": port,
-            "max_inflight": SLOTS if bound == "proxy" else 4096,
+            "max_inflight": slots if bound == "proxy" else 4096,
             "admission_queue": 16,
             "admission_timeout_s": 5,
             "api_keys": [
@@ -150,7 +158,8 @@ def serving(
         },
         "backends": [
             {"url": f"http://127.0.0.1:{mock_port + i}"}
-            | ({"max_inflight": SLOTS // ENGINES} if bound == "backends" else {})
+            | ({"max_inflight": slots // ENGINES} if bound == "backends" else {})
+            | ({"engine_priority": "lower_first"} if engine_priority else {})
             for i in range(ENGINES)
         ],
         "telemetry": {"enabled": False},
@@ -166,7 +175,8 @@ def serving(
             "mock",
             ["--port", str(mock_port), "--instances", str(ENGINES), "--chunks", "16",
              "--chunk-interval-ms", "20", "--cache-tokens", "3000",
-             "--prefill-tokens-per-s", "20000"],
+             "--prefill-tokens-per-s", "20000",
+             *(["--priority-scheduling"] if engine_priority else [])],
             module="proxy.bench.mock",
         )  # fmt: skip
         stack.wait_http(f"http://127.0.0.1:{mock_port}/health", mock)
@@ -176,9 +186,16 @@ def serving(
 
 
 def run(
-    seed: int, duration: float, proxy_dir: Path, reserve: int = 0, bound: str = "proxy"
+    seed: int,
+    duration: float,
+    proxy_dir: Path,
+    reserve: int = 0,
+    bound: str = "proxy",
+    engine_priority: bool = False,
+    slots: int = SLOTS,
 ) -> dict[str, Any]:
-    with serving(proxy_dir, {"reserve_slots": reserve} if reserve else None, bound) as url:
+    tenants = {"reserve_slots": reserve} if reserve else None
+    with serving(proxy_dir, tenants, bound, engine_priority, slots) as url:
         alone = asyncio.run(load(url, seed, duration, flood=False))
         both = asyncio.run(load(url, seed, duration, flood=True))
     return {"seed": seed, "alone": alone["quiet"], "quiet": both["quiet"], "flood": both["flood"]}
@@ -231,6 +248,19 @@ def main() -> None:
         "backends (max_inflight 2 each: requests wait for a backend below its bound)",
     )
     parser.add_argument(
+        "--engine-priority",
+        action="store_true",
+        help="the engines order their prefill queue by priority (vLLM's --scheduling-policy "
+        "priority), and the proxy sends each request's (engine_priority: lower_first)",
+    )
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=SLOTS,
+        help=f"requests the fleet is let hold (default {SLOTS}, what it serves without "
+        "queueing; more queue at the engines' serial prefill)",
+    )
+    parser.add_argument(
         "--goodput",
         type=float,
         metavar="TARGET_S",
@@ -248,7 +278,15 @@ def main() -> None:
             continue
         for reserve in args.reserve:
             label = f"{args.label}, reserve {reserve}" if reserve else args.label
-            found = run(seed, args.duration, proxy_dir, reserve, args.bound)
+            found = run(
+                seed,
+                args.duration,
+                proxy_dir,
+                reserve,
+                args.bound,
+                args.engine_priority,
+                args.slots,
+            )
             row = {**found, "label": label, "bound": args.bound}
             row["reserve_slots"] = reserve
             rows.append(row)

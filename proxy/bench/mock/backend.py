@@ -18,6 +18,8 @@ MockBackend answers chat and text completions (streamed or whole), embeddings, /
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import re
 import threading
 import time
@@ -68,6 +70,10 @@ class EngineSettings:
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
     chunk_interval_s: float = 0.0
+    # Queued prefills go by the request's `priority` (lower first, then arrival), as vLLM's
+    # --scheduling-policy priority orders its waiting queue; off, a priority other than 0 is
+    # refused with vLLM's 400.
+    priority_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.cache_tokens < 0 or self.block_tokens < 1:
@@ -82,26 +88,48 @@ class MockEngine:
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
         self.cache = PrefixCache(settings.cache_tokens, settings.block_tokens)
-        self._prefill = asyncio.Lock()
+        self._busy = False  # a prefill holds the instance
+        self._queue: list[tuple[int, int, asyncio.Future[None]]] = []  # heap: priority, arrival
+        self._arrivals = itertools.count()
         self.waiting = 0  # requests queued for prefill
         self.running = 0  # requests streaming their answer
         self.generation_tokens = 0
 
-    async def prefill(self, tokens: Sequence[Hashable]) -> int:
-        """Wait for the engine, then hold it while the uncached tokens are computed; returns
-        the cached tokens. The cache is looked up when the request's turn comes, as an
-        engine's scheduler does, so a queued request finds what the one before it left."""
-        self.waiting += 1
-        try:
-            await self._prefill.acquire()
-        finally:
-            self.waiting -= 1
+    async def prefill(self, tokens: Sequence[Hashable], priority: int = 0) -> int:
+        """Wait for the engine (first come first served, or by `priority` with priority
+        scheduling), then hold it while the uncached tokens are computed; returns the cached
+        tokens. The cache is looked up when the request's turn comes, as an engine's scheduler
+        does, so a queued request finds what the one before it left."""
+        if self._busy or self._queue:
+            rank = priority if self.settings.priority_scheduling else 0
+            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._queue, (rank, next(self._arrivals), turn))
+            self.waiting += 1
+            try:
+                await turn  # handed the instance by the prefill before it
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():
+                    self._next()  # it was its turn: the next one's now (else _next skips it)
+                raise
+            finally:
+                self.waiting -= 1
+        else:
+            self._busy = True
         try:
             cached = self.cache.admit(tokens)
             await asyncio.sleep((len(tokens) - cached) / self.settings.prefill_tokens_per_s)
         finally:
-            self._prefill.release()
+            self._next()
         return cached
+
+    def _next(self) -> None:
+        """Hand the instance to the next queued prefill, or free it."""
+        while self._queue:
+            turn = heapq.heappop(self._queue)[2]
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._busy = False
 
     def metrics_text(self) -> str:
         """Generic counters only: nothing here names or implies the cache's size."""
@@ -336,9 +364,20 @@ class _Exchange:
         tokens = tokenize(render_prompt(body))
         streaming = bool(body.get("stream"))
         engine = app.engine
+        priority = body.get("priority", 0)
+        if engine is not None and priority:
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                await _error(send, 400, "priority: Input should be a valid integer")
+                self._done()
+                return
+            if not engine.settings.priority_scheduling:  # vLLM's words, and its status
+                message = f"Got priority {priority} but Priority scheduling is not enabled."
+                await _error(send, 400, message)
+                self._done()
+                return
         if streaming:  # headers at once, as an engine's HTTP layer sends them
             await start_stream(send, 200, (*SSE, *app._head))
-        cached = 0 if engine is None else await engine.prefill(tokens)
+        cached = 0 if engine is None else await engine.prefill(tokens, priority)
         if reply.cached_fraction is not None:
             cached = int(len(tokens) * reply.cached_fraction)
         usage = {

@@ -17,7 +17,10 @@ cache-aware router is judged on an engine it has no model of:
            vLLM); then every block of its prompt is inserted or touched, tail first, so that
            eviction takes a prompt's tail before its head (vLLM frees blocks that way too)
   prefill  serial: one request at a time holds the instance for
-           uncached tokens / --prefill-tokens-per-s seconds (queued requests wait for it)
+           uncached tokens / --prefill-tokens-per-s seconds (queued requests wait for it, in
+           arrival order; with --priority-scheduling by the request's `priority`, lower
+           first, as vLLM's --scheduling-policy priority; without it a `priority` other than 0
+           is refused with vLLM's 400)
   decode   free and parallel: min(--chunks, max_tokens) content chunks, --chunk-interval-ms
            apart, after a role chunk
   usage    prompt_tokens (its own tokens), completion_tokens and
@@ -254,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="gap between streamed chunks (default 0)",
     )
     g.add_argument(
+        "--priority-scheduling",
+        action="store_true",
+        help="queued prefills go by the request's `priority` field, lower first (vLLM's "
+        "--scheduling-policy priority)",
+    )
+    g.add_argument(
         "--cache-tokens-schedule",
         default=None,
         metavar="S:N,...",
@@ -279,6 +288,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--prefill-tokens-per-s": args.prefill_tokens_per_s,
         "--chunk-interval-ms": args.chunk_interval_ms,
         "--cache-tokens-schedule": args.cache_tokens_schedule,
+        "--priority-scheduling": args.priority_scheduling or None,
     }
     given = [flag for flag, value in engine_flags.items() if value is not None]
     engine: EngineSettings | None = None
@@ -298,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 block_tokens=_or(args.cache_block_tokens, DEFAULT_BLOCK_TOKENS),
                 prefill_tokens_per_s=_or(args.prefill_tokens_per_s, DEFAULT_PREFILL_TOKENS_PER_S),
                 chunk_interval_s=_or(args.chunk_interval_ms, 0.0) / 1000,
+                priority_scheduling=args.priority_scheduling,
             )
             if args.cache_tokens_schedule:
                 schedule = parse_schedule(args.cache_tokens_schedule)
