@@ -423,6 +423,7 @@ class WarmrouteApp:
             known_model=lambda m: any(b.models is not None and m in b.models for b in backends),
             tenants=state.config.tenants,
             admission=state.admission,
+            backend_queue=state.steering.waiting,
         )
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -30,6 +30,7 @@ from proxy.tenants.tickets import PRIORITY_HEADER, TicketError, refusal, ticket_
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
+    from proxy.backend_queue import BackendQueue
     from proxy.config import ServerConfig, TenantsConfig
     from proxy.telemetry import Telemetry
 
@@ -50,8 +51,10 @@ class Edge:
         known_model: Callable[[str], bool] | None = None,
         tenants: TenantsConfig | None = None,
         admission: Admission | None = None,
+        backend_queue: BackendQueue | None = None,
     ) -> None:
         self.endpoints = endpoints
+        self.backend_queue = backend_queue  # requests waiting for a backend below its bound
         self.inner = inner
         self.keys = KeyRing.from_hex([(k.name, k.sha256) for k in server.api_keys])
         self.isolate_tenants = server.isolate_tenants and bool(self.keys)
@@ -330,6 +333,21 @@ def _observe(edge: Edge, telemetry: Telemetry) -> None:
         description="Requests of a class with a TTFT target (tenants.ttft_targets_s): met it, "
         "missed it, or refused at once as unable to meet it (deadline).",
     )
+    queue = edge.backend_queue
+    if queue is not None:
+        meter.create_observable_up_down_counter(
+            "warmroute.backend_queue.waiting",
+            [gauge(lambda: len(queue.waiters))],
+            unit="{request}",
+            description="Requests waiting for a backend below its max_inflight.",
+        )
+        meter.create_observable_counter(
+            "warmroute.backend_queue.requests",
+            [counts(lambda: queue.stats, "outcome")],
+            unit="{request}",
+            description="Requests that found every backend at its max_inflight: waited, "
+            "routed after waiting, or refused (queue_full, queue_timeout, shed_*).",
+        )
     meter.create_observable_up_down_counter(
         "warmroute.connections.open",
         [gauge(lambda: conns.open)],

@@ -4,12 +4,19 @@ a freed slot wakes the waiter the fair order puts first among those the backend 
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
 
+import httpx
+import orjson
 import pytest
 
 from proxy.admission import QUEUE_FULL, QUEUE_TIMEOUT, SHED_FAIR, SHED_PRIORITY, Ticket
 from proxy.backend_queue import BackendQueue
 from proxy.routing.types import Decision, Dropped, Verdict
+from tests.support import until
 
 FAR = 1e9  # a deadline that does not come
 
@@ -184,3 +191,49 @@ async def test_a_waiter_routes_again_at_each_recheck_without_being_woken() -> No
     waiter = queue.waiter(None)
     assert await waiter.wait(["a"], FAR)
     assert not queue.waiters and waiter.outcome is None
+
+
+@pytest.mark.e2e
+def test_through_the_proxy_a_request_waits_for_the_busy_backend_and_metrics_say_so(
+    fake_backends: Any, proxy_server: Callable[..., Any]
+) -> None:
+    [(app, backend)] = fake_backends(1)
+    proxy = proxy_server(
+        [backend.url], config={"backends": [{"url": backend.url, "max_inflight": 1}]}
+    )
+    held = orjson.dumps(
+        {
+            "model": "test-model",
+            "stream": True,
+            "messages": [{"role": "user", "content": "delay:30"}],
+        }
+    )
+    host, port = proxy.url.removeprefix("http://").split(":")
+    answer: list[httpx.Response] = []
+    with socket.create_connection((host, int(port))) as first:  # in flight until closed
+        first.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(held), held)
+        )
+        until(lambda: len(app.rec.requests) == 1, "the first request on the backend")
+        body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
+        second = threading.Thread(
+            target=lambda: answer.append(
+                httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=30)
+            )
+        )
+        second.start()
+        until(lambda: _metric(proxy.url, "warmroute_backend_queue_waiting") == 1.0, "a waiter")
+    second.join(30)  # the first request's client left: its slot went to the waiter
+    assert answer and answer[0].status_code == 200
+    assert _metric(proxy.url, "warmroute_backend_queue_requests_total", outcome="routed") == 1.0
+    assert _metric(proxy.url, "warmroute_backend_queue_waiting") == 0.0
+
+
+def _metric(url: str, name: str, **labels: str) -> float | None:
+    """The value of series `name` with `labels` in the proxy's /metrics, or None."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith((name + " ", name + "{")) and all(w in line for w in wanted):
+            return float(line.rsplit(" ", 1)[1])
+    return None
