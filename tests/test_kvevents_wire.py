@@ -216,3 +216,22 @@ def test_replay_replies_parse_with_and_without_vllms_later_topic_frame() -> None
     assert wire.parse_replay_reply(wire.replay_end()) is None
     assert wire.parse_replay_reply([b"", wire.pack_seq(wire.END_SEQ), b""]) is None
     assert wire.replay_request(7) == [b"", wire.pack_seq(7)]
+
+
+def test_signed_64_bit_hashes_as_sglang_sends_them_are_blocks_not_malformed_events() -> None:
+    low, high = -(1 << 63), (1 << 64) - 1
+    payload = _payload(
+        {
+            "type": "BlockStored",
+            "block_hashes": [-5, low, high],
+            "parent_block_hash": -7,
+            "token_ids": list(range(12)),
+            "block_size": 4,
+        },
+        {"type": "BlockRemoved", "block_hashes": [-5]},
+    )
+    batch = wire.decode_batch(payload)
+    assert batch.skipped == 0
+    stored, removed = batch.events
+    assert isinstance(stored, BlockStored) and stored.block_hashes == [-5, low, high]
+    assert stored.parent_block_hash == -7 and removed == BlockRemoved([-5])

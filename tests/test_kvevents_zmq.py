@@ -7,6 +7,7 @@ import contextlib
 import socket
 from collections.abc import Callable, Iterable, Sequence
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -267,3 +268,24 @@ def test_several_engines_offset_their_ports_like_vllms_data_parallel_ranks() -> 
     assert offset_endpoint(None, 1) is None
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         offset_endpoint("ipc:///tmp/kv", 1)
+
+
+async def test_an_event_the_proxy_could_not_read_makes_the_view_inexact_until_a_clean_start() -> (
+    None
+):
+    sink = Recorder()
+    sub = KvEventSubscriber("tcp://127.0.0.1:9", sink)  # fed frames here, never started
+    clear = wire.encode_batch(wire.EventBatch(1.0, [AllBlocksCleared()]))
+    await sub.on_frames(wire.live_frames(b"", 0, clear))
+    assert sub.exact
+    unreadable = msgspec.msgpack.encode(
+        [2.0, [{"type": "BlockStored", "block_hashes": ["x"]}, ["AllBlocksCleared"]], None]
+    )  # a clear is read, but after it a change the view did not see
+    await sub.on_frames(wire.live_frames(b"", 1, unreadable))
+    assert not sub.exact and sub.counts["skipped_events"] == 1
+    await sub.on_frames(
+        wire.live_frames(b"", 2, wire.encode_batch(wire.EventBatch(3.0, [stored(1)])))
+    )
+    assert not sub.exact  # still: nothing has repaired it
+    await sub.on_frames(wire.live_frames(b"", 3, clear))
+    assert sub.exact  # the engine cleared its cache: everything from here on is known

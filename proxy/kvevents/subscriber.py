@@ -15,7 +15,8 @@ repairs it from the engine's replay buffer:
 
 Batches sent while the SUB socket (re)joins are lost; the next live batch reveals the gap.
 `exact` says the sink holds everything since a clean start (a replay that reached seq 0, or
-an AllBlocksCleared); a gap the replay could not fill clears it.
+an AllBlocksCleared); a gap the replay could not fill clears it, and so does an event that
+could not be read (unknown or malformed: the sink did not see that change to the cache).
 
 "Silent" means nothing arrived for `silent_after_s`. An idle engine is silent too (engines
 publish only when their cache changes), so silence alone is no verdict: pair it with a
@@ -279,6 +280,16 @@ class KvEventSubscriber:
         self.sink.apply(batch.events)
         if any(isinstance(e, wire.AllBlocksCleared) for e in batch.events):
             self.exact = True  # everything from here on is known
+        if batch.skipped:
+            # The engine's cache changed in a way the sink did not see: until a clean start
+            # (a cleared cache, a restart replayed from 0), routing must not trust it whole.
+            if self.exact:
+                log.warning(
+                    "KV events from %s: batch %d had %d event(s) this proxy could not read; "
+                    "the view is no longer exact (routing falls back to the index)",
+                    self.endpoint, seq, batch.skipped,
+                )  # fmt: skip
+            self.exact = False
 
     def reset(self) -> None:
         """Another engine answers at the endpoint (the caller knows it restarted): the view

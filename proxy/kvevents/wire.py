@@ -19,7 +19,8 @@ more words:
   kv_cache_spec_sliding_window, locality, ownership, session_id, lookahead_token_ids (left out
   when None). `BlockRemoved`: block_hashes, medium, then group_idx, locality, ownership.
   `AllBlocksCleared`: no fields. Block hashes are 32-byte sha256 digests (msgpack bin) by
-  default, or uint64 ints with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1.
+  default, or uint64 ints with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1; SGLang, which ported
+  this module, sends signed 64-bit ints (accepted too).
 - Replay (ROUTER socket): a DEALER sends `[b"", start_seq]` (8 bytes big-endian); the reply is
   one message `[b"", topic, seq, payload]` per buffered batch with seq >= start, then the end
   marker `[b"", b"", -1 as 8 signed bytes, b""]`. Before vllm-project/vllm#45177 the replies
@@ -46,6 +47,7 @@ BlockHash = int | bytes
 SEQ_BYTES = 8
 END_SEQ = -1  # the replay's end marker, sent as 8 bytes of 0xFF
 _UINT64 = (1 << 64) - 1
+_INT64_MIN = -(1 << 63)
 
 
 class WireError(ValueError):
@@ -260,7 +262,10 @@ def _checked(cls: type, values: dict[str, Any], required: Sequence[str]) -> KVEv
 
 
 def _is_hash(value: Any) -> bool:
-    return isinstance(value, bytes) or (type(value) is int and 0 <= value <= _UINT64)
+    """bytes (vLLM's sha256 digests), or a 64-bit integer: unsigned (vLLM's int hashes) or
+    signed (SGLang's, most of them negative). A hash is only ever compared with the same
+    engine's, so either reading names the same block."""
+    return isinstance(value, bytes) or (type(value) is int and _INT64_MIN <= value <= _UINT64)
 
 
 def _is_int_or_none(value: Any) -> bool:
