@@ -237,9 +237,12 @@ class ProxyEndpoint:
             record.set_decision(routed)
             return routed
 
+        ticket = TICKET.get()
         decision, waiter = await queue.route_when_freed(
-            TICKET.get(), ex.decision, again, lambda d: bool(candidates(d.ranking)), ex.request_id
+            ticket, ex.decision, again, lambda d: bool(candidates(d.ranking)), ex.request_id
         )
+        if ticket is not None:  # (the doctor counts it as waiting for a slot)
+            ticket.backend_wait_s = waiter.waited_s
         if waiter.routed:
             record.set_attribute("warmroute.backend_wait_s", round(waiter.waited_s, 6))
             return True

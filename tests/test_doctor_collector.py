@@ -221,6 +221,7 @@ def test_a_keyed_request_is_kept_with_its_tenant_wait_and_tokens_for_the_queue_r
     doctor = Doctor(c)
     ticket = Ticket("team-a")
     ticket.waited_s = 0.25
+    ticket.backend_wait_s = 0.5  # then for a backend at its bound
     held = (CLIENT.set("team-a"), TICKET.set(ticket))
     try:
         doctor.finished("m", "a", facts([0.01]), None, Decision(), 99.0)
@@ -229,6 +230,6 @@ def test_a_keyed_request_is_kept_with_its_tenant_wait_and_tokens_for_the_queue_r
         TICKET.reset(held[1])
     doctor.finished("m", "a", facts([0.01]), None, Decision(), 99.5)  # no key: not a tenant's
     [row] = c.tenant_requests()
-    assert (row.tenant, row.waited_s, row.tokens) == ("team-a", 0.25, 402)  # 400 in, 2 out
+    assert (row.tenant, row.waited_s, row.tokens) == ("team-a", 0.75, 402)  # 400 in, 2 out
     clock.now += 400  # past the window
     assert c.tenant_requests() == []

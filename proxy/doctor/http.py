@@ -95,7 +95,8 @@ class Doctor:
                 tokens = 0
                 if facts is not None:
                     tokens = (facts.input_tokens or 0) + (facts.output_tokens or 0)
-                self.collector.tenant_finished(t0, tenant, ticket.waited_s, tokens)
+                waited = ticket.waited_s + ticket.backend_wait_s  # for a slot, either kind
+                self.collector.tenant_finished(t0, tenant, waited, tokens)
         except Exception:
             log.exception("doctor: could not record a finished request")
 
