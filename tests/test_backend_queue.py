@@ -198,9 +198,11 @@ def test_through_the_proxy_a_request_waits_for_the_busy_backend_and_metrics_say_
     fake_backends: Any, proxy_server: Callable[..., Any]
 ) -> None:
     [(app, backend)] = fake_backends(1)
-    proxy = proxy_server(
-        [backend.url], config={"backends": [{"url": backend.url, "max_inflight": 1}]}
-    )
+    config = {
+        "backends": [{"url": backend.url, "max_inflight": 1}],
+        "server": {"admission_timeout_s": 120},  # it waits for the release, however slow
+    }
+    proxy = proxy_server([backend.url], config=config)
     held = orjson.dumps(
         {
             "model": "test-model",
@@ -219,12 +221,12 @@ def test_through_the_proxy_a_request_waits_for_the_busy_backend_and_metrics_say_
         body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
         second = threading.Thread(
             target=lambda: answer.append(
-                httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=30)
+                httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=60)
             )
         )
         second.start()
         until(lambda: _metric(proxy.url, "warmroute_backend_queue_waiting") == 1.0, "a waiter")
-    second.join(30)  # the first request's client left: its slot went to the waiter
+    second.join(60)  # the first request's client left: its slot went to the waiter
     assert answer and answer[0].status_code == 200
     assert _metric(proxy.url, "warmroute_backend_queue_requests_total", outcome="routed") == 1.0
     assert _metric(proxy.url, "warmroute_backend_queue_waiting") == 0.0
