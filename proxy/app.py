@@ -127,7 +127,9 @@ def create_app(
     )
     if forwarding.budgets is not None or server.api_keys:
         # GET /admin/tenants: budgets left, and each tenant's place in the queue
-        routes += tenants_http.routes(forwarding.budgets, state.admission, _tenant_names(config))
+        routes += tenants_http.routes(
+            forwarding.budgets, state.admission, _tenant_names(config), state.steering.waiting
+        )
     lifespan = _lifespan(state, engine_caches, fleet, reloader)
     inner = Starlette(routes=routes, lifespan=lifespan)
     inner.state.warmroute = state

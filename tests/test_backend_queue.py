@@ -239,3 +239,17 @@ def _metric(url: str, name: str, **labels: str) -> float | None:
         if line.startswith((name + " ", name + "{")) and all(w in line for w in wanted):
             return float(line.rsplit(" ", 1)[1])
     return None
+
+
+async def test_admin_tenants_counts_each_tenants_requests_waiting_for_a_backend() -> None:
+    from proxy.admission import Admission
+    from proxy.tenants.http import describe
+
+    queue = BackendQueue(size=8, wait_s=5.0, recheck_s=FAR)
+    waits = [asyncio.create_task(queue.waiter(_ticket(t)).wait(["a"], FAR)) for t in "aab"]
+    await _settled()
+    view = await describe(None, Admission(4, 4, 1.0), ("a", "b", "c"), queue)
+    assert [view["tenants"][t]["queue"]["backend_waiting"] for t in "abc"] == [2, 1, 0]
+    for _ in waits:
+        queue.freed("a")
+    await asyncio.gather(*waits)

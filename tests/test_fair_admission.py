@@ -272,6 +272,7 @@ def test_a_flooding_tenant_gives_way_and_its_excess_is_refused_with_429(
     assert view["tenants"]["quiet"]["queue"]["running"] == 0
     assert view["tenants"]["flood"]["queue"]["waiting"] == 0
     assert view["tenants"]["flood"]["queue"]["ahead_tokens_per_weight"] >= 0
+    assert view["tenants"]["flood"]["queue"]["backend_waiting"] == 0
 
 
 @pytest.mark.e2e

@@ -3,6 +3,7 @@ metrics: what each tenant was admitted, refused and charged here, and its budget
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -12,32 +13,40 @@ from starlette.routing import Route
 
 if TYPE_CHECKING:
     from proxy.admission import Admission
+    from proxy.backend_queue import BackendQueue
     from proxy.telemetry import Telemetry
     from proxy.tenants.budgets import Budgets
 
 
-def routes(budgets: Budgets | None, admission: Admission, tenants: tuple[str, ...]) -> list[Route]:
+def routes(
+    budgets: Budgets | None,
+    admission: Admission,
+    tenants: tuple[str, ...],
+    backend_queue: BackendQueue | None = None,
+) -> list[Route]:
     async def view(request: Request) -> Response:
-        found = await describe(budgets, admission, tenants)
+        found = await describe(budgets, admission, tenants, backend_queue)
         return Response(orjson.dumps(found), media_type="application/json")
 
     return [Route("/admin/tenants", view, methods=["GET"])]
 
 
 async def describe(
-    budgets: Budgets | None, admission: Admission, tenants: tuple[str, ...]
+    budgets: Budgets | None,
+    admission: Admission,
+    tenants: tuple[str, ...],
+    backend_queue: BackendQueue | None = None,
 ) -> dict[str, Any]:
     """Each tenant's limits with what is left of them now (across replicas when Redis holds
     them), what this replica admitted, refused and charged, and its place in the admission
-    queue (waiting, running, how far ahead of the others it has asked: who goes last)."""
+    queue (waiting, running, how far ahead of the others it has asked: who goes last), and
+    its requests waiting for a backend at its bound."""
     out: dict[str, Any] = {**(budgets.view() if budgets else {"budgets": "none"}), "tenants": {}}
     shares = admission.shares()
+    for_backend = Counter(w.tenant for w in backend_queue.waiters) if backend_queue else {}
     for tenant in tenants:
-        entry: dict[str, Any] = {
-            "queue": shares.get(
-                tenant, {"waiting": 0, "running": 0, "ahead_tokens_per_weight": 0.0}
-            )
-        }
+        queue = shares.get(tenant, {"waiting": 0, "running": 0, "ahead_tokens_per_weight": 0.0})
+        entry: dict[str, Any] = {"queue": {**queue, "backend_waiting": for_backend.get(tenant, 0)}}
         if budgets is not None:
             entry.update(await _budgets_of(budgets, tenant))
         out["tenants"][tenant] = entry
