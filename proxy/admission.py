@@ -128,7 +128,7 @@ class Admission:
         # The last `reserve` free slots go only to tenants running less than their share
         # while others are active (_may_take): a quiet tenant finds a slot free.
         self.reserve = reserve
-        self.seen: dict[str, tuple[float, float]] = {}  # tenant -> (last tagged, its weight)
+        self.seen: dict[str, float] = {}  # tenant -> when it was last tagged (with a reserve)
         self.queue = queue
         self.wait_s = wait_s
         # TTFT targets by class rank: a waiting request that cannot meet its target is
@@ -248,9 +248,10 @@ class Admission:
         horizon = time.monotonic() - ACTIVE_S
         total = ticket.weight
         others = False
-        for tenant, (at, weight) in self.seen.items():
+        weights = self.weights
+        for tenant, at in self.seen.items():
             if tenant != me and (at >= horizon or tenant in self.running):
-                total += weight
+                total += weights[tenant]
                 others = True
         return not others or self.running.get(me, 0) < self.limit * ticket.weight / total
 
@@ -269,7 +270,7 @@ class Admission:
         tenant = ticket.tenant
         self.weights[tenant] = ticket.weight
         if self.reserve:
-            self.seen[tenant] = (time.monotonic(), ticket.weight)
+            self.seen[tenant] = time.monotonic()
         ticket.cost = ticket.prompt_tokens + self.expected_output.get(tenant, EXPECTED_OUTPUT)
         last = self.finish.get(tenant, 0.0)
         ticket.start = last if last > self.virtual else self.virtual

@@ -71,9 +71,9 @@ def with_include_usage(raw: bytes, body: dict[str, Any]) -> bytes:
     again (orjson.dumps of the whole body was the largest cost before the first byte).
     """
     if "stream_options" not in body:
-        i = raw.find(b"{")  # a JSON object: only whitespace can come before its brace
-        if i >= 0 and raw[i + 1 :].lstrip()[:1] not in (b"}", b""):
-            return raw[: i + 1] + _INCLUDE_USAGE + raw[i + 1 :]
+        spliced = _first_member(raw, _INCLUDE_USAGE)
+        if spliced is not None:
+            return spliced
     opts = body.get("stream_options") or {}
     return orjson.dumps({**body, "stream_options": {**opts, "include_usage": True}})
 
@@ -83,10 +83,19 @@ def with_priority(raw: bytes, body: dict[str, Any], priority: int) -> bytes:
     an engine that orders its queue by it, the proxy's word replaces the client's. Spliced in
     after the opening brace unless the client sent one (then the object is encoded again)."""
     if "priority" not in body:
-        i = raw.find(b"{")
-        if i >= 0 and raw[i + 1 :].lstrip()[:1] not in (b"}", b""):
-            return b'%s"priority":%d,%s' % (raw[: i + 1], priority, raw[i + 1 :])
+        spliced = _first_member(raw, b'"priority":%d,' % priority)
+        if spliced is not None:
+            return spliced
     return orjson.dumps({**orjson.loads(raw), "priority": priority})
+
+
+def _first_member(raw: bytes, member: bytes) -> bytes | None:
+    """`raw` (a non-empty JSON object) with `member` (`"key":value,`) spliced in after its
+    opening brace, or None for an empty object."""
+    i = raw.find(b"{")  # a JSON object: only whitespace can come before its brace
+    if i >= 0 and raw[i + 1 :].lstrip()[:1] not in (b"}", b""):
+        return raw[: i + 1] + member + raw[i + 1 :]
+    return None
 
 
 def too_large(size: int, limit: int) -> RequestError:
