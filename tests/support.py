@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import importlib.util
 import inspect
 import re
@@ -19,15 +20,18 @@ from typing import Any
 
 import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.asgi import serve_lifespan
 from proxy.stack import free_ports
 
 __all__ = [
     "ServerThread",
+    "api_key",
     "eventually",
     "free_port",
     "load_script",
+    "metric",
     "process",
     "readme_first_command",
     "serve_lifespan",
@@ -36,6 +40,22 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def api_key(name: str) -> dict[str, str]:
+    """A `server.api_keys` entry named `name`, whose bearer token is `key-<name>`."""
+    return {"name": name, "sha256": hashlib.sha256(f"key-{name}".encode()).hexdigest()}
+
+
+def metric(url: str, sample: str, **labels: str) -> float | None:
+    """The value of the `sample` series (the exposition's name: `warmroute_x_total`) whose
+    labels include `labels`, in the proxy's GET /metrics at `url`; None when there is none."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == sample and labels.items() <= s.labels.items():
+                return float(s.value)
+    return None
 
 
 def load_script(path: str, name: str) -> Any:

@@ -16,7 +16,7 @@ import pytest
 from proxy.admission import QUEUE_FULL, QUEUE_TIMEOUT, SHED_FAIR, SHED_PRIORITY, Ticket
 from proxy.backend_queue import BackendQueue
 from proxy.routing.types import Decision, Dropped, Verdict
-from tests.support import until
+from tests.support import metric, until
 
 FAR = 1e9  # a deadline that does not come
 
@@ -225,20 +225,11 @@ def test_through_the_proxy_a_request_waits_for_the_busy_backend_and_metrics_say_
             )
         )
         second.start()
-        until(lambda: _metric(proxy.url, "warmroute_backend_queue_waiting") == 1.0, "a waiter")
+        until(lambda: metric(proxy.url, "warmroute_backend_queue_waiting") == 1.0, "a waiter")
     second.join(60)  # the first request's client left: its slot went to the waiter
     assert answer and answer[0].status_code == 200
-    assert _metric(proxy.url, "warmroute_backend_queue_requests_total", outcome="routed") == 1.0
-    assert _metric(proxy.url, "warmroute_backend_queue_waiting") == 0.0
-
-
-def _metric(url: str, name: str, **labels: str) -> float | None:
-    """The value of series `name` with `labels` in the proxy's /metrics, or None."""
-    wanted = [f'{k}="{v}"' for k, v in labels.items()]
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith((name + " ", name + "{")) and all(w in line for w in wanted):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    assert metric(proxy.url, "warmroute_backend_queue_requests_total", outcome="routed") == 1.0
+    assert metric(proxy.url, "warmroute_backend_queue_waiting") == 0.0
 
 
 async def test_admin_tenants_counts_each_tenants_requests_waiting_for_a_backend() -> None:

@@ -5,7 +5,6 @@ its tenant's standing), the body the engine gets, and the bench mock's priority 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 from proxy.admission import Admission, Ticket
 from proxy.bench.mock.backend import EngineSettings, MockEngine
 from proxy.intake import with_priority
-from tests.support import ServerThread
+from tests.support import ServerThread, api_key
 
 
 def test_the_level_is_the_class_and_one_more_for_a_tenant_over_its_share() -> None:
@@ -83,10 +82,6 @@ async def test_a_cancelled_turn_passes_the_engine_on() -> None:
     assert not engine._busy
 
 
-def _key(name: str) -> dict[str, str]:
-    return {"name": name, "sha256": hashlib.sha256(f"key-{name}".encode()).hexdigest()}
-
-
 @pytest.mark.e2e
 @pytest.mark.parametrize("order", ["lower_first", "higher_first"])
 def test_a_keyed_request_reaches_an_engine_with_its_priority_in_the_engines_sense(
@@ -94,7 +89,7 @@ def test_a_keyed_request_reaches_an_engine_with_its_priority_in_the_engines_sens
 ) -> None:
     [(app, backend)] = fake_backends(1)
     config = {
-        "server": {"api_keys": [_key("app"), _key("batch-job")]},
+        "server": {"api_keys": [api_key("app"), api_key("batch-job")]},
         "tenants": {"keys": {"batch-job": {"priority": "batch"}}},
         "backends": [{"url": backend.url, "engine_priority": order}],
     }
@@ -117,7 +112,7 @@ def test_without_engine_priority_the_body_goes_as_the_client_sent_it(
     fake_backends: Any, proxy_server: Callable[..., ServerThread]
 ) -> None:
     [(app, backend)] = fake_backends(1)
-    proxy = proxy_server([backend.url], config={"server": {"api_keys": [_key("app")]}})
+    proxy = proxy_server([backend.url], config={"server": {"api_keys": [api_key("app")]}})
     body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(
         proxy.url + "/v1/chat/completions",

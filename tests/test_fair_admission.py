@@ -6,7 +6,6 @@ slot, another's request served first, the flooder's excess refused with 429 and 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import re
 import threading
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from proxy.admission import (
     Ticket,
 )
 from proxy.config import ConfigError, load_config
-from tests.support import ServerThread, until
+from tests.support import ServerThread, api_key, metric, until
 
 MODEL = "test-model"
 
@@ -181,17 +180,6 @@ async def test_a_full_queue_sheds_the_lowest_class_then_the_tenant_over_its_shar
 # -- the real proxy ----------------------------------------------------------------------------
 
 
-def key(name: str) -> dict[str, str]:
-    return {"name": name, "sha256": hashlib.sha256(f"key-{name}".encode()).hexdigest()}
-
-
-def waiting(url: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("warmroute_admission_waiting"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 @pytest.mark.e2e
 def test_a_flooding_tenant_gives_way_and_its_excess_is_refused_with_429(
     fake_backends: Any, proxy_server: Callable[..., ServerThread]
@@ -202,7 +190,7 @@ def test_a_flooding_tenant_gives_way_and_its_excess_is_refused_with_429(
     [(app, backend)] = fake_backends(1)
     config = {
         "server": {
-            "api_keys": [key("flood"), key("quiet")],
+            "api_keys": [api_key("flood"), api_key("quiet")],
             "max_inflight": 1,
             "admission_queue": 3,
             "admission_timeout_s": 30,
@@ -252,7 +240,7 @@ def test_a_flooding_tenant_gives_way_and_its_excess_is_refused_with_429(
         t = threading.Thread(target=send, args=("flood", f"flood-{i}"), daemon=True)
         t.start()
         threads.append(t)
-        until(lambda i=i: waiting(proxy.url) == i + 1)
+        until(lambda i=i: metric(proxy.url, "warmroute_admission_waiting") == i + 1)
     quiet = threading.Thread(target=send, args=("quiet", "quiet"), daemon=True)
     quiet.start()
     until(lambda: "flood-2" in statuses)  # the flooder's newest gave its place
@@ -281,7 +269,7 @@ def test_a_priority_header_may_lower_a_class_but_not_raise_it_unless_allowed(
 ) -> None:
     [(_, backend)] = fake_backends(1)
     config = {
-        "server": {"api_keys": [key("app"), key("ops")]},
+        "server": {"api_keys": [api_key("app"), api_key("ops")]},
         "tenants": {"keys": {"ops": {"priority": "batch", "priority_header": True}}},
     }
     proxy = proxy_server([backend.url], config)
@@ -309,7 +297,7 @@ def test_goodput_counts_keyed_streams_against_their_class_target(
     and the metric says so per class."""
     [(_, backend)] = fake_backends(1)
     config = {
-        "server": {"api_keys": [key("app")]},
+        "server": {"api_keys": [api_key("app")]},
         "tenants": {"ttft_targets_s": {"standard": 60.0}},
     }
     proxy = proxy_server([backend.url], config)
