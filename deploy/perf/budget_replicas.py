@@ -22,7 +22,6 @@ import os
 import random
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from proxy.bench.client import exponential_offsets, paced  # noqa: E402
 from proxy.stack import Stack, free_ports  # noqa: E402
 
 PROMPT_CHARS = 600
@@ -39,7 +39,6 @@ PROMPT_CHARS = 600
 async def load(urls: list[str], rate: float, seconds: float, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
 
     async def one(client: httpx.AsyncClient, url: str, at: float, prompt: str) -> None:
         body = {
@@ -65,14 +64,8 @@ async def load(urls: list[str], rate: float, seconds: float, seed: int) -> list[
 
     limits = httpx.Limits(max_connections=500)
     async with httpx.AsyncClient(timeout=30, limits=limits) as client:
-        tasks, at, i = [], 0.0, 0
-        while True:
-            at += rng.expovariate(rate)
-            if at >= seconds:
-                break
-            delay = t0 + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        tasks, i = [], 0
+        async for at in paced(exponential_offsets(rng, rate, seconds)):
             prompt = f"{seed} {i} " + "".join(rng.choices("abcdefgh ", k=PROMPT_CHARS))
             tasks.append(asyncio.create_task(one(client, urls[i % len(urls)], at, prompt)))
             i += 1

@@ -41,6 +41,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from proxy.bench.client import exponential_offsets, paced  # noqa: E402
 from proxy.stack import Stack, free_ports  # noqa: E402
 
 ENGINES = 4
@@ -60,15 +61,7 @@ async def tenant(
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     tasks = []
-    t0 = time.perf_counter()
-    at = 0.0
-    while True:
-        at += rng.expovariate(rate)
-        if at >= duration:
-            break
-        delay = t0 + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
+    async for at in paced(exponential_offsets(rng, rate, duration)):
         prompt = f"{key} {seed} {at:.6f} " + "".join(rng.choices("abcdefgh ", k=PROMPT_CHARS))
         tasks.append(asyncio.create_task(one(client, url, key, prompt, rows)))
     await asyncio.gather(*tasks)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
@@ -101,6 +102,29 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     times *= (n / rate) / times[-1]
     times -= times[0]  # the first request goes out at once
     return [float(t) for t in times]
+
+
+def exponential_offsets(rng: random.Random, rate: float, duration: float) -> Iterator[float]:
+    """Arrival offsets (s) of a Poisson process at `rate` a second until `duration`, drawn from
+    `rng` one at a time as they are asked for (what the caller draws between them keeps its
+    place in the sequence: a seed gives the same prompts and arrivals every run)."""
+    at = 0.0
+    while True:
+        at += rng.expovariate(rate)
+        if at >= duration:
+            return
+        yield at
+
+
+async def paced(offsets: Iterable[float]) -> AsyncIterator[float]:
+    """Each of `offsets` (seconds after the first is asked for, ascending) once its time has
+    come: an open loop's clock. A late one is yielded at once, never skipped."""
+    t0 = time.perf_counter()
+    for at in offsets:
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        yield at
 
 
 async def run_bench(
@@ -378,12 +402,9 @@ async def _open_loop(
         async with sem:
             await state.issue(spec)
 
-    t0 = time.perf_counter()
-    for spec, at in zip(plan, poisson_arrivals(len(plan), rate, seed), strict=True):
-        delay = t0 + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(spec)))
+    specs = iter(plan)
+    async for _ in paced(poisson_arrivals(len(plan), rate, seed)):
+        tasks.append(asyncio.create_task(one(next(specs))))
     await asyncio.gather(*tasks)
 
 
