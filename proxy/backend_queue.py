@@ -111,11 +111,10 @@ class BackendQueue:
         ticket: Ticket | None,
         decision: Decision,
         route: Callable[[], Awaitable[Decision]],
-        takes: Callable[[Decision], bool],
         request_id: str = "",
     ) -> tuple[Decision, Waiter]:
         """`decision` found every backend at its bound: wait for one of them to free a slot
-        and `route` again, until `takes` the new decision (the waiter's `routed`), or the
+        and `route` again, until a decision ranks a backend (the waiter's `routed`), or the
         request may not wait longer (its `outcome` says why) or is no longer refused for
         load alone. The last decision, and the waiter (its time in `waited_s`)."""
         waiter = self.waiter(ticket)
@@ -124,7 +123,7 @@ class BackendQueue:
             if not await waiter.wait(decision.filtered_out.keys(), deadline):
                 break
             decision = await route()
-            if takes(decision):
+            if decision.ranking:
                 waiter.routed = True
                 self.stats["routed"] += 1
                 if waiter.key[1] > self.virtual:

@@ -160,7 +160,7 @@ class ProxyEndpoint:
         record.set_decision(decision)
         if fw.membership is not None and ex.ctx is not None:
             record.set_fleet(fw.membership.epoch, fw.membership.changing(ex.ctx.now))
-        if not fw.retry.candidates(decision.ranking) and not self._may_wait(decision):
+        if not decision.ranking and not self._may_wait(decision):
             await self._refuse_unranked(ex, send, record, decision.filtered_out)
             return
         await self._run(ex, record, receive, send)
@@ -228,7 +228,7 @@ class ProxyEndpoint:
         """Every backend is at its in-flight bound: wait in the fair order for one of them
         to free a slot (proxy/backend_queue.py) and route again. False: none freed in time
         (or the queue was full), and the client got the 429."""
-        queue, candidates = self.fw.steering.waiting, self.fw.retry.candidates
+        queue = self.fw.steering.waiting
         assert queue is not None and ex.decision is not None
 
         async def again() -> Decision:
@@ -238,9 +238,7 @@ class ProxyEndpoint:
             return routed
 
         ticket = TICKET.get()
-        decision, waiter = await queue.route_when_freed(
-            ticket, ex.decision, again, lambda d: bool(candidates(d.ranking)), ex.request_id
-        )
+        decision, waiter = await queue.route_when_freed(ticket, ex.decision, again, ex.request_id)
         if ticket is not None:  # (the doctor counts it as waiting for a slot)
             ticket.backend_wait_s = waiter.waited_s
         if waiter.routed:
@@ -263,7 +261,7 @@ class ProxyEndpoint:
         watcher = task.get_loop().create_task(watch_disconnect(receive, left))
         try:
             assert ex.decision is not None
-            if not self.fw.retry.candidates(ex.decision.ranking):
+            if not ex.decision.ranking:
                 if not await self._backend_freed(ex, record, send):
                     return
             ranking = ex.decision.ranking

@@ -72,9 +72,7 @@ async def test_tags_are_in_tokens_over_weight_and_time_moves_with_who_got_a_back
     async def again() -> Decision:
         return routed
 
-    task = asyncio.create_task(
-        queue.route_when_freed(_ticket("late", cost=10.0), decision, again, lambda d: True)
-    )
+    task = asyncio.create_task(queue.route_when_freed(_ticket("late", cost=10.0), decision, again))
     await _settled()
     queue.virtual = 500.0  # as if waiters up to a start of 500 had been served
     queue.freed("a")
