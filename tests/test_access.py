@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import socket
 import subprocess
 import sys
 import threading
@@ -516,6 +517,63 @@ def test_a_real_serve_process_never_prints_the_credentials_in_its_urls(tmp_path:
     assert err.count("\n") > 5
     for text in seen:
         assert SECRET not in text, text[:2000]
+
+
+@pytest.mark.e2e
+def test_spans_carry_the_wait_for_a_backend_and_the_priority_its_engine_was_sent(
+    fake_backends: Any,
+) -> None:
+    """tenant-b (batch) finds its one backend at its bound: it waits for the slot, and the
+    engine, which schedules by priority, is sent its level (batch: 2)."""
+    [(app, server)] = fake_backends(1)
+    config = keyed(str(server.url), admission_timeout_s=120)
+    config["backends"][0].update({"max_inflight": 1, "engine_priority": "lower_first"})
+    config["tenants"] = {"keys": {"tenant-b": {"priority": "batch"}}}
+    with Proxy(config) as proxy:
+        held = json.dumps(
+            {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "delay:30"}]}
+        ).encode()
+        with socket.create_connection(("127.0.0.1", proxy.port)) as first:  # until closed
+            first.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                b"authorization: Bearer %s\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (KEY_B.encode(), len(held), held)
+            )
+            until(lambda: len(app.rec.requests) == 1, "the first request on the backend")
+            answer: list[httpx.Response] = []
+            second = threading.Thread(
+                target=lambda: answer.append(
+                    httpx.post(
+                        proxy.url + API[0],
+                        json=BODIES[API[0]],
+                        headers={"authorization": f"Bearer {KEY_B}"},
+                        timeout=120,
+                    )
+                )
+            )
+            second.start()
+            queue = proxy.app.state.steering.waiting
+            until(lambda: len(queue.waiters) == 1, "the second request waiting for the slot")
+        second.join(120)  # the first one's client left: its slot went to the waiter
+        assert answer and answer[0].status_code == 200
+
+        def waited() -> Any:
+            spans = proxy.spans.get_finished_spans()
+            return next(
+                (s for s in spans if "warmroute.backend_wait_s" in (s.attributes or {})), None
+            )
+
+        until(waited, "the waiter's span")
+        span = waited()
+        assert span.attributes["warmroute.backend_wait_s"] > 0
+        attempts = [
+            s
+            for s in proxy.spans.get_finished_spans()
+            if s.context.trace_id == span.context.trace_id
+            and "warmroute.engine.priority" in (s.attributes or {})
+        ]
+        assert [s.attributes["warmroute.engine.priority"] for s in attempts] == [2]
+        assert app.rec.requests[1]["body"]["priority"] == 2
 
 
 @pytest.mark.e2e
