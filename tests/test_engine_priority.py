@@ -136,3 +136,5 @@ def test_the_mock_refuses_a_priority_it_does_not_schedule_by_as_vllm_does(
     assert r.json()["error"]["message"] == (
         "Got priority 3 but Priority scheduling is not enabled."
     )
+    r = httpx.post(url, json={**body, "priority": "high"}, timeout=10)
+    assert r.status_code == 400 and "valid integer" in r.json()["error"]["message"]
