@@ -14,22 +14,22 @@ from typing import Any
 from proxy import __version__
 
 SUBCOMMAND_MODULES = (
-    "proxy.serve",
+    "proxy.server.serve",
     "proxy.sim.cli",
-    "proxy.demo",
+    "proxy.demo.run",
     "proxy.bench.cli",
     "proxy.doctor.cli",
 )
 COMMANDS = {
-    "serve": "proxy.serve",
+    "serve": "proxy.server.serve",
     "sim": "proxy.sim.cli",
-    "demo": "proxy.demo",
+    "demo": "proxy.demo.run",
     "bench": "proxy.bench.cli",
     "doctor": "proxy.doctor.cli",
 }
 # Subcommands that need the `bench` extra (pip install 'warmroute[bench]'): without it they are
 # listed all the same and say what to install, while serve and sim work.
-BENCH_EXTRA = {"proxy.demo": "demo", "proxy.bench.cli": "bench"}
+BENCH_EXTRA = {"proxy.demo.run": "demo", "proxy.bench.cli": "bench"}
 BENCH_EXTRA_MODULES = ("aiohttp", "tqdm", "numpy", "matplotlib")
 
 DESCRIPTION = """\

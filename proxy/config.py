@@ -302,7 +302,7 @@ class ServerConfig(_Model):
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     shutdown_grace_s: float = Field(30.0, ge=0)
     debug_headers: bool = False  # x-warmroute-route: the routing decision, per response
-    # Client connections (proxy/limits.py, docs/security.md)
+    # Client connections (proxy/edge/limits.py, docs/security.md)
     max_header_bytes: int = Field(32 * 1024, ge=1024)  # request line + headers; past it 431
     max_headers: int = Field(100, ge=8, le=10_000)
     header_timeout_s: float = Field(10.0, gt=0)  # connection (or first byte) -> head complete
@@ -310,12 +310,12 @@ class ServerConfig(_Model):
     keepalive_timeout_s: float = Field(30.0, gt=0)  # idle between requests on a connection
     write_timeout_s: float = Field(60.0, gt=0)  # a client that reads none of its response
     max_connections: int | None = Field(None, ge=1)  # default: half the open-file limit
-    # Overload (proxy/admission.py): in flight at once, then a short queue, then 503; the
+    # Overload (proxy/admission/slots.py): in flight at once, then a short queue, then 503; the
     # same limits hold requests whose every backend is at its max_inflight (backend_queue.py)
     max_inflight: int = Field(4096, ge=1)
     admission_queue: int = Field(256, ge=0)
     admission_timeout_s: float = Field(5.0, ge=0)
-    # Access (proxy/access.py): admin off the serving port unless configured
+    # Access (proxy/edge/access.py): admin off the serving port unless configured
     admin_port: int | None = Field(None, ge=1, le=65535)  # == port: on the serving port
     admin_host: str = "127.0.0.1"  # the admin listener's address
     admin_token_sha256: str | None = None  # when set, /admin/* needs this token
@@ -366,7 +366,8 @@ class TimeoutsConfig(_Model):
 
 
 class RetryConfig(_Model):
-    """Retries happen only before the client got a byte (proxy/retry.py owns the policy)."""
+    """Retries happen only before the client got a byte (proxy/forwarding/retry.py owns the
+    policy)."""
 
     max_attempts: int = Field(3, ge=1, le=10)
     unhealthy_cooldown_s: float = Field(5.0, ge=0)  # a refused backend's first ejection
@@ -406,8 +407,8 @@ class OutlierConfig(_Model):
 
 
 class HealthConfig(_Model):
-    """Active checks, proportional to need (proxy/backends.py check_interval): a backend with
-    traffic or an open breaker each `interval_s`; an unhealthy one each `metrics_scrape_s`
+    """Active checks, proportional to need (proxy/upstream/backends.py check_interval): a backend
+    with traffic or an open breaker each `interval_s`; an unhealthy one each `metrics_scrape_s`
     (at most `interval_s`) to see it come back; an idle healthy one each `idle_interval_s`
     (at least `interval_s`), stretched so that the fleet's idle checks come to at most
     `idle_checks_per_s` (docs/deployment.md, "Large fleets: what idle engines cost")."""

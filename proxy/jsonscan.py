@@ -1,7 +1,7 @@
 """Byte scans over one event's JSON: what it says, read without parsing it.
 
-The stream meter (proxy/meter.py) runs once per upstream read, so it classifies events with
-these searches and parses only the few that carry facts. Pure; bytes in, booleans out.
+The stream meter (proxy/forwarding/meter.py) runs once per upstream read, so it classifies events
+with these searches and parses only the few that carry facts. Pure; bytes in, booleans out.
 
 Why byte searches are safe: inside a JSON string every `"` is escaped as `\\"`, so the bytes
 `"content":` (quote, name, quote, colon) can only be a real object key, never text inside a

@@ -26,7 +26,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 # log line quotes: a 15 MB model name came back as a 15 MB 404 body and log line.
 QUOTE_CHARS = 128
 # A client's x-request-id that is kept: 1-200 printable ASCII characters, no space (the rule
-# of every path, proxy.limits.request_id_of included: one precompiled match per request).
+# of every path, proxy.edge.limits.request_id_of included: one precompiled match per request).
 _REQUEST_ID = re.compile(r"[!-~]{1,200}")
 log = logging.getLogger("warmroute.request")
 

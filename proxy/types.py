@@ -2,17 +2,32 @@
 nothing of the proxy), as Starlette's `types.py` is.
 
 `FailureKind` is what an attempt's failure says about its backend. The retry policy retries
-by it, the circuit breaker (proxy/outlier.py) counts or ignores it, and the admin views show
-it; a StrEnum, so it compares, prints and serialises as the word it always was.
+by it, the circuit breaker (proxy/upstream/outlier.py) counts or ignores it, and the admin views
+show it; a StrEnum, so it compares, prints and serialises as the word it always was.
+
+`CLIENT` and `TENANT` say who the current request is: the edge (proxy/edge/gate.py) sets
+them for the request's task; telemetry, the prefix hash and the tenants' budgets read them.
 
 `StreamFacts` is what one request looked like to its client: the stream meter
-(proxy/meter.py) makes it, telemetry, the routing learners and the doctor read it.
+(proxy/forwarding/meter.py) makes it, telemetry, the routing learners and the doctor read it.
 """
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+# The name of the API key the current request presented (None: keys are off). Set by the
+# edge for the request's task; telemetry records it.
+CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "warmroute_client", default=None
+)
+# The tenant salt of the current request's prefix hash (None: not isolated). Set by the edge
+# when server.isolate_tenants is on and a key was presented; proxy.routing.prefix reads it.
+TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "warmroute_tenant", default=None
+)
 
 
 class FailureKind(StrEnum):

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from proxy.app import create_app
 from proxy.bench.mock import EngineSettings, MockBackend, MockEngine, prompt_directives
 from proxy.config import load_config
-from proxy.serve import NoDelayHttpToolsProtocol
+from proxy.server.app import create_app
+from proxy.server.serve import NoDelayHttpToolsProtocol
 from tests.support import ServerThread, free_port
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from proxy.upstream import Target
+from proxy.upstream.pool import Target
 
 CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
 DONE = b"data: [DONE]\n\n"

@@ -23,7 +23,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.asgi import serve_lifespan
-from proxy.stack import free_ports
+from proxy.demo.stack import free_ports
 
 __all__ = [
     "ServerThread",

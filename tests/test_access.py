@@ -20,13 +20,14 @@ import uvicorn
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from proxy.access import TENANT, AdminAccess, KeyRing, bearer
-from proxy.app import create_app
 from proxy.config import Config, load_config
+from proxy.edge.access import AdminAccess, KeyRing, bearer
 from proxy.redact import SafeFormatter, escape_control, redact_text, redact_url, redacted_config
 from proxy.routing.prefix import PrefixHasher
-from proxy.serve import NoDelayHttpToolsProtocol, listen_socket
+from proxy.server.app import create_app
+from proxy.server.serve import NoDelayHttpToolsProtocol, listen_socket
 from proxy.telemetry import Telemetry
+from proxy.types import TENANT
 from tests.support import free_port, until
 
 SECRET = "pl4nted-S3CRET-value"  # planted everywhere a credential can be; must never show

@@ -1,4 +1,4 @@
-"""Admission (proxy/admission.py): a bound on requests in flight with a short FIFO queue, and
+"""Admission (proxy/admission/slots.py): a bound on requests in flight with a short FIFO queue, and
 past it a 503 `overloaded` with Retry-After in OpenAI's error shape, counted in metrics."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.admission import QUEUE_FULL, QUEUE_TIMEOUT, Admission
+from proxy.admission.slots import QUEUE_FULL, QUEUE_TIMEOUT, Admission
 from tests.support import ServerThread, until
 
 MODEL = "test-model"

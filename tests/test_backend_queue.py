@@ -1,4 +1,5 @@
-"""The queue of requests whose every backend is at its in-flight bound (proxy/backend_queue.py):
+"""The queue of requests whose every backend is at its in-flight bound
+(proxy/admission/backend_queue.py):
 a freed slot wakes the waiter the fair order puts first among those the backend could serve."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import httpx
 import orjson
 import pytest
 
-from proxy.admission import QUEUE_FULL, QUEUE_TIMEOUT, SHED_FAIR, SHED_PRIORITY, Ticket
-from proxy.backend_queue import BackendQueue
+from proxy.admission.backend_queue import BackendQueue
+from proxy.admission.slots import QUEUE_FULL, QUEUE_TIMEOUT, SHED_FAIR, SHED_PRIORITY, Ticket
 from proxy.routing.types import Decision, Dropped, Verdict
 from tests.support import metric, until
 
@@ -231,7 +232,7 @@ def test_through_the_proxy_a_request_waits_for_the_busy_backend_and_metrics_say_
 
 
 async def test_admin_tenants_counts_each_tenants_requests_waiting_for_a_backend() -> None:
-    from proxy.admission import Admission
+    from proxy.admission.slots import Admission
     from proxy.tenants.http import describe
 
     queue = BackendQueue(size=8, wait_s=5.0, recheck_s=FAR)

@@ -1,6 +1,6 @@
 """Active checks proportional to need: an idle healthy engine is checked at the idle interval
 (stretched by the fleet-wide cap), one with traffic at the health interval, and a request
-sent to an idle one brings it back at once (proxy/backends.py check_interval, _poll)."""
+sent to an idle one brings it back at once (proxy/upstream/backends.py check_interval, _poll)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import backends
-from proxy.backends import Backend, BackendRegistry, check_interval, has_work
 from proxy.bench.mock import MockBackend
 from proxy.config import BackendConfig, HealthConfig, load_config
 from proxy.routing.types import EngineLoad
+from proxy.upstream import backends
+from proxy.upstream.backends import Backend, BackendRegistry, check_interval, has_work
 from tests.support import ServerThread, eventually, until
 
 H = HealthConfig()  # interval 5 s, idle 60 s, 1 idle check a second, scrapes every 2 s

@@ -1,6 +1,6 @@
 """A background check sent on a kept-alive connection the engine's server closed under it is
 a race, not an outage: sent again at once on a new connection, it leaves the backend healthy
-(proxy/backends.py BackendRegistry._get). One such lost check used to mark a busy engine
+(proxy/upstream/backends.py BackendRegistry._get). One such lost check used to mark a busy engine
 unhealthy, and placement moved its prompts away and back."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import asyncio
 import httpx
 import pytest
 
-from proxy.backends import CONTROL_LIMITS, BackendRegistry
 from proxy.config import load_config
+from proxy.upstream.backends import CONTROL_LIMITS, BackendRegistry
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 

@@ -7,10 +7,10 @@ import time
 import httpx
 import pytest
 
-from proxy.backends import Backend, parse_load, scrape_due
 from proxy.config import BackendConfig
 from proxy.routing.types import EngineLoad
 from proxy.sim import SimConfig, create_sim_app
+from proxy.upstream.backends import Backend, parse_load, scrape_due
 from tests.support import ServerThread, until
 
 VLLM = """# HELP vllm:num_requests_waiting x

@@ -18,7 +18,6 @@ import httpx
 import openai
 import pytest
 
-from proxy.backends import parse_load
 from proxy.bench.mock import (
     EngineSettings,
     MockBackend,
@@ -32,6 +31,7 @@ from proxy.bench.mock import (
     resize_on_schedule,
     tokenize,
 )
+from proxy.upstream.backends import parse_load
 from tests.support import ServerThread, eventually, free_port
 
 SYSTEM = "You are a careful assistant who answers briefly and cites its sources. " * 12

@@ -135,7 +135,7 @@ def test_the_default_demo_ends_on_its_summary_with_a_clean_doctor_on_the_default
 
 
 def test_the_summary_names_what_the_doctor_found_and_the_policy_it_read() -> None:
-    from proxy.demo import doctor_verdict, format_summary
+    from proxy.demo.run import doctor_verdict, format_summary
 
     def summary(label: str, hit: float, mean: float, p99: float) -> dict[str, object]:
         ttft = {"mean": mean, "p99": p99}

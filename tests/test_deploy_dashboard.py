@@ -21,9 +21,9 @@ import httpx
 import pytest
 import yaml
 
-from proxy.app import create_app
 from proxy.config import load_config
-from proxy.serve import NoDelayHttpToolsProtocol
+from proxy.server.app import create_app
+from proxy.server.serve import NoDelayHttpToolsProtocol
 from proxy.sim.config import Faults, SimConfig
 from proxy.sim.server import create_sim_app
 from tests.support import ServerThread, free_port

@@ -15,10 +15,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from proxy.app import create_app
 from proxy.cli import build_parser
 from proxy.config import Config, load_config
 from proxy.otel_env import HONOURED
+from proxy.server.app import create_app
 from tests import kustomize_lite
 from tests.support import ServerThread, free_port
 

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from proxy.bench.mock import MockBackend
-from proxy.pdflow import PREFILL_DRAIN_S
+from proxy.forwarding.pdflow import PREFILL_DRAIN_S
 from tests.support import ServerThread
 from tests.test_disagg_legs import VLLM_PREFILL_KV
 from tests.test_sim_http import sim, text_of_tokens

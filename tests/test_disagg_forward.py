@@ -15,11 +15,11 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from proxy.app import create_app
 from proxy.config import Config, load_config
 from proxy.disagg.window import RequestFacts
+from proxy.server.app import create_app
 from proxy.telemetry import Telemetry
-from proxy.upstream import UpstreamConnectError
+from proxy.upstream.pool import UpstreamConnectError
 from tests.test_forward_fake_upstream import (
     CHUNK,
     DONE,

@@ -213,9 +213,9 @@ def test_the_windows_of_a_fleet_of_long_answers_stay_near_the_gap_budget_in_memo
 
 
 def test_a_keyed_request_is_kept_with_its_tenant_wait_and_tokens_for_the_queue_rule() -> None:
-    from proxy.access import CLIENT
-    from proxy.admission import TICKET, Ticket
+    from proxy.admission.slots import TICKET, Ticket
     from proxy.doctor.http import Doctor
+    from proxy.types import CLIENT
 
     c, clock = collector()
     doctor = Doctor(c)

@@ -18,7 +18,6 @@ import httpx
 import jsonschema
 import pytest
 
-from proxy.app import create_app
 from proxy.bench.workloads import make_workload
 from proxy.cli import main
 from proxy.config import load_config
@@ -27,7 +26,8 @@ from proxy.doctor.model import TenantRequest
 from proxy.doctor.report import MEASUREMENT_KEYS
 from proxy.doctor.virtual import VirtualRecorder
 from proxy.harness.virtual import run_virtual
-from proxy.serve import NoDelayHttpToolsProtocol
+from proxy.server.app import create_app
+from proxy.server.serve import NoDelayHttpToolsProtocol
 from proxy.sim.config import SimConfig
 from proxy.sim.server import create_sim_app
 from tests.support import ServerThread, free_port

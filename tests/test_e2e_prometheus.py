@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_app
 from proxy.config import Config
+from proxy.server.app import create_app
 from tests.support import ServerThread, free_port
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.e2e, pytest.mark.slow]

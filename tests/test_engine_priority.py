@@ -12,9 +12,9 @@ import httpx
 import orjson
 import pytest
 
-from proxy.admission import Admission, Ticket
+from proxy.admission.slots import Admission, Ticket
 from proxy.bench.mock.backend import EngineSettings, MockEngine
-from proxy.intake import with_priority
+from proxy.forwarding.intake import with_priority
 from tests.support import ServerThread, api_key
 
 

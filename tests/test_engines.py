@@ -8,11 +8,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.backends import BackendRegistry
 from proxy.config import ConfigError, load_config
 from proxy.engines import engine_from_metrics, parse_backend_url, split_backend_list
 from proxy.sim.config import SimConfig
 from proxy.sim.server import create_sim_app
+from proxy.upstream.backends import BackendRegistry
 from tests.support import ServerThread
 
 

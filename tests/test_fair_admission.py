@@ -1,4 +1,4 @@
-"""The admission queue among tenants (proxy/admission.py): by class, then start-time fair
+"""The admission queue among tenants (proxy/admission/slots.py): by class, then start-time fair
 queuing over tenants (tags in tokens per unit of weight), then first come; a full queue
 sheds the waiter a newcomer should go before. Then the real proxy: a tenant flooding one
 slot, another's request served first, the flooder's excess refused with 429 and Retry-After."""
@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.admission import (
+from proxy.admission.slots import (
     ACTIVE_S,
     OVER_SHARE,
     QUEUE_FULL,
@@ -117,7 +117,7 @@ async def test_reserved_slots_wait_for_the_tenant_below_its_share(
     active, it keeps to three while over its share (2 of 4), and the quiet tenant finds the
     fourth free though the flood waits for it; quiet for ACTIVE_S, it is the flood's again."""
     clock = [1000.0]
-    monkeypatch.setattr("proxy.admission.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("proxy.admission.slots.time.monotonic", lambda: clock[0])
     admission = Admission(limit=4, queue=10, wait_s=30.0, reserve=1)
     flood = [Ticket("flood", prompt_tokens=100) for _ in range(4)]
     for t in flood:

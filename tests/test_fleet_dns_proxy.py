@@ -14,9 +14,9 @@ import pytest
 import redis
 import uvicorn
 
-from proxy.app import create_app
 from proxy.bench.mock import MockBackend
 from proxy.config import Config
+from proxy.server.app import create_app
 from tests.dnsmasq import DOMAIN, Dnsmasq, dnsmasq
 from tests.routing_support import SHARED_URL, delete_prefix, unique_prefix
 from tests.support import ServerThread, free_port, until

@@ -33,7 +33,7 @@ from proxy.routing.setup import build_router, build_routing
 from proxy.routing.shared_placement import SharedPlacement
 from proxy.telemetry import Telemetry
 from proxy.telemetry.batcher import EncodedBatcher
-from proxy.upstream import Upstream
+from proxy.upstream.pool import Upstream
 from tests.routing_support import SHARED_URL, delete_prefix, unique_prefix
 from tests.support import free_port
 from tests.test_capacity import SYSTEMS, backend, chat
@@ -679,7 +679,7 @@ async def test_the_upstream_pool_closes_a_departed_backends_idle_connections_onl
 
 
 def Target_key(url: str) -> tuple[str, int, bool]:
-    from proxy.upstream import Target
+    from proxy.upstream.pool import Target
 
     return Target(url).key
 

@@ -30,7 +30,7 @@ from proxy.fleet.kube import (
     members_of,
 )
 from proxy.fleet.members import Member
-from proxy.retry import RETRY_AFTER_MAX_S, retry_after_s
+from proxy.upstream.conn import RETRY_AFTER_MAX_S, retry_after_s
 from tests.kube_api import KubeAPI, Reply, Step, Watch, recorded
 
 PATH = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"

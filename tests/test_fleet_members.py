@@ -82,7 +82,7 @@ def test_an_empty_report_is_a_real_empty_fleet_and_silence_keeps_the_last() -> N
 
 
 def test_an_engine_counter_that_went_back_means_a_new_engine_at_the_address() -> None:
-    from proxy.backends import counters_reset
+    from proxy.upstream.backends import counters_reset
 
     assert counters_reset({"prefix_queries": 900.0}, {"prefix_queries": 40.0}) == "prefix_queries"
     assert counters_reset({"prefix_queries": 40.0}, {"prefix_queries": 41.0}) is None
@@ -92,8 +92,8 @@ def test_an_engine_counter_that_went_back_means_a_new_engine_at_the_address() ->
 async def test_a_changed_model_list_marks_the_backend_restarted() -> None:
     import httpx
 
-    from proxy.backends import BackendRegistry
     from proxy.config import load_config
+    from proxy.upstream.backends import BackendRegistry
 
     served = ["llama-8b"]
 

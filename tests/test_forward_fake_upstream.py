@@ -1,8 +1,8 @@
 """The forwarder against an in-memory upstream: no sockets, every failure scripted.
 
-ProxyEndpoint gets its collaborators (proxy.forward.Forwarding); here the upstream client is a
-fake that answers from a script per backend, so retries, ejection and the event-boundary rule
-are checked exactly and fast.
+ProxyEndpoint gets its collaborators (proxy.forwarding.forward.Forwarding); here the upstream
+client is a fake that answers from a script per backend, so retries, ejection and the
+event-boundary rule are checked exactly and fast.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.app import create_app
 from proxy.config import load_config
-from proxy.relay import event_boundary
+from proxy.forwarding.relay import event_boundary
 from proxy.routing.types import Dropped, Verdict
-from proxy.upstream import (
+from proxy.server.app import create_app
+from proxy.upstream.pool import (
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamFirstByteTimeout,

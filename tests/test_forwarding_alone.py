@@ -1,7 +1,7 @@
 """The forwarder built from its collaborators alone: no app, no registry, no router.
 
-`Forwarding` takes the ports of proxy/ports.py; here each is a small fake that records what
-the forwarder asked of it (the fleet's verdicts, routing's in-flight count), the upstream is
+`Forwarding` takes the ports of proxy/forwarding/ports.py; here each is a small fake that records
+what the forwarder asked of it (the fleet's verdicts, routing's in-flight count), the upstream is
 scripted (tests/forward_support.py) and the telemetry is the real SDK with an in-memory
 exporter. What the endpoint promises its collaborators is checked here, where a change to one
 of them cannot hide it.
@@ -14,14 +14,14 @@ from typing import Any
 import orjson
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from proxy.backends import Backend
 from proxy.config import BackendConfig, load_config
-from proxy.forward import Forwarding, ProxyEndpoint
-from proxy.retry import RetryPolicy
+from proxy.forwarding.forward import Forwarding, ProxyEndpoint
+from proxy.forwarding.retry import RetryPolicy
 from proxy.routing.types import Decision, Dropped, Verdict
 from proxy.telemetry import Telemetry
 from proxy.types import FailureKind
-from proxy.upstream import UpstreamConnectError
+from proxy.upstream.backends import Backend
+from proxy.upstream.pool import UpstreamConnectError
 from tests.forward_support import CHUNK, DONE, FakeUpstream, chat, ok, request
 
 A, B = "127.0.0.1:9101", "127.0.0.1:9102"

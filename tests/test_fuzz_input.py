@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from proxy.bench.mock import MockBackend
 from proxy.errors import RequestError
-from proxy.intake import parse
-from proxy.meter import StreamMeter, meter_json
+from proxy.forwarding.intake import parse
+from proxy.forwarding.meter import StreamMeter, meter_json
+from proxy.forwarding.validate import MAX_DEPTH
 from proxy.routing.prefix import PrefixHasher
-from proxy.validate import MAX_DEPTH
 from tests.support import ServerThread
 
 MODEL = "test-model"
@@ -198,9 +198,9 @@ any_backend = MockBackend(chunks=1, model=MODEL)
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[str]:
-    from proxy.app import create_app
     from proxy.config import Config
-    from proxy.serve import NoDelayHttpToolsProtocol
+    from proxy.server.app import create_app
+    from proxy.server.serve import NoDelayHttpToolsProtocol
 
     with ServerThread(any_backend) as backend:
         cfg = Config.model_validate({"backends": [{"url": backend.url, "models": [MODEL]}]})

@@ -18,14 +18,14 @@ import openai
 import pytest
 
 from proxy.config import TimeoutsConfig
-from proxy.upstream import (
+from proxy.upstream.conn import FREE_BYTES
+from proxy.upstream.pool import (
     MAX_HEAD_BYTES,
     MAX_HEADERS,
     Upstream,
     UpstreamHeadTooLarge,
     UpstreamResponseTooLarge,
 )
-from proxy.upstream_conn import FREE_BYTES
 from tests.support import until
 from tests.test_proxy_hostile import EVENT, HEAD, RawBackend, _chunk
 

@@ -1,4 +1,5 @@
-"""HTTP/1.1 correctness of the client-facing protocol (proxy/limits.py) on raw loopback sockets.
+"""HTTP/1.1 correctness of the client-facing protocol (proxy/edge/limits.py) on raw loopback
+sockets.
 
 One answer per request, whatever the client does: an early answer (200, 404, 413) to a request
 whose body is still unfinished is never followed by a 408 when the body times out (the
@@ -20,8 +21,8 @@ from typing import Any
 import pytest
 
 from proxy.asgi import Receive, Scope, Send, read_body, respond, serve_lifespan
-from proxy.limits import APP_STATE_KEY, Connections, ConnLimits
-from proxy.serve import NoDelayHttpToolsProtocol
+from proxy.edge.limits import APP_STATE_KEY, Connections, ConnLimits
+from proxy.server.serve import NoDelayHttpToolsProtocol
 from tests.support import ServerThread, serving, until
 
 pytestmark = pytest.mark.e2e

@@ -22,7 +22,7 @@ import orjson
 import pytest
 
 from proxy.config import TimeoutsConfig
-from proxy.upstream import Upstream
+from proxy.upstream.pool import Upstream
 from tests.support import ServerThread, free_port
 from tests.test_proxy_hostile import EVENT, HEAD, MODELS, _chunk
 from tests.test_upstream_hygiene import COMPLETION

@@ -17,7 +17,7 @@ import pytest
 
 from proxy.config import TimeoutsConfig
 from proxy.engines import backend_url
-from proxy.upstream import Upstream
+from proxy.upstream.pool import Upstream
 from tests.support import ServerThread
 from tests.test_proxy_hostile import RawBackend
 from tests.test_upstream_hygiene import COMPLETION, HeldServer

@@ -200,7 +200,7 @@ def test_the_contract_runner_fails_a_broken_contract(tmp_path: Path) -> None:
 # Beyond the routing vocabulary: what a plugin must not reach, one of each kind (a pure core
 # of the request path, a router helper, the doctor, a module that was added after the rule).
 BEYOND_THE_VOCABULARY = {
-    "round_robin": "proxy.meter",
+    "round_robin": "proxy.forwarding.meter",
     "session": "proxy.routing.placement",
     "queue_scorer": "proxy.doctor.diagnose",
     "model_filter": "proxy.disagg.window",
@@ -218,7 +218,7 @@ def test_a_plugin_importing_beyond_the_routing_vocabulary_breaks_the_plugins_con
         )
     shutil.copy(ROOT / ".importlinter", tmp_path / ".importlinter")
     imports = {f"plugins.{plugin}": module for plugin, module in BEYOND_THE_VOCABULARY.items()}
-    imports["proxy.routing.learn"] = "proxy.meter"  # and through the vocabulary
+    imports["proxy.routing.learn"] = "proxy.forwarding.meter"  # and through the vocabulary
     for importer, module in imports.items():
         with tmp_path.joinpath(*importer.split(".")).with_suffix(".py").open("a") as f:
             f.write(f"\nimport {module}  # noqa: E402\n")

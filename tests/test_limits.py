@@ -1,4 +1,4 @@
-"""Client connection limits (proxy/limits.py) against a real `warmroute serve` subprocess.
+"""Client connection limits (proxy/edge/limits.py) against a real `warmroute serve` subprocess.
 
 Hostile clients on raw sockets (an oversized head, too many header fields, a slowloris head, a
 trickled body, idle connections, more connections than allowed) each get their answer (431,

@@ -53,8 +53,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_app
 from proxy.config import Config
+from proxy.server.app import create_app
 from tests.llamacpp import (
     Engine,
     LlamaServer,

@@ -29,8 +29,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from proxy.app import create_app
 from proxy.config import Config
+from proxy.server.app import create_app
 from proxy.telemetry import Telemetry
 from tests.llamacpp import (
     Engine,

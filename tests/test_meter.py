@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from proxy.forwarding.meter import API, MAX_EVENT_BYTES, EventTooLarge, StreamMeter, meter_json
 from proxy.jsonscan import ARRAY, FINISH, QUOTE, nonempty_at, value_starts
-from proxy.meter import API, MAX_EVENT_BYTES, EventTooLarge, StreamMeter, meter_json
 from proxy.sse import data_of
 from proxy.types import StreamFacts
 

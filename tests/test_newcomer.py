@@ -25,7 +25,7 @@ from tests.test_deploy_base_install import OFFLINE
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
-SUMMARY = "What this demo showed"  # proxy/demo.py's format_summary
+SUMMARY = "What this demo showed"  # proxy/demo/run.py's format_summary
 TIMEOUT_S = 900  # only a hang: pip's install and the demo take ~2-3 min on 2 cores
 
 

@@ -11,9 +11,9 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.app import create_app
 from proxy.config import load_config
-from proxy.upstream import UpstreamConnectError
+from proxy.server.app import create_app
+from proxy.upstream.pool import UpstreamConnectError
 from tests.test_disagg_legs import VLLM_PREFILL_KV
 from tests.test_forward_fake_upstream import CHUNK, DONE, FakeResponse, FakeUpstream, _call
 

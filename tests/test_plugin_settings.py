@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 import plugins
-from proxy.app import check_config
 from proxy.config import EXAMPLE_FILE, ConfigError, load_config
 from proxy.routing.setup import block_names, block_settings, build_router
 from proxy.routing.types import PluginSettings
+from proxy.server.app import check_config
 
 BACKEND = "http://127.0.0.1:9"
 

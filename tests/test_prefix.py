@@ -219,8 +219,8 @@ def test_a_tokenizer_that_cannot_load_is_a_config_error_at_startup(monkeypatch) 
     fail every request: the config check names the key and the cause."""
     import sys
 
-    from proxy.app import check_config
     from proxy.config import Config, ConfigError
+    from proxy.server.app import check_config
 
     def config(path: str) -> Config:
         prefix = {"tokenizer_file": path, "kv_block_tokens": 16}

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from proxy import upstream as up
 from proxy.config import TimeoutsConfig
-from proxy.upstream import (
+from proxy.upstream import pool as up
+from proxy.upstream.pool import (
     Upstream,
     UpstreamConnectError,
     UpstreamDisconnected,

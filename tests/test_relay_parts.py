@@ -7,8 +7,8 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from proxy.meter import StreamMeter
-from proxy.relay import (
+from proxy.forwarding.meter import StreamMeter
+from proxy.forwarding.relay import (
     IDLE_TIMEOUT,
     INVALID_RESPONSE,
     STREAM_CUT,
@@ -17,7 +17,7 @@ from proxy.relay import (
     stream_break,
 )
 from proxy.types import FailureKind
-from proxy.upstream import UpstreamFirstByteTimeout, UpstreamIdleTimeout, UpstreamPayloadError
+from proxy.upstream.pool import UpstreamFirstByteTimeout, UpstreamIdleTimeout, UpstreamPayloadError
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
 

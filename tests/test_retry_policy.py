@@ -1,14 +1,14 @@
-"""The retry policy (proxy/retry.py) and the outlier breaker (proxy/outlier.py): pure, in
-fake time."""
+"""The retry policy (proxy/forwarding/retry.py) and the outlier breaker
+(proxy/upstream/outlier.py): pure, in fake time."""
 
 from __future__ import annotations
 
 import pytest
 
 from proxy.config import OutlierConfig, RetryConfig
-from proxy.outlier import Breaker
-from proxy.retry import Retry, RetryBudget, RetryPolicy, classify
-from proxy.upstream import (
+from proxy.forwarding.retry import Retry, RetryBudget, RetryPolicy, classify
+from proxy.upstream.outlier import Breaker
+from proxy.upstream.pool import (
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamDisconnected,

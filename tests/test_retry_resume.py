@@ -1,12 +1,12 @@
-"""The retry policy for a request back after a failed prefill/decode leg (proxy/retry.py):
-pure, in fake time."""
+"""The retry policy for a request back after a failed prefill/decode leg
+(proxy/forwarding/retry.py): pure, in fake time."""
 
 from __future__ import annotations
 
 import pytest
 
 from proxy.config import RetryConfig
-from proxy.retry import Resume, RetryPolicy
+from proxy.forwarding.retry import Resume, RetryPolicy
 
 
 def _policy(**kw: float) -> RetryPolicy:

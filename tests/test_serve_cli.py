@@ -163,7 +163,7 @@ class _Recorder:
 def test_response_head_goes_out_with_the_first_body_bytes_in_one_write():
     import asyncio
 
-    from proxy.serve import HeadWithBodyTransport
+    from proxy.server.serve import HeadWithBodyTransport
 
     async def main() -> None:
         raw = _Recorder()
@@ -190,7 +190,7 @@ def test_response_head_goes_out_with_the_first_body_bytes_in_one_write():
 def test_freed_large_blocks_go_back_to_the_system_on_glibc(monkeypatch: pytest.MonkeyPatch) -> None:
     import platform
 
-    from proxy import serve
+    from proxy.server import serve
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     expected = platform.libc_ver()[0] == "glibc"

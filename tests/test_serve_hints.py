@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from proxy import serve
 from proxy.cli import build_parser
 from proxy.config import EXAMPLE_FILE, ConfigError, load_config
+from proxy.server import serve
 from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,7 +171,7 @@ def test_a_misspelt_key_gets_the_closest_valid_one_and_the_example_file(tmp_path
 
 
 def test_policy_help_names_every_policy_and_prefix_aware_as_the_default() -> None:
-    from proxy.app import plugins
+    from proxy.server.app import plugins
 
     text = " ".join(build_parser("serve")._subparsers._group_actions[0].choices["serve"]
                     .format_help().split())  # fmt: skip

@@ -640,7 +640,7 @@ def test_hide_kv_pool_comes_from_a_flag_or_the_environment(monkeypatch: pytest.M
 def test_consecutive_free_ports_come_from_below_the_ephemeral_range(tmp_path: Path) -> None:
     """`--instances n` binds n ports in a row; one found free inside the kernel's ephemeral
     range can go to some process's outgoing connection before the child binds it."""
-    from proxy.stack import _ephemeral_start, free_ports
+    from proxy.demo.stack import _ephemeral_start, free_ports
 
     ports = free_ports(4)
     assert ports == list(range(ports[0], ports[0] + 4))

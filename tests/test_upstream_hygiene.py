@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_app
 from proxy.bench.mock import MockBackend
 from proxy.config import Config, TimeoutsConfig
-from proxy.upstream import Upstream, UpstreamConnectTimeout
+from proxy.server.app import create_app
+from proxy.upstream.pool import Upstream, UpstreamConnectTimeout
 from tests.support import ServerThread
 from tests.test_proxy_hostile import RawBackend
 

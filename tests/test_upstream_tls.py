@@ -1,7 +1,7 @@
 """TLS to the backends (upstream.tls_*): a local CA, server and client certificates made by the
 `openssl` command, asyncio and uvicorn TLS servers on loopback.
 
-The forwarder's client (proxy/upstream.py) and the health client take the same context
+The forwarder's client (proxy/upstream/pool.py) and the health client take the same context
 (client_ssl_context), so each setting is checked on the client alone and then through the
 proxy, where the health checks must pass for the proxy to be ready.
 """
@@ -21,10 +21,10 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import create_app
 from proxy.bench.mock import MockBackend
 from proxy.config import Config, TimeoutsConfig, UpstreamConfig
-from proxy.upstream import Upstream, UpstreamConnectError, UpstreamError, client_ssl_context
+from proxy.server.app import create_app
+from proxy.upstream.pool import Upstream, UpstreamConnectError, UpstreamError, client_ssl_context
 from tests.support import ServerThread
 
 MODEL = "test-model"

@@ -1,5 +1,5 @@
-"""The views routing decides from (proxy.state.ViewCache): read per request in C-level passes
-and made again only for a backend whose health, in-flight count, load, models, learned
+"""The views routing decides from (proxy.forwarding.state.ViewCache): read per request in C-level
+passes and made again only for a backend whose health, in-flight count, load, models, learned
 prefill, backlog or configuration changed; against every view made afresh (Backend.view with
 each value read one backend at a time, as RequestRouting.views() did), field by field, through
 random changes to a fleet: breakers opening and probing back, loads scraped, models moving,
@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from proxy.backends import Backend
 from proxy.config import BackendConfig, OutlierConfig
-from proxy.outlier import Breaker
+from proxy.forwarding.state import ViewCache
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.inflight import InflightBoard
 from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S, PrefillLearner
 from proxy.routing.types import BackendView, EngineLoad
-from proxy.state import ViewCache
+from proxy.upstream.backends import Backend
+from proxy.upstream.outlier import Breaker
 
 
 class Clock:

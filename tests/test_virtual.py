@@ -12,7 +12,7 @@ from collections import defaultdict
 from proxy.bench.metrics import cache_hit_ratio
 from proxy.bench.results import RequestResult
 from proxy.bench.workloads import make_workload
-from proxy.demo import format_engine_balance, oracle_hit_ratio
+from proxy.demo.run import format_engine_balance, oracle_hit_ratio
 from proxy.harness.virtual import engine_stats, run_virtual
 from proxy.sim.config import SimConfig
 

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from proxy.stack import free_ports  # noqa: E402
+from proxy.demo.stack import free_ports  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 

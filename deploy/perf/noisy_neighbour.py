@@ -42,7 +42,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from proxy.bench.client import exponential_offsets, paced  # noqa: E402
-from proxy.stack import Stack, free_ports  # noqa: E402
+from proxy.demo.stack import Stack, free_ports  # noqa: E402
 
 ENGINES = 4
 SLOTS = 8

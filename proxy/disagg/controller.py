@@ -61,8 +61,8 @@ class DisaggController:
         backends: Sequence[BackendState],
         api: str = "chat",
     ) -> RequestPlan:
-        """Where this request (to `api`, proxy.exchange.API_PATHS) goes now. With the split
-        inactive (always, in mode off) it is one leg on every candidate: exactly what routing
+        """Where this request (to `api`, proxy.forwarding.exchange.API_PATHS) goes now. With the
+        split inactive (always, in mode off) it is one leg on every candidate: exactly what routing
         does without disaggregation. An embedding outputs nothing: it is its prompt."""
         cfg = self.cfg
         if api == "embeddings":

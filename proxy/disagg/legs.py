@@ -41,9 +41,9 @@ VLLM_PREFILL_PARAMS: dict[str, Any] = {
 HELD_BACK_FROM_PREFILL = ("min_tokens", "min_completion_tokens")
 # Engines that speak a KV-transfer flow, by the backend's configured `engine`.
 FLOWS: dict[str, PdFlow] = {"vllm": "vllm", "sglang": "sglang"}
-# The APIs (proxy.exchange.API_PATHS keys) with a two-leg flow, as in vLLM's and SGLang's own
-# P/D proxies: an embedding has no decode to hand over, and a prefill leg of /v1/responses
-# would not be capped (its output limit is `max_output_tokens`).
+# The APIs (proxy.forwarding.exchange.API_PATHS keys) with a two-leg flow, as in vLLM's and
+# SGLang's own P/D proxies: an embedding has no decode to hand over, and a prefill leg of
+# /v1/responses would not be capped (its output limit is `max_output_tokens`).
 KV_TRANSFER_APIS = frozenset({"chat", "completions"})
 ROOM_BITS = 63  # SGLang draws rooms in [0, 2**63 - 1]
 

@@ -1,7 +1,7 @@
 """`warmroute doctor --url http://proxy:8080`: the proxy's diagnosis, read from GET
 /admin/doctor and printed as a table per backend (or as the JSON with --json).
 
-/admin/* is off by default (proxy/access.py): the proxy serves it on its admin port
+/admin/* is off by default (proxy/edge/access.py): the proxy serves it on its admin port
 (server.admin_port) or, with an admin token configured, on its serving port to requests that
 carry `Authorization: Bearer <token>`; --token (or WARMROUTE_ADMIN_TOKEN) sends that header.
 """

@@ -21,12 +21,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from proxy.access import CLIENT
-from proxy.admission import TICKET
+from proxy.admission.slots import TICKET
 from proxy.doctor import hardware
 from proxy.doctor.collector import DEFAULT_WINDOW_S, BackendInfo, Collector, Load
 from proxy.doctor.diagnose import Thresholds, diagnose
 from proxy.doctor.model import COUNTERS, Report
+from proxy.types import CLIENT
 
 log = logging.getLogger("warmroute.doctor")
 FINDINGS_STALE_S = 15.0  # the metric's findings are recomputed at most this often

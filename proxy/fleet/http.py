@@ -1,4 +1,4 @@
-"""The admin API's fleet verbs (served only where /admin is: proxy/access.py).
+"""The admin API's fleet verbs (served only where /admin is: proxy/edge/access.py).
 
     POST   /admin/backends               {"url": ..., "engine": ..., ...}: add (joining)
     POST   /admin/backends/{name}/drain  no new requests until resumed; streams finish

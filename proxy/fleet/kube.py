@@ -62,7 +62,7 @@ import yaml
 
 from proxy.config import DiscoveryConfig, Engine, KubernetesConfig, Role
 from proxy.fleet.members import Member, Report
-from proxy.retry import retry_after_s
+from proxy.upstream.conn import retry_after_s
 
 log = logging.getLogger("warmroute.fleet")
 

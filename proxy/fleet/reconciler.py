@@ -28,7 +28,7 @@ from proxy.config import BackendConfig, Config, DiscoveryConfig
 from proxy.fleet.members import ADMIN_SOURCE, CONFIG_SOURCE, Change, Member, Membership, Source
 
 if TYPE_CHECKING:
-    from proxy.backends import Backend, BackendRegistry
+    from proxy.upstream.backends import Backend, BackendRegistry
 
 log = logging.getLogger("warmroute.fleet")
 

@@ -82,7 +82,7 @@ class _Hooks:
         ctl = self.ctl
         backends = self.states(fleet)
         ctl.evaluate(ctx.now, backends)
-        # As the proxy (proxy/pdflow.py): judged on what the decode pool would prefill.
+        # As the proxy (proxy/forwarding/pdflow.py): judged on what the decode pool would prefill.
         split = ctl.split
         pool = [v for v in views if split is None or v.name in split.decode] or views
         uncached = min(

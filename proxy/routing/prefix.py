@@ -25,9 +25,9 @@ import orjson
 import xxhash
 from pydantic import Field
 
-from proxy.access import TENANT
 from proxy.routing.template import ChatTemplate
 from proxy.routing.types import PluginSettings
+from proxy.types import TENANT
 
 _h64 = xxhash.xxh3_64_intdigest
 # Separators that cannot be confused with ordinary text: one between messages, one between the

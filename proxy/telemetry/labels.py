@@ -1,7 +1,7 @@
 """Bounded metric label values for what a peer chooses: a backend's error type.
 
 A backend names its own errors (`{"error": {"type": ...}}` in an answer or a stream's event,
-read by proxy/meter.py) and a hostile or broken one can name a new one per request: as
+read by proxy/forwarding/meter.py) and a hostile or broken one can name a new one per request: as
 `error.type` on the duration histogram and `warmroute.upstream.errors`, 600 made-up types grew
 /metrics from 4 kB to 3.4 MB. Spans carry the backend's value (cut to 128 characters by
 proxy/telemetry/record.py); metrics get `ErrorLabels(value)`, which is, in order:

@@ -12,8 +12,7 @@ from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from proxy.access import CLIENT
-from proxy.admission import CLASSES, TICKET
+from proxy.admission.slots import CLASSES, TICKET
 from proxy.redact import quote
 from proxy.routing.types import Decision
 from proxy.telemetry import attributes as span_attrs
@@ -24,7 +23,7 @@ from proxy.telemetry.attributes import QUEUE_WAIT as QUEUE_WAIT_ATTR
 from proxy.telemetry.render import DictWriter
 from proxy.telemetry.spans import SpanData
 from proxy.telemetry.wire import ATTR, attributes
-from proxy.types import StreamFacts
+from proxy.types import CLIENT, StreamFacts
 
 if TYPE_CHECKING:
     from proxy.config import TelemetryConfig

@@ -1,4 +1,4 @@
-"""GET /admin/tenants (served only where /admin is: proxy/access.py), and the tenants'
+"""GET /admin/tenants (served only where /admin is: proxy/edge/access.py), and the tenants'
 metrics: what each tenant was admitted, refused and charged here, and its budgets left."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 if TYPE_CHECKING:
-    from proxy.admission import Admission
-    from proxy.backend_queue import BackendQueue
+    from proxy.admission.backend_queue import BackendQueue
+    from proxy.admission.slots import Admission
     from proxy.telemetry import Telemetry
     from proxy.tenants.budgets import Budgets
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from proxy.admission import (
+from proxy.admission.slots import (
     CLASSES,
     DEADLINE,
     OVER_SHARE,

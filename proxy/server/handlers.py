@@ -10,16 +10,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from proxy.access import AdminAccess, bearer
 from proxy.asgi import BodyTooLarge, read_body
+from proxy.edge.access import AdminAccess, bearer
 from proxy.errors import RequestError, error_body
-from proxy.intake import too_large
+from proxy.forwarding.intake import too_large
+from proxy.forwarding.validate import PROMPT_FIELD, validate
 from proxy.redact import redact_text, redact_url
 from proxy.routing.types import RouteContext
-from proxy.validate import PROMPT_FIELD, validate
 
 if TYPE_CHECKING:
-    from proxy.state import AppState
+    from proxy.forwarding.state import AppState
 
 
 def _json(data: object, status: int = 200) -> Response:
@@ -32,7 +32,7 @@ def routes(state: AppState) -> list[Route]:
 
 class Handlers:
     """The small endpoints beside the API paths: model list, health, readiness, metrics and
-    the admin views (operators only: proxy/access.py decides who sees what)."""
+    the admin views (operators only: proxy/edge/access.py decides who sees what)."""
 
     def __init__(self, state: AppState) -> None:
         self.state = state

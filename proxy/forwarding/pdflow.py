@@ -22,7 +22,8 @@ Per request, after routing:
   back to decode-only on the decode backend (the engine prefills itself), with the reason
   logged and on the span (`warmroute.pd.fallback`).
 - Retries are not decided here: a request back after a failed leg re-enters the attempt
-  loop with a `Resume`; proxy/retry.py says whether and where, to one deadline per request.
+  loop with a `Resume`; proxy/forwarding/retry.py says whether and where, to one deadline per
+  request.
 
 The decider's window sees what each engine really did: the prefill leg opens its long-prefill
 interval on the prefill engine, the decode leg none (its KV came over the link), a decode-only
@@ -39,7 +40,8 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
@@ -57,22 +59,22 @@ from proxy.disagg.legs import (
 )
 from proxy.disagg.pools import BackendState, RequestPlan, uncached_tokens
 from proxy.disagg.window import RequestFacts, itl_quantiles
-from proxy.exchange import Exchange
-from proxy.request_headers import upstream_headers
-from proxy.retry import Resume, Retry, describe
+from proxy.forwarding.attempts import Answered, Attempts
+from proxy.forwarding.exchange import Exchange
+from proxy.forwarding.request_headers import upstream_headers
+from proxy.forwarding.retry import Resume, Retry, describe
 from proxy.routing.types import Verdict, verdict_of
 from proxy.types import FailureKind
 
 if TYPE_CHECKING:
-    from proxy.backends import Backend
-    from proxy.ports import Fleet, UpstreamResponseLike
+    from proxy.forwarding.ports import Fleet
+    from proxy.forwarding.state import RequestRouting
     from proxy.routing.types import BackendView
-    from proxy.state import RequestRouting
     from proxy.telemetry import RequestRecord
     from proxy.telemetry.record import AttemptRecord
     from proxy.types import StreamFacts
 
-Result = tuple[str, "StreamFacts | None"] | None
+Result = Answered | None
 
 log = logging.getLogger("warmroute.disagg")
 
@@ -82,32 +84,49 @@ PREFILL_ANSWER_LIMIT = 1 << 20  # a one-token answer; more is not a prefill leg'
 PREFILL_DRAIN_S = 5.0
 
 
-class Legs(Protocol):
-    """What the flows use of the forwarder (proxy.forward.ProxyEndpoint)."""
+@dataclass(eq=False)
+class _Flow:
+    """One request's way through the flows: the attempt step it varies, and what its legs
+    have said so far. Also the `Watch` its attempts report to."""
 
-    path: str
+    flows: PdFlows
+    attempts: Attempts
+    ex: Exchange
+    record: RequestRecord
+    send: Send
+    leg: str | None = None  # warmroute.pd.leg of its next attempts (None: a single leg)
+    prefilled: int | None = None  # prompt tokens its prefill leg computed
 
-    async def open_leg(
+    def started(self, backend: str, now: float, attempt: AttemptRecord) -> None:
+        """An attempt is about to be sent: tag its span with its leg and tell the window what
+        this engine has to prefill (nothing, when its KV comes over)."""
+        if self.leg is not None:
+            attempt.set_attribute("warmroute.pd.leg", self.leg)
+        uncached = 0 if self.leg == "decode" else self.flows.uncached_on(self.ex, backend)
+        self.flows.ctl.started(self.ex.request_id, backend, now, uncached)
+
+    async def run(
         self,
-        ex: Exchange,
-        backend: Backend,
-        body: bytes,
-        headers: dict[str, str],
-        fresh: bool = False,
-        path: str | None = None,
-    ) -> UpstreamResponseLike: ...
-
-    async def attempts(
-        self,
-        ex: Exchange,
         ranking: list[str],
         first: str,
-        record: RequestRecord,
-        send: Send,
+        *,
         body: bytes | None = None,
         final: bool = True,
         resume: Resume | None = None,
-    ) -> tuple[str, StreamFacts | None] | None: ...
+    ) -> Result:
+        """The attempt step on `ranking` from `first`, watched by this flow."""
+        ex = self.ex
+        return await self.attempts.run(
+            ex,
+            ranking,
+            first,
+            self.record,
+            self.send,
+            body=body,
+            final=final,
+            resume=resume,
+            watch=self,
+        )
 
 
 class PdFlows:
@@ -129,8 +148,6 @@ class PdFlows:
         self.rng = rng or random.SystemRandom()
         self.clock = clock  # the request path's clock (Exchange.t0, StreamFacts times)
         self.counts: dict[str, int] = {}  # plans and fallbacks, for /admin/disagg
-        self._leg: dict[str, str] = {}  # request id -> warmroute.pd.leg of its next attempts
-        self._prefilled: dict[str, int] = {}  # request id -> tokens its prefill leg computed
         self._due = 0.0  # when the decider looks next (self.clock)
 
     # -- the window the decider judges from ----------------------------------------------
@@ -140,22 +157,10 @@ class PdFlows:
             for v in self.steering.views()
         ]
 
-    def started(
-        self, ex: Exchange, backend: str, now: float, attempt: AttemptRecord | None = None
-    ) -> None:
-        """An attempt is about to be sent (the forwarder's hook): tag its span with its leg and
-        tell the window what this engine has to prefill (nothing, when its KV comes over)."""
+    def finished(self, flow: _Flow, backend: str, facts: StreamFacts | None) -> None:
+        ex = flow.ex
         rid = ex.request_id
-        leg = self._leg.get(rid)
-        if leg is not None and attempt is not None:
-            attempt.set_attribute("warmroute.pd.leg", leg)
-        uncached = 0 if leg == "decode" else self._uncached_on(ex, backend)
-        self.ctl.started(rid, backend, now, uncached)
-
-    def finished(self, ex: Exchange, backend: str, facts: StreamFacts | None) -> None:
-        rid = ex.request_id
-        self._leg.pop(rid, None)
-        prefilled = self._prefilled.pop(rid, None)
+        prefilled = flow.prefilled
         now = self.clock()
         ok = facts is not None and facts.error is None and not facts.cancelled
         if facts is not None and facts.first_output_at is not None:
@@ -169,7 +174,7 @@ class PdFlows:
         elif facts is not None and facts.input_tokens:
             uncached = max(0, facts.input_tokens - (facts.cached_tokens or 0))
         else:
-            uncached = self._uncached_on(ex, backend)
+            uncached = self.uncached_on(ex, backend)
         self.ctl.finished(
             RequestFacts(
                 request_id=rid,
@@ -192,7 +197,7 @@ class PdFlows:
         chars = ctx.prompt_chars if ctx is not None else 0
         return math.ceil(chars / self.chars_per_token)
 
-    def _uncached_on(self, ex: Exchange, backend: str) -> int:
+    def uncached_on(self, ex: Exchange, backend: str) -> int:
         ctx = ex.ctx
         if ctx is None:
             return 0
@@ -245,38 +250,36 @@ class PdFlows:
         split = self.ctl.split
         names = [n for n in ranking if n in split.decode] if split is not None else []
         names = names or ([] if split is None else list(split.decode)) or list(ranking[:1])
-        uncached = min((self._uncached_on(ex, n) for n in names), default=0)
+        uncached = min((self.uncached_on(ex, n) for n in names), default=0)
         return self.ctl.plan(ex.body, self._prompt_tokens(ex), uncached, self.states(), ex.api)
 
-    async def forward(
+    async def run(
         self,
-        legs: Legs,
+        attempts: Attempts,
         ex: Exchange,
         ranking: list[str],
         record: RequestRecord,
         send: Send,
     ) -> None:
+        """The attempt step's variant: the request planned on the pools, its legs sent
+        through `attempts` (the endpoint's step), and what it did told to the window."""
         plan = self.plan(ex, ranking)
         self._count(f"{plan.legs}:{plan.request_class}")
-        result: Result = None
-        try:
-            if plan.legs == "two" and plan.flow is not None:
-                result = await self._two_legs(legs, ex, ranking, plan, record, send)
-            else:
-                pool = self._pool(ex, ranking, plan.candidates) if plan.candidates else []
-                pool = await self._ordered(ex, pool, ranking)
-                if plan.candidates and not pool:
-                    self._count("pool_unavailable")  # every member filtered out: as routed
-                if pool:
-                    record.set_attribute("warmroute.pd.pool", plan.request_class)
-                # Retries stay in the pool, then the rest of the router's ranking.
-                order = pool + [n for n in ranking if n not in pool]
-                result = await legs.attempts(ex, order, order[0], record, send)
-            if result is not None:
-                self.finished(ex, result[0], result[1])
-        finally:
-            self._leg.pop(ex.request_id, None)
-            self._prefilled.pop(ex.request_id, None)
+        flow = _Flow(self, attempts, ex, record, send)
+        if plan.legs == "two" and plan.flow is not None:
+            result = await self._two_legs(flow, ranking, plan)
+        else:
+            pool = self._pool(ex, ranking, plan.candidates) if plan.candidates else []
+            pool = await self._ordered(ex, pool, ranking)
+            if plan.candidates and not pool:
+                self._count("pool_unavailable")  # every member filtered out: as routed
+            if pool:
+                record.set_attribute("warmroute.pd.pool", plan.request_class)
+            # Retries stay in the pool, then the rest of the router's ranking.
+            order = pool + [n for n in ranking if n not in pool]
+            result = await flow.run(order, order[0])
+        if result is not None:
+            self.finished(flow, result[0], result[1])
 
     def _pool(self, ex: Exchange, ranking: Sequence[str], pool: Sequence[str]) -> list[str]:
         """The pool's backends the router ranked, in its order; then its P/D-role backends
@@ -313,54 +316,37 @@ class PdFlows:
             key=lambda n: (-matched.get(n, 0), ranked.get(n, len(ranked)), inflight.get(n, 0)),
         )
 
-    async def _two_legs(
-        self,
-        legs: Legs,
-        ex: Exchange,
-        ranking: list[str],
-        plan: RequestPlan,
-        record: RequestRecord,
-        send: Send,
-    ) -> Result:
+    async def _two_legs(self, flow: _Flow, ranking: list[str], plan: RequestPlan) -> Result:
+        ex, record = flow.ex, flow.record
         decode_pool = self._pool(ex, ranking, plan.candidates)
         if not decode_pool:
             self._count("pool_unavailable")
-            return await legs.attempts(ex, list(ranking), ranking[0], record, send)
+            return await flow.run(list(ranking), ranking[0])
         decode = self._least_loaded(decode_pool)
         # The per-request threshold is judged on the decode backend: what it would prefill.
-        uncached = self._uncached_on(ex, decode)
+        uncached = self.uncached_on(ex, decode)
         if uncached < self.ctl.cfg.threshold_tokens:
             self._count("short_on_decode")
             record.set_attribute("warmroute.pd.pool", "decode")
-            return await legs.attempts(ex, _first(decode_pool, decode), decode, record, send)
+            return await flow.run(_first(decode_pool, decode), decode)
         prefill_pool = self._pool(ex, ranking, plan.prefill_candidates)
         if not prefill_pool:
             self._count("no_prefill_backend")
             why = "no backend of the prefill pool can serve it"
-            return await self._fallback(
-                legs, ex, why, decode, decode_pool, record, send, failed=False
-            )
+            return await self._fallback(flow, why, decode, decode_pool, failed=False)
         prefill_pool = await self._ordered(ex, prefill_pool, ranking)
         prefill = prefill_pool[0]
         record.set_attribute("warmroute.pd.flow", plan.flow or "")
         if plan.flow == "vllm":
-            return await self._vllm(legs, ex, prefill, decode, decode_pool, record, send)
-        return await self._sglang(legs, ex, prefill, decode, decode_pool, record, send)
+            return await self._vllm(flow, prefill, decode, decode_pool)
+        return await self._sglang(flow, prefill, decode, decode_pool)
 
-    async def _vllm(
-        self,
-        legs: Legs,
-        ex: Exchange,
-        prefill: str,
-        decode: str,
-        decode_pool: list[str],
-        record: RequestRecord,
-        send: Send,
-    ) -> Result:
+    async def _vllm(self, flow: _Flow, prefill: str, decode: str, decode_pool: list[str]) -> Result:
+        ex = flow.ex
         body = orjson.dumps(vllm_prefill_body(ex.body))
         params: dict[str, Any] | None = None
         try:
-            answer = await self._prefill_leg(legs, ex, prefill, body, record)
+            answer = await self._prefill_leg(flow, prefill, body)
             params = prefill_kv_params(answer)
             if params is None:
                 raise Retry(
@@ -371,27 +357,21 @@ class PdFlows:
         except Retry as r:
             self._count("prefill_failed")
             why = f"prefill leg on {prefill} failed ({r.reason})"
-            return await self._fallback(legs, ex, why, decode, decode_pool, record, send)
-        self._prefilled[ex.request_id] = _prefilled(answer, self._uncached_on(ex, prefill))
+            return await self._fallback(flow, why, decode, decode_pool)
+        flow.prefilled = _prefilled(answer, self.uncached_on(ex, prefill))
         t_ready = time.time_ns()
         raw = orjson.dumps(vllm_decode_body(ex.body, params))
-        return await self._decode_leg(legs, ex, decode, decode_pool, raw, t_ready, record, send)
+        return await self._decode_leg(flow, decode, decode_pool, raw, t_ready)
 
     async def _sglang(
-        self,
-        legs: Legs,
-        ex: Exchange,
-        prefill: str,
-        decode: str,
-        decode_pool: list[str],
-        record: RequestRecord,
-        send: Send,
+        self, flow: _Flow, prefill: str, decode: str, decode_pool: list[str]
     ) -> Result:
+        ex = flow.ex
         pb = self.fleet[prefill]
         body = sglang_body(ex.body, bootstrap_host(pb.url), pb.cfg.bootstrap_port, self.rng)
         raw = orjson.dumps(body)
         log.debug("request %s: SGLang rooms %s via %s", ex.request_id, rooms_of(body), prefill)
-        self._prefilled[ex.request_id] = self._uncached_on(ex, prefill)
+        flow.prefilled = self.uncached_on(ex, prefill)
         failure: list[Retry] = []
         result: Result = None
         decode_scope = anyio.CancelScope()
@@ -399,7 +379,7 @@ class PdFlows:
 
         async def prefill_leg() -> None:
             try:
-                await self._prefill_leg(legs, ex, prefill, raw, record)
+                await self._prefill_leg(flow, prefill, raw)
             except Retry as r:
                 failure.append(r)
                 if not ex.started_response:
@@ -413,7 +393,7 @@ class PdFlows:
             tg.start_soon(prefill_leg)
             with decode_scope:
                 result = await self._decode_leg(
-                    legs, ex, decode, decode_pool, raw, t_ready, record, send, fallback=False
+                    flow, decode, decode_pool, raw, t_ready, fallback=False
                 )
             # A decode leg that gave up while its prefill leg had not answered was waiting for
             # KV that was not coming: the prefill stalled, not the decode engine.
@@ -434,13 +414,12 @@ class PdFlows:
                     f"prefill leg on {prefill} had not answered when the decode leg on {decode} "
                     "gave up waiting for its KV"
                 )
-            return await self._fallback(legs, ex, why, decode, decode_pool, record, send)
-        return await self._decode_only(legs, ex, decode, decode_pool, record, send)
+            return await self._fallback(flow, why, decode, decode_pool)
+        return await self._decode_only(flow, decode, decode_pool)
 
-    async def _prefill_leg(
-        self, legs: Legs, ex: Exchange, name: str, body: bytes, record: RequestRecord
-    ) -> Any:
+    async def _prefill_leg(self, flow: _Flow, name: str, body: bytes) -> Any:
         """Send the prefill leg and read its (small, whole) answer; failures raise Retry."""
+        ex, record = flow.ex, flow.record
         backend = self.fleet[name]
         headers = upstream_headers(ex, backend, ex.client)
         attempt = record.attempt(
@@ -452,9 +431,9 @@ class PdFlows:
         self.fleet.mark_attempt(backend)
         self.steering.inflight(name, +1)
         key = ex.request_id + "/prefill"
-        self.ctl.prefill_started(key, name, self.clock(), self._uncached_on(ex, name))
+        self.ctl.prefill_started(key, name, self.clock(), self.uncached_on(ex, name))
         try:
-            upstream = await legs.open_leg(ex, backend, body, headers)
+            upstream = await flow.attempts.open_leg(ex, backend, body, headers)
             try:
                 if upstream.status != 200:
                     status = upstream.status
@@ -490,23 +469,21 @@ class PdFlows:
 
     async def _decode_leg(
         self,
-        legs: Legs,
-        ex: Exchange,
+        flow: _Flow,
         decode: str,
         decode_pool: list[str],
         raw: bytes,
         t_ready_ns: int,
-        record: RequestRecord,
-        send: Send,
         fallback: bool = True,
     ) -> Result:
         """The decode leg streams to the client; a failure before its first byte retries on
         the decode pool as decode-only (the KV it was to receive belongs to that engine)."""
-        self._leg[ex.request_id] = "decode"
+        ex, record = flow.ex, flow.record
+        flow.leg = "decode"
         try:
-            result = await legs.attempts(ex, [decode], decode, record, send, raw, final=False)
+            result = await flow.run([decode], decode, body=raw, final=False)
         finally:
-            self._leg.pop(ex.request_id, None)
+            flow.leg = None
         if result is not None:
             facts = result[1]
             if facts is not None and facts.first_output_at is not None:
@@ -520,48 +497,32 @@ class PdFlows:
             return result
         if not fallback or ex.client_gone or ex.started_response:
             return None
-        return await self._decode_only(legs, ex, decode, decode_pool, record, send)
+        return await self._decode_only(flow, decode, decode_pool)
 
-    async def _decode_only(
-        self,
-        legs: Legs,
-        ex: Exchange,
-        failed: str,
-        decode_pool: list[str],
-        record: RequestRecord,
-        send: Send,
-    ) -> Result:
+    async def _decode_only(self, flow: _Flow, failed: str, decode_pool: list[str]) -> Result:
         """The decode leg failed before its first byte: the request whole, retried on the rest
         of the decode pool as the retry policy allows (the KV it was to receive is lost)."""
         self._count("decode_leg_failed")
-        self._prefilled.pop(ex.request_id, None)
-        self._leg[ex.request_id] = "decode_only"
+        flow.prefilled = None
+        flow.leg = "decode_only"
         why = f"decode leg on {failed} failed before its first byte"
-        return await legs.attempts(ex, decode_pool, failed, record, send, resume=Resume(why))
+        return await flow.run(decode_pool, failed, resume=Resume(why))
 
     async def _fallback(
-        self,
-        legs: Legs,
-        ex: Exchange,
-        why: str,
-        decode: str,
-        decode_pool: list[str],
-        record: RequestRecord,
-        send: Send,
-        failed: bool = True,
+        self, flow: _Flow, why: str, decode: str, decode_pool: list[str], failed: bool = True
     ) -> Result:
         """No KV to decode from: the request whole on the decode backend, which prefills it.
         After a failed prefill leg (`failed`) the retry policy has the last word (deadline)."""
-        self._prefilled.pop(ex.request_id, None)
+        ex = flow.ex
+        flow.prefilled = None
         said = f"{why}; decode-only on {decode}"
-        record.set_attribute("warmroute.pd.fallback", said)
+        flow.record.set_attribute("warmroute.pd.fallback", said)
         if ex.client_gone:
             return None
         log.warning("request %s: %s", ex.request_id, said)
-        self._leg[ex.request_id] = "decode_only"
+        flow.leg = "decode_only"
         resume = Resume(why, fallback=True) if failed else None
-        order = _first(decode_pool, decode)
-        return await legs.attempts(ex, order, decode, record, send, resume=resume)
+        return await flow.run(_first(decode_pool, decode), decode, resume=resume)
 
     def _least_loaded(self, names: list[str]) -> str:
         inflight = {v.name: v.inflight for v in self.steering.views()}
@@ -597,4 +558,4 @@ def _first(names: list[str], first: str) -> list[str]:
     return [first, *(n for n in names if n != first)]
 
 
-__all__ = ["Legs", "PdFlows"]
+__all__ = ["PdFlows"]

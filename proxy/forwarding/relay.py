@@ -6,8 +6,8 @@ until its end arrives. So when a stream breaks, the error event that ends it alw
 an event boundary and the `openai` client raises APIError instead of a JSON error or a silent
 truncation.
 
-The relay also judges the backend (passive health, proxy/outlier.py): an attempt succeeds when
-its first body byte arrives, not at its response head (vLLM sends a streaming head before the
+The relay also judges the backend (passive health, proxy/upstream/outlier.py): an attempt succeeds
+when its first body byte arrives, not at its response head (vLLM sends a streaming head before the
 first token, so a wedged engine answers heads all day), and a stream that breaks after that
 (idle timeout, cut, closed before its end) counts as a failure.
 
@@ -35,12 +35,12 @@ import orjson
 from proxy import asgi
 from proxy.asgi import Send
 from proxy.errors import error_body, sse_error_event
-from proxy.exchange import Exchange
-from proxy.meter import MAX_EVENT_BYTES, EventTooLarge, StreamMeter, meter_json
-from proxy.retry import Retry, describe
+from proxy.forwarding.exchange import Exchange
+from proxy.forwarding.meter import MAX_EVENT_BYTES, EventTooLarge, StreamMeter, meter_json
+from proxy.forwarding.retry import Retry, describe
 from proxy.sse import event_boundary
 from proxy.types import FailureKind, StreamFacts
-from proxy.upstream import (
+from proxy.upstream.pool import (
     NOT_FORWARDED_DOWNSTREAM_B,
     READ_ERRORS,
     UpstreamOverBudget,
@@ -49,10 +49,10 @@ from proxy.upstream import (
 )
 
 if TYPE_CHECKING:
-    from proxy.backends import Backend
-    from proxy.ports import UpstreamResponseLike
-    from proxy.state import Fleet, RequestRouting
+    from proxy.forwarding.ports import UpstreamResponseLike
+    from proxy.forwarding.state import Fleet, RequestRouting
     from proxy.telemetry import RequestRecord
+    from proxy.upstream.backends import Backend
 
 __all__ = ["Relay", "event_boundary", "internal_error", "respond"]
 
@@ -287,7 +287,7 @@ class Relay:
         event whose end never came). The per-read loop: one function, no call per read."""
         perf = time.perf_counter
         # Progress (the idle clock starts over) is a read that completes an event, not a byte
-        # (proxy/upstream_conn.py's docstring): the first read started the clock.
+        # (proxy/upstream/conn.py's docstring): the first read started the clock.
         progress, idle_s = upstream.set_read_timeout, self.idle_s
         first = True
         # The start of an event whose end has not arrived: never longer than what the meter

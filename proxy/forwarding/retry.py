@@ -4,7 +4,7 @@ The one owner of retry decisions (the forwarder asks, the upstream client only r
 errors, the registry only keeps health). Rules:
 
 - Only before the first byte reached the client: once a response has started, a failure ends
-  the stream with an error event instead (proxy/relay.py).
+  the stream with an error event instead (proxy/forwarding/relay.py).
 - A pooled connection the backend had closed (the keep-alive race) is retried at once on the
   *same* backend over a fresh connection: it says nothing about the backend's health.
 - Anything else moves to the next backend of the routing ranking, after an exponential
@@ -12,9 +12,9 @@ errors, the registry only keeps health). Rules:
   not hit by every client at the same instant.
 - An overall deadline: no new attempt starts `deadline_s` after the request arrived, counted
   from its arrival (`Exchange.t0`) for every leg, fallback and retry of it.
-- A two-leg prefill/decode request (proxy/pdflow.py) comes back to the attempt loop after a
-  failed leg with a `Resume`, and the policy decides its next attempt too. A decode leg that
-  failed is retried like any attempt (elsewhere in the decode pool: max_attempts, backoff,
+- A two-leg prefill/decode request (proxy/forwarding/pdflow.py) comes back to the attempt loop
+  after a failed leg with a `Resume`, and the policy decides its next attempt too. A decode leg
+  that failed is retried like any attempt (elsewhere in the decode pool: max_attempts, backoff,
   budget, deadline). A prefill leg that failed falls back to the decode backend its plan chose,
   at once and outside max_attempts and the budget: that engine did not fail, and it gets the
   one request it was getting anyway, so nothing is added to a failing fleet's load; but not
@@ -39,7 +39,8 @@ import orjson
 
 from proxy.config import RetryConfig
 from proxy.types import FailureKind
-from proxy.upstream import (
+from proxy.upstream.conn import retry_after_s
+from proxy.upstream.pool import (
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamDisconnected,
@@ -48,20 +49,9 @@ from proxy.upstream import (
 )
 
 if TYPE_CHECKING:
-    from proxy.ports import UpstreamResponseLike
+    from proxy.forwarding.ports import UpstreamResponseLike
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
-
-
-RETRY_AFTER_MAX_S = 60.0  # a Retry-After past this is read as this (a backend, the API server)
-
-
-def retry_after_s(value: str | None) -> float:
-    """A Retry-After header's delay in seconds (delta-seconds; an HTTP date or junk: 0)."""
-    try:
-        return min(RETRY_AFTER_MAX_S, max(0.0, float(value))) if value else 0.0
-    except ValueError:
-        return 0.0
 
 
 class Retry(Exception):
@@ -217,7 +207,8 @@ class NextAttempt:
 
 @dataclass(frozen=True, slots=True)
 class Resume:
-    """A request back in the attempt loop after one of its legs failed (proxy/pdflow.py)."""
+    """A request back in the attempt loop after one of its legs failed
+    (proxy/forwarding/pdflow.py)."""
 
     why: str  # that failure in a sentence, for the log and the client's error
     fallback: bool = False  # the flow's fallback to its decode backend, not a retry elsewhere

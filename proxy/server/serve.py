@@ -21,7 +21,11 @@ from typing import Any, cast
 import uvicorn
 
 from proxy.config import Config, ConfigError, load_config, telemetry_sources
-from proxy.limits import LimitedHttpToolsProtocol, default_max_connections, raise_open_file_limit
+from proxy.edge.limits import (
+    LimitedHttpToolsProtocol,
+    default_max_connections,
+    raise_open_file_limit,
+)
 from proxy.redact import install_safe_formatter, redacted_config
 
 CONFIG_ENV = "_WARMROUTE_SERVE_CONFIG"  # hands the validated config to worker processes
@@ -48,7 +52,7 @@ environment < flags. Then point any OpenAI client at http://HOST:PORT/v1.
 
 class NoDelayHttpToolsProtocol(LimitedHttpToolsProtocol):
     """Sets TCP_NODELAY on every client connection explicitly (and enforces the limits on
-    client connections: proxy/limits.py).
+    client connections: proxy/edge/limits.py).
 
     Without it the first SSE chunk can wait ~40 ms for a delayed ACK (measured on a Rust
     router here); the event loops usually set it, but this must not depend on the loop.
@@ -268,7 +272,7 @@ def admin_sockets(config: Config) -> list[socket.socket]:
 
 def app_factory() -> Any:
     """Entry point for uvicorn worker processes (--workers N)."""
-    from proxy.app import create_app
+    from proxy.server.app import create_app
 
     config = Config.model_validate_json(os.environ[CONFIG_ENV])
     setup_logging(config.server.log_level)
@@ -369,7 +373,7 @@ def _has(module: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
-        from proxy.app import check_config, create_app
+        from proxy.server.app import check_config, create_app
         from proxy.telemetry.effective import effective_telemetry, telemetry_line
 
         check_config(config)
@@ -393,7 +397,10 @@ def run(args: argparse.Namespace) -> int:
             os.environ[CONFIG_ENV] = config.model_dump_json()
             os.environ[RELOAD_ENV] = json.dumps([file, flags])
             server_config = uvicorn_config(
-                config, "proxy.serve:app_factory", factory=True, workers=config.server.workers
+                config,
+                "proxy.server.serve:app_factory",
+                factory=True,
+                workers=config.server.workers,
             )
         else:
             reload = functools.partial(load_config, file, flags)

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from proxy.backends import Backend
     from proxy.telemetry import RequestRecord
     from proxy.types import FailureKind
-    from proxy.upstream import Target
+    from proxy.upstream.backends import Backend
+    from proxy.upstream.pool import Target
 
 
 class UpstreamResponseLike(Protocol):

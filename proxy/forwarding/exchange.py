@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from proxy.ports import UpstreamResponseLike
+    from proxy.forwarding.ports import UpstreamResponseLike
     from proxy.routing.types import Decision, RouteContext
     from proxy.types import StreamFacts
 

@@ -1,6 +1,6 @@
 """Requests whose every backend is at its in-flight bound, waiting for one to free a slot.
 
-The admission queue (proxy/admission.py) bounds what the whole proxy works on; a backend's own
+The admission queue (proxy/admission/slots.py) bounds what the whole proxy works on; a backend's own
 `max_inflight` bounds what one engine is sent. When every backend that could serve a request
 is at its bound, the request waits here rather than being refused at once: at most `size`
 requests wait, each at most `wait_s` (the admission queue's limits), and one that cannot wait
@@ -30,7 +30,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from proxy.admission import QUEUE_FULL, QUEUE_TIMEOUT, SHED_FAIR, SHED_PRIORITY, Ticket
+from proxy.admission.slots import QUEUE_FULL, QUEUE_TIMEOUT, SHED_FAIR, SHED_PRIORITY, Ticket
 from proxy.routing.types import Decision, Verdict, verdict_of
 
 log = logging.getLogger("warmroute.backend_queue")

@@ -1,12 +1,12 @@
 """The app's resources, and the narrow faces of them the request path sees.
 
 Layering (docs/architecture.md): `app` builds an AppState and hands each endpoint only what it
-uses. The forwarder sees four collaborators, each a small protocol (proxy/ports.py) or the
-facade defined here:
+uses. The forwarder sees four collaborators, each a small protocol (proxy/forwarding/ports.py) or
+the facade defined here:
 
 - `UpstreamClient`: sends one request to a backend and returns its response head
-  (proxy.upstream.Upstream in the app; an in-memory fake in tests);
-- `Fleet`: backend lookup and passive health (proxy.backends.BackendRegistry);
+  (proxy.upstream.pool.Upstream in the app; an in-memory fake in tests);
+- `Fleet`: backend lookup and passive health (proxy.upstream.backends.BackendRegistry);
 - `RequestRouting`: routes a request and learns from its outcome (router, in-flight board,
   prefill learner and backend views, behind one facade);
 - `Recorder`: opens the telemetry record of a request (proxy.telemetry.Telemetry).
@@ -22,9 +22,9 @@ from itertools import compress, repeat
 from operator import attrgetter, itemgetter, ne
 from typing import TYPE_CHECKING, Any
 
-from proxy.outlier import CLOSED
-from proxy.ports import Fleet, Recorder, UpstreamClient, UpstreamResponseLike
+from proxy.forwarding.ports import Fleet, Recorder, UpstreamClient, UpstreamResponseLike
 from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S
+from proxy.upstream.outlier import CLOSED
 
 __all__ = [
     "AppState",
@@ -38,11 +38,10 @@ __all__ = [
 if TYPE_CHECKING:
     import httpx
 
-    from proxy.backend_queue import BackendQueue
-    from proxy.backends import Backend, BackendRegistry
+    from proxy.admission.backend_queue import BackendQueue
     from proxy.config import Config
-    from proxy.exchange import Exchange
     from proxy.fleet.reconciler import Reconciler
+    from proxy.forwarding.exchange import Exchange
     from proxy.routing.inflight import InflightBoard
     from proxy.routing.learn import PrefillLearner
     from proxy.routing.router import Router
@@ -50,6 +49,7 @@ if TYPE_CHECKING:
     from proxy.routing.types import BackendView, Decision, RouteContext
     from proxy.telemetry import RequestRecord, Telemetry
     from proxy.types import StreamFacts
+    from proxy.upstream.backends import Backend, BackendRegistry
 
 
 _NAME = attrgetter("name")
@@ -208,15 +208,15 @@ class AppState:
 
     config: Config
     registry: BackendRegistry
-    upstream: Any  # proxy.upstream.Upstream (an UpstreamClient)
+    upstream: Any  # proxy.upstream.pool.Upstream (an UpstreamClient)
     routing: Routing
     http: httpx.AsyncClient
     telemetry: Telemetry
     steering: RequestRouting
-    forwarding: Any = None  # proxy.forward.Forwarding, set by create_app
+    forwarding: Any = None  # proxy.forwarding.forward.Forwarding, set by create_app
     fleet: Reconciler | None = None  # membership changes (proxy/fleet/), set by create_app
     doctor: Any = None  # proxy.doctor.http.Doctor, set by create_app
-    admission: Any = None  # proxy.admission.Admission, the edge's, set by create_app
+    admission: Any = None  # proxy.admission.slots.Admission, the edge's, set by create_app
 
     @property
     def open_requests(self) -> int:

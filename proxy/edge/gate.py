@@ -2,8 +2,8 @@
 
 In order: a path sent percent-encoded is refused (Starlette routes on the decoded path, so
 `/%61dmin/backends` would otherwise reach /admin); the API endpoints check the client's API
-key (when keys are configured) and take an admission slot (proxy/admission.py); /admin/* is
-served only where server.admin_port / admin_token_sha256 say (proxy/access.py); every other
+key (when keys are configured) and take an admission slot (proxy/admission/slots.py); /admin/* is
+served only where server.admin_port / admin_token_sha256 say (proxy/edge/access.py); every other
 response gets an `x-request-id`; unknown paths and wrong methods answer OpenAI-style JSON, and
 a trailing slash is a 404, never a redirect built from the client's Host header.
 """
@@ -19,18 +19,19 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from proxy.access import CLIENT, TENANT, AdminAccess, KeyRing, bearer
-from proxy.admission import TICKET, Admission, Ticket
+from proxy.admission.slots import TICKET, Admission, Ticket
 from proxy.asgi import JSON, ASGIApp, Message, Receive, Scope, Send, header, respond
+from proxy.edge.access import AdminAccess, KeyRing, bearer
+from proxy.edge.limits import APP_STATE_KEY, Connections, ConnLimits, default_max_connections
 from proxy.errors import error_body
-from proxy.limits import APP_STATE_KEY, Connections, ConnLimits, default_max_connections
 from proxy.redact import quote, sane_request_id
 from proxy.tenants.tickets import PRIORITY_HEADER, TicketError, refusal, ticket_for
+from proxy.types import CLIENT, TENANT
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-    from proxy.backend_queue import BackendQueue
+    from proxy.admission.backend_queue import BackendQueue
     from proxy.config import ServerConfig, TenantsConfig
     from proxy.telemetry import Telemetry
 
@@ -91,7 +92,7 @@ class Edge:
         kind = scope["type"]
         if kind != "http":
             if kind == "lifespan" and isinstance(scope.get("state"), dict):
-                scope["state"][APP_STATE_KEY] = self.connections  # read by proxy/limits.py
+                scope["state"][APP_STATE_KEY] = self.connections  # read by proxy/edge/limits.py
             await self.inner(scope, receive, send)
             return
         if b"%" in scope.get("raw_path", b""):

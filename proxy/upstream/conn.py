@@ -4,10 +4,10 @@ The connection is an asyncio protocol fed to httptools (llhttp): it buffers body
 arrive and hands the reader whatever is buffered at once (whole reads, not one piece per HTTP
 chunk), keeps the read deadline (below), pauses reading past HIGH_WATER unread bytes, and turns
 every way a response can fail into a typed error (below). The pool that opens, reuses and caps
-these connections is proxy/upstream.py.
+these connections is proxy/upstream/pool.py.
 
 Size: the connection and the response reading it share their private state (buffer, parser,
-deadline, budget share), which one module keeps private; the pool is proxy/upstream.py.
+deadline, budget share), which one module keeps private; the pool is proxy/upstream/pool.py.
 
 Timeouts measure progress, not silence: the read deadline is a point in time that only
 progress moves, never a byte as such (a backend trickling a byte every second, or a 100
@@ -30,7 +30,7 @@ path altogether:
   slow client blocks the relay's writes), not the backend's: judged again one read timeout
   later.
 
-Errors, typed so the retry policy (proxy/retry.py) can tell them apart:
+Errors, typed so the retry policy (proxy/forwarding/retry.py) can tell them apart:
 - UpstreamConnectError: the backend did not take the connection (refused, unreachable, DNS);
   the request was never sent. UpstreamConnectTimeout (a subclass): no connection within
   connect_s.
@@ -92,6 +92,17 @@ MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 # (UpstreamConfig.max_buffered_bytes): four answers at the limit.
 MAX_BUFFERED_BYTES = 256 * 1024 * 1024
 FREE_BYTES = 1 << 20
+
+
+RETRY_AFTER_MAX_S = 60.0  # a Retry-After past this is read as this (a backend, the API server)
+
+
+def retry_after_s(value: str | None) -> float:
+    """A Retry-After header's delay in seconds (delta-seconds; an HTTP date or junk: 0)."""
+    try:
+        return min(RETRY_AFTER_MAX_S, max(0.0, float(value))) if value else 0.0
+    except ValueError:
+        return 0.0
 
 
 class BodyBudget:

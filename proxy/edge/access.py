@@ -8,22 +8,10 @@ prefix hash's tenant salt). docs/security.md has the model.
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-
-# The name of the API key the current request presented (None: keys are off). Set by the
-# edge for the request's task; telemetry records it.
-CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "warmroute_client", default=None
-)
-# The tenant salt of the current request's prefix hash (None: not isolated). Set by the edge
-# when server.isolate_tenants is on and a key was presented; proxy.routing.prefix reads it.
-TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "warmroute_tenant", default=None
-)
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 

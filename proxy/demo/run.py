@@ -28,7 +28,7 @@ from proxy import presets
 from proxy.bench.results import RequestResult
 from proxy.bench.workloads import WORKLOADS
 from proxy.config import RoutingConfig
-from proxy.stack import Stack, StackError, free_ports
+from proxy.demo.stack import Stack, StackError, free_ports
 
 EPILOG = """\
 examples:
@@ -322,7 +322,7 @@ def proxy_metrics_excerpt(url: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.scenario == "disagg":
-        from proxy.demo_disagg import run_disagg
+        from proxy.demo.disagg import run_disagg
 
         return run_disagg(args)
     # Unset sizes take the policy comparison's defaults (the disagg scenario has its own).

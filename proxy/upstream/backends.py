@@ -23,9 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import engines
 from proxy.config import BackendConfig, Config, HealthConfig
-from proxy.outlier import Breaker
 from proxy.routing.types import BackendView, EngineLoad, one_copy
 from proxy.types import FailureKind
+from proxy.upstream.outlier import Breaker
 
 log = logging.getLogger("warmroute.backends")
 
@@ -396,8 +396,9 @@ class BackendRegistry:
             backend.breaker.on_attempt()
 
     def mark_failure(self, backend: Backend, reason: str, *, kind: FailureKind) -> None:
-        """A failed attempt of kind `kind` (proxy/retry.py's Retry.kind). A cancelled one (the
-        client left, shutdown) says nothing of the backend: only a half-open probe hears of it."""
+        """A failed attempt of kind `kind` (proxy/forwarding/retry.py's Retry.kind). A cancelled
+        one (the client left, shutdown) says nothing of the backend: only a half-open probe hears
+        of it."""
         breaker = backend.breaker
         if kind != FailureKind.CANCELLED:
             backend.failures += 1

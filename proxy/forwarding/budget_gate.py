@@ -8,13 +8,13 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from proxy import asgi
-from proxy.access import CLIENT
 from proxy.errors import error_body
 from proxy.tenants.budgets import DEFAULT_TENANT, Budgets, Refusal
+from proxy.types import CLIENT
 
 if TYPE_CHECKING:
     from proxy.asgi import Send
-    from proxy.exchange import Exchange
+    from proxy.forwarding.exchange import Exchange
 
 
 async def through_budgets(

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from proxy.exchange import Exchange
-from proxy.upstream import NOT_FORWARDED_UPSTREAM
+from proxy.forwarding.exchange import Exchange
+from proxy.upstream.pool import NOT_FORWARDED_UPSTREAM
 
 if TYPE_CHECKING:
-    from proxy.backends import Backend
+    from proxy.upstream.backends import Backend
 
 __all__ = ["NOT_UPSTREAM", "upstream_headers"]
 

@@ -73,7 +73,7 @@ class Ticket:
     served: tuple[int | None, int | None] | None = None  # the engine's (input, output)
     ttft_s: float | None = None  # its TTFT from admission to the first token (served())
     waited_s: float = 0.0  # in the queue
-    backend_wait_s: float = 0.0  # for a backend below its bound (proxy/backend_queue.py)
+    backend_wait_s: float = 0.0  # for a backend below its bound (proxy/admission/backend_queue.py)
     admitted_at: float = 0.0  # loop time
     waiter: asyncio.Future[str | None] | None = None
     # For engines that order their queue by a priority (lower first): its class (interactive

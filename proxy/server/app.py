@@ -14,27 +14,27 @@ from starlette.applications import Starlette
 from starlette.routing import Mount, Route
 
 import plugins
-from proxy import handlers
-from proxy.admission import CLASSES, Admission
-from proxy.backend_queue import BackendQueue
-from proxy.backends import CONTROL_LIMITS, Backend, BackendRegistry
+from proxy.admission.backend_queue import BackendQueue
+from proxy.admission.slots import CLASSES, Admission
 from proxy.config import BackendConfig, Config, ConfigError, section_errors, unknown_key
 from proxy.doctor.http import backend_info
 from proxy.doctor.http import install as install_doctor
 from proxy.doctor.http import routes as doctor_routes
-from proxy.edge import Edge
+from proxy.edge.gate import Edge
 from proxy.fleet.http import routes as fleet_routes
 from proxy.fleet.reconciler import Reconciler
 from proxy.fleet.reload import ConfigReloader
-from proxy.forward import API_PATHS, Forwarding, ProxyEndpoint
-from proxy.retry import RetryPolicy
+from proxy.forwarding.forward import API_PATHS, Forwarding, ProxyEndpoint
+from proxy.forwarding.retry import RetryPolicy
+from proxy.forwarding.state import AppState, RequestRouting
 from proxy.routing.index import capacity_blocks_from_tokens
 from proxy.routing.setup import block_errors, block_names, build_router, build_routing
-from proxy.state import AppState, RequestRouting
+from proxy.server import handlers
 from proxy.telemetry import Telemetry
 from proxy.tenants import http as tenants_http
 from proxy.tenants.budgets import DEFAULT_TENANT, Budgets
-from proxy.upstream import Upstream, client_ssl_context
+from proxy.upstream.backends import CONTROL_LIMITS, Backend, BackendRegistry
+from proxy.upstream.pool import Upstream, client_ssl_context
 
 log = logging.getLogger("warmroute")
 
@@ -140,7 +140,7 @@ def _build_state(config: Config, telemetry: Telemetry | None) -> AppState:
     """The app's resources, not opened yet: clients, the backend registry, routing."""
     tls = client_ssl_context(config.upstream)
     # Backends are addressed directly: HTTP(S)_PROXY from the environment is not used, by
-    # the health client as by the forwarder (proxy/upstream.py).
+    # the health client as by the forwarder (proxy/upstream/pool.py).
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64), verify=tls, trust_env=False)
     registry = BackendRegistry(
         config,
@@ -305,7 +305,7 @@ def pd_flows(config: Config, state: AppState) -> Any:
     if config.disagg.mode == "off":
         return None
     from proxy.disagg.controller import DisaggController
-    from proxy.pdflow import PdFlows
+    from proxy.forwarding.pdflow import PdFlows
 
     hasher = state.routing.router.hasher
     return PdFlows(
@@ -416,7 +416,7 @@ class WarmrouteApp:
         self.endpoints = endpoints
         self.state = state
         backends = state.registry.backends.values()
-        # Access, admission, connection limits and path hygiene first (proxy/edge.py).
+        # Access, admission, connection limits and path hygiene first (proxy/edge/gate.py).
         self.edge = Edge(
             state.config.server,
             endpoints,

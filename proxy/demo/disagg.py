@@ -214,7 +214,7 @@ async def run_cases(
 
 
 def run_disagg(args: argparse.Namespace) -> int:
-    """The scenario's entry point (from proxy.demo.run)."""
+    """The scenario's entry point (from proxy.demo.run.run)."""
     from proxy.bench import results_document, write_json
 
     engines: int = args.engines or ENGINES

@@ -11,9 +11,9 @@ from typing import Any
 import orjson
 
 from proxy.errors import RequestError
-from proxy.exchange import STREAMABLE, Exchange
+from proxy.forwarding.exchange import STREAMABLE, Exchange
+from proxy.forwarding.validate import validate
 from proxy.redact import quote
-from proxy.validate import validate
 
 
 def parse(

@@ -12,7 +12,7 @@ checks, discovery and scraping.
 
 Here: the pool (idle connections per host, the per-host cap, connecting, TLS), the request
 target and head, and which headers cross. One connection's protocol state, the response it
-carries and the typed errors are in proxy/upstream_conn.py (re-exported here).
+carries and the typed errors are in proxy/upstream/conn.py (re-exported here).
 
 Proxies from the environment (HTTP_PROXY, HTTPS_PROXY) are not used: the backends are
 addressed directly, by the forwarder and the health client alike (see `trust_env=False`
@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from proxy.config import TimeoutsConfig, UpstreamConfig
 from proxy.engines import backend_url
-from proxy.upstream_conn import (
+from proxy.upstream.conn import (
     CONNECT_ERRORS,
     HIGH_WATER,
     MAX_BUFFERED_BYTES,
@@ -107,7 +107,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Content-Encoding: the proxy sends the JSON body it parsed, never the client's coded bytes
-# (a coded request body is refused with 415 before it is read: proxy/forward.py).
+# (a coded request body is refused with 415 before it is read: proxy/forwarding/forward.py).
 NOT_FORWARDED_UPSTREAM = HOP_BY_HOP | {
     "host",
     "content-length",
