@@ -69,12 +69,12 @@ async def drive(router: Router, engine: LruEngine, clock: list[float], n: int, s
     for i in range(start, start + n):
         clock[0] += 1.0
         ctx = chat(SYSTEMS[i % len(SYSTEMS)], i)
-        await router.route(ctx, [backend()])
+        decision = await router.route(ctx, [backend()])
         cached = engine.serve(ctx.prefix_blocks)
         hits, total = hits + cached, total + len(ctx.prefix_blocks)
         # Usage in the engine's own tokens: 4 of them per block here, the fraction is the same.
         prompt_tokens = 4 * len(ctx.prefix_blocks)
-        router.observe(ctx, "e0", prompt_tokens, 4 * cached, 0.05)
+        router.observe(decision, "e0", prompt_tokens, 4 * cached, 0.05)
     return hits / total
 
 
@@ -120,8 +120,8 @@ async def test_responses_without_cached_tokens_teach_nothing() -> None:
     for i in range(32):
         clock[0] += 1.0
         ctx = chat(SYSTEMS[i % 8], i)
-        await router.route(ctx, [backend()])
-        router.observe(ctx, "e0", 400, None, 0.05)
+        decision = await router.route(ctx, [backend()])
+        router.observe(decision, "e0", 400, None, 0.05)
     est = router.capacity.estimate("e0")
     assert est.ignored == 32 and est.samples == 0
     assert router.capacity.capacity("e0") == est.upper

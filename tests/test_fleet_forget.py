@@ -470,7 +470,7 @@ async def test_the_apps_routing_forgets_a_backend_here_and_in_redis(kp: str) -> 
             ctx = chat(SYSTEMS[i % 8], i)
             decision = await routing.router.route(ctx, views)
             assert decision.winner is not None
-            routing.router.record(ctx, decision.winner)
+            routing.router.record(decision, decision.winner)
             routing.board.acquire(decision.winner)
         assert isinstance(routing.index, RedisPrefixIndex)
         await routing.index.flush()

@@ -66,16 +66,16 @@ class Steering:
     async def route(self, ctx: Any, *, record: bool = True) -> Decision:
         return self.decision
 
-    def sent(self, ctx: Any, backend: str) -> None:
+    def sent(self, decision: Any, backend: str) -> None:
         self.events.append(("sent", backend))
 
     def inflight(self, backend: str, delta: int) -> None:
         self.events.append(("inflight", (backend, delta)))
 
-    def observe_stream(self, backend: str, facts: Any, ctx: Any) -> None:
+    def observe_stream(self, backend: str, facts: Any, decision: Any) -> None:
         self.events.append(("stream", (backend, facts.output_tokens)))
 
-    def observe_response(self, backend: str, facts: Any, ctx: Any) -> None:
+    def observe_response(self, backend: str, facts: Any, decision: Any) -> None:
         self.events.append(("response", backend))
 
 

@@ -128,7 +128,7 @@ async def test_record_can_be_deferred_to_the_backend_actually_used() -> None:
     decision = await r.route(ctx, views())
     assert index.records == 0
     fallback = decision.ranking[1]  # say the winner refused before the first byte
-    r.record(ctx, fallback)
+    r.record(decision, fallback)
     assert index.lookup_now(ctx.prefix_blocks, [fallback])[fallback] == len(ctx.prefix_blocks)
     # The home that refused is marked down: the prefix is placed again, where it is cached.
     up = [b for b in views() if b.name != decision.winner]

@@ -261,8 +261,8 @@ async def test_decisions_are_those_of_the_per_candidate_path(seed: int) -> None:
         if got.winner is not None and rng.random() < 0.3:  # the engine reports its cache
             tokens = max(ctx_new.prompt_chars // 4, 1)
             cached = int(tokens * rng.random())
-            for router, ctx in ((new, ctx_new), (old, ctx_old)):
-                router.observe(ctx, got.winner, tokens, cached, 0.2)
+            for router, decided in ((new, got), (old, want)):
+                router.observe(decided, got.winner, tokens, cached, 0.2)
     if new.placement is not None:
         assert old.placement is not None
         assert {k: p.homes for k, p in new.placement.placed.items()} == {

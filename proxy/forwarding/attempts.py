@@ -219,14 +219,14 @@ class Attempts:
         """One request to one backend, up to its response head; failures raise Retry."""
         fw = self.fw
         steering = fw.steering
-        ctx = ex.ctx
+        decision = ex.decision
         name = backend.name
         try:
             upstream = await fw.upstream.post(
                 fw.upstream.url(backend.url, path or self.path),
                 body,
                 headers,
-                lambda: steering.sent(ctx, name),
+                lambda: steering.sent(decision, name),
                 fresh=fresh,
             )
         except LEG_ERRORS as e:

@@ -193,19 +193,16 @@ class PdFlows:
         )
 
     def _prompt_tokens(self, ex: Exchange) -> int:
-        ctx = ex.ctx
-        chars = ctx.prompt_chars if ctx is not None else 0
+        d = ex.decision
+        chars = d.prompt_chars if d is not None else 0
         return math.ceil(chars / self.chars_per_token)
 
     def uncached_on(self, ex: Exchange, backend: str) -> int:
-        ctx = ex.ctx
-        if ctx is None:
+        d = ex.decision
+        if d is None:
             return 0
         return uncached_tokens(
-            ctx.prompt_chars,
-            ctx.matched_blocks.get(backend, 0),
-            ctx.block_chars,
-            self.chars_per_token,
+            d.prompt_chars, d.matched_blocks.get(backend, 0), d.block_chars, self.chars_per_token
         )
 
     # -- the decider ---------------------------------------------------------------------
@@ -302,14 +299,15 @@ class PdFlows:
         lookup) are looked up now."""
         if not names or (ranking and names[0] == ranking[0]):
             return names
-        ctx = ex.ctx
+        d = ex.decision
         ranked = {n: i for i, n in enumerate(ranking)}
         unranked = [n for n in names if n not in ranked]
         index = self.steering.router.index
-        if unranked and ctx is not None and ctx.prefix_blocks and index is not None:
-            found = await index.lookup(ctx.prefix_blocks, unranked)
-            ctx.matched_blocks = {**ctx.matched_blocks, **found}
-        matched = ctx.matched_blocks if ctx is not None else {}
+        if unranked and d is not None and d.blocks and index is not None:
+            # The decision's matches grow by theirs: the legs' records and the window's
+            # uncached prompts read them there.
+            d.matched_blocks.update(await index.lookup(d.blocks, unranked))
+        matched = d.matched_blocks if d is not None else {}
         inflight = {v.name: v.inflight for v in self.steering.views()}
         return sorted(
             names,

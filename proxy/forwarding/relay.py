@@ -179,7 +179,7 @@ class Relay:
         await send({"type": "http.response.body", "body": payload})
         if facts is not None:
             facts.e2e_s = time.perf_counter() - ex.t0  # written, as for a stream's last event
-            self.steering.observe_response(backend.name, facts, ex.ctx)
+            self.steering.observe_response(backend.name, facts, ex.decision)
         ex.facts = facts
         record.finish(
             facts,
@@ -402,7 +402,7 @@ class Relay:
         # A client that hangs up right after the last event got everything: not a cancel.
         cancelled = ex.client_gone and not meter.completed
         tail, facts = meter.finish(time.perf_counter(), error=error, cancelled=cancelled)
-        self.steering.observe_stream(backend.name, facts, ex.ctx)
+        self.steering.observe_stream(backend.name, facts, ex.decision)
         if not ex.client_gone:
             if carry:
                 tail = carry + tail  # the backend ended cleanly without a final blank line

@@ -155,11 +155,11 @@ class RequestRouting:
     async def route(self, ctx: RouteContext, *, record: bool = True) -> Decision:
         return await self.router.route(ctx, self.views(), record=record)
 
-    def sent(self, ctx: RouteContext | None, backend: str) -> None:
+    def sent(self, decision: Decision | None, backend: str) -> None:
         """The request is on the wire to `backend`: note its prefix there (the engine caches it
         where the request lands, which a retry may have moved) while the backend works."""
-        if ctx is not None:
-            self.router.record(ctx, backend)
+        if decision is not None:
+            self.router.record(decision, backend)
 
     def inflight(self, backend: str, delta: int) -> None:
         if delta > 0:
@@ -170,22 +170,22 @@ class RequestRouting:
             if waiting is not None and waiting.waiters:
                 waiting.freed(backend)
 
-    def observe_stream(self, backend: str, facts: StreamFacts, ctx: RouteContext | None) -> None:
+    def observe_stream(self, backend: str, facts: StreamFacts, decision: Decision | None) -> None:
         """Teach the router from a finished stream: the prefill rate from its upstream TTFT,
         the backend's cache size from the cached_tokens its engine reported."""
         if facts.upstream_ttft_s is None or not facts.input_tokens or facts.error:
             return
         self.router.observe(
-            ctx, backend, facts.input_tokens, facts.cached_tokens, facts.upstream_ttft_s
+            decision, backend, facts.input_tokens, facts.cached_tokens, facts.upstream_ttft_s
         )
 
-    def observe_response(self, backend: str, facts: StreamFacts, ctx: RouteContext | None) -> None:
+    def observe_response(self, backend: str, facts: StreamFacts, decision: Decision | None) -> None:
         """A non-streamed response: its cached_tokens size the backend's cache; its duration
         (prefill and every token) says nothing about the prefill rate on its own."""
         if facts.error or not facts.input_tokens:
             return
         self.router.observe(
-            ctx, backend, facts.input_tokens, facts.cached_tokens, None, facts.e2e_s
+            decision, backend, facts.input_tokens, facts.cached_tokens, None, facts.e2e_s
         )
 
 

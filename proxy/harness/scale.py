@@ -70,7 +70,7 @@ from proxy.harness.virtual import STATIC_AFFINITY, VirtualFleet, _Open, _Replay,
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.index import RedisPrefixIndex, capacity_blocks_from_tokens, open_redis
 from proxy.routing.setup import Routing, build_routing
-from proxy.routing.types import BackendView, RouteContext
+from proxy.routing.types import BackendView, Decision, RouteContext
 from proxy.sim.config import SimConfig
 from proxy.stats import percentile
 
@@ -181,17 +181,17 @@ class ReplicatedFleet(VirtualFleet):
         body: dict[str, Any],
         system_id: int | None = None,
         prompt: list[int] | None = None,
-    ) -> tuple[int, RouteContext]:
+    ) -> tuple[int, RouteContext, Decision]:
         rep = self.replicas[self._turn % len(self.replicas)]
         self._turn += 1
         self.router, self.learner = rep.routing.router, rep.routing.router.learner
         self.owner[request_id] = rep
         self._views_s = self._views_cpu = 0.0
         started, cpu = time.perf_counter(), time.process_time()
-        i, ctx = await super().route(request_id, body, system_id, prompt)
+        i, ctx, decision = await super().route(request_id, body, system_id, prompt)
         rep.times.append(time.perf_counter() - started - self._views_s)
         rep.cpu += time.process_time() - cpu - self._views_cpu
-        return i, ctx
+        return i, ctx, decision
 
     async def tick(self) -> None:
         """The replicas' background work due at this virtual instant (see the module's doc)."""

@@ -31,7 +31,7 @@ from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.index import MemoryPrefixIndex, capacity_blocks_from_tokens
 from proxy.routing.prefix import DEFAULT_MAX_BLOCKS, chain_tokens, seed
 from proxy.routing.setup import build_router
-from proxy.routing.types import BackendView, EngineLoad, RouteContext
+from proxy.routing.types import BackendView, Decision, EngineLoad, RouteContext
 from proxy.sim import tokens
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Scheduler, Seq, StepPlan, make_seq
@@ -62,6 +62,7 @@ class _Open:
     engine: int
     start: float
     ctx: RouteContext
+    decision: Decision  # what the router decided (and where it recorded the prefix)
     last: float = 0.0
     reply: list[str] = field(default_factory=list)
     history: list[Message] = field(default_factory=list)
@@ -174,7 +175,7 @@ class VirtualFleet:
         body: dict[str, Any],
         system_id: int | None = None,
         prompt: list[int] | None = None,
-    ) -> tuple[int, RouteContext]:
+    ) -> tuple[int, RouteContext, Decision]:
         ctx = RouteContext(
             request_id=request_id,
             model=body["model"],
@@ -194,10 +195,10 @@ class VirtualFleet:
             ctx.prompt_chars = len(prompt) * cfg.chars_per_token
             ctx.token_keyed = True
         if self.static and system_id is not None:
-            await self.router.route(ctx, self.views(), record=False)
+            decided = await self.router.route(ctx, self.views(), record=False)
             i = system_id % len(self.names)
-            self.router.record(ctx, self.names[i])
-            return i, ctx
+            self.router.record(decided, self.names[i])
+            return i, ctx, decided
         views = self.views()
         if self.select is not None:
             await self.router.route(ctx, views, record=False)
@@ -205,7 +206,7 @@ class VirtualFleet:
         decision = await self.router.route(ctx, views)
         winner = decision.winner
         assert winner is not None, decision.reason
-        return self.names.index(winner), ctx
+        return self.names.index(winner), ctx, decision
 
     def kick(self, i: int) -> None:
         """Start engine i's next step if it is idle and has work."""
@@ -339,7 +340,9 @@ class _Replay:
         if r.output_chunks == 0:
             r.ttft = now - o.start
             r.cached_tokens = max(out.seq.num_cached, 0)
-            fleet.router.observe(o.ctx, fleet.names[i], r.prompt_tokens, r.cached_tokens, r.ttft)
+            fleet.router.observe(
+                o.decision, fleet.names[i], r.prompt_tokens, r.cached_tokens, r.ttft
+            )
             if self.on_first_token is not None:
                 self.on_first_token(fleet, i, r)
         else:
@@ -379,7 +382,7 @@ class _Replay:
         if action is not None:
             action(fleet)
         prompt = tokens.tokenize(tokens.render_chat(messages), sim.chars_per_token)
-        i, ctx = await fleet.route(rid, body, spec.system_id, prompt)
+        i, ctx, decision = await fleet.route(rid, body, spec.system_id, prompt)
         seq = make_seq(fleet.cfgs[i], rid, prompt, spec.max_tokens)
         fleet.scheds[i].now = fleet.now
         r = RequestResult(
@@ -401,7 +404,7 @@ class _Replay:
             return
         fleet.inflight[i] += 1
         fleet.served[i] += 1
-        self.open[rid] = _Open(spec, r, i, fleet.now, ctx, history=past)
+        self.open[rid] = _Open(spec, r, i, fleet.now, ctx, decision, history=past)
         if self.on_start is not None:
             self.on_start(fleet, i, r, ctx)
         fleet.kick(i)

@@ -37,6 +37,7 @@ from proxy.routing.types import (
     Decision,
     PluginSettings,
     Policy,
+    Recorded,
     RouteContext,
     Scores,
     ScoresByBackend,
@@ -177,7 +178,7 @@ class Router:
             decision.reason = plan.restate(decision.reason)
         decision.decision_s = time.perf_counter() - started
         if record and self.record_on_route and decision.winner is not None:
-            self.record(ctx, decision.winner)
+            self.record(decision, decision.winner)
         return decision
 
     async def _match(
@@ -292,18 +293,21 @@ class Router:
         placed = placement.placed.get(head)
         ctx.shared_blocks = placed.size if placed is not None else 0.0
 
-    def record(self, ctx: RouteContext, backend: str) -> None:
-        """Note that `backend` is about to hold ctx's prefix and prefill the rest of it."""
-        if self.index is not None and ctx.prefix_blocks:
-            matched = ctx.matched_blocks.get(backend, 0)
-            seen, ctx.ghost_blocks = self.index.probe(backend, ctx.prefix_blocks, matched)
-            ctx.recorded_on = backend
+    def record(self, decision: Decision, backend: str) -> None:
+        """Note that `backend` is about to hold the decided prompt's prefix and prefill the rest
+        of it; where, and how the index stood there, goes on the decision (`recorded`)."""
+        blocks = decision.blocks
+        if self.index is not None and blocks:
+            matched = decision.matched_blocks.get(backend, 0)
+            seen, ghost = self.index.probe(backend, blocks, matched)
             age = None if seen is None else self.index.now() - seen
-            ctx.recorded_age_s = None if age is None else 0.0 if age < 0.0 else age
-            self.index.record(backend, ctx.prefix_blocks)
-        if ctx.prompt_chars:
-            cached = ctx.matched_blocks.get(backend, 0) * ctx.block_chars
-            left = ctx.prompt_chars - cached
+            decision.recorded = Recorded(
+                backend, None if age is None else 0.0 if age < 0.0 else age, ghost
+            )
+            self.index.record(backend, blocks)
+        if decision.prompt_chars:
+            cached = decision.matched_blocks.get(backend, 0) * decision.block_chars
+            left = decision.prompt_chars - cached
             uncached = (0 if left < 0 else left) / self.hasher.chars_per_token
             self.backlog.add(backend, uncached, self.prefill_rate(backend))
 
@@ -314,7 +318,7 @@ class Router:
 
     def observe(
         self,
-        ctx: RouteContext | None,
+        decision: Decision | None,
         backend: str,
         input_tokens: int | None,
         cached_tokens: int | None,
@@ -328,20 +332,21 @@ class Router:
         (None: not streamed; `settle_s`, the response time, then bounds when prefill ended)."""
         if ttft_s is not None and input_tokens:
             self.learner.observe(backend, input_tokens - (cached_tokens or 0), ttft_s)
-        if ctx is None or not ctx.prefix_blocks or not self.learn_capacity:
+        if decision is None or not decision.blocks or not self.learn_capacity:
             return
-        if self.index is None or ctx.recorded_on != backend:
+        recorded = decision.recorded
+        if self.index is None or recorded is None or recorded.backend != backend:
             return  # recorded elsewhere (or not at all): no prediction to check
         fraction = None
         if cached_tokens is not None and input_tokens:
             fraction = cached_tokens / input_tokens
         outcome = Outcome(
-            predicted_blocks=ctx.matched_blocks.get(backend, 0),
-            prompt_blocks=len(ctx.prefix_blocks),
+            predicted_blocks=decision.matched_blocks.get(backend, 0),
+            prompt_blocks=len(decision.blocks),
             cached_fraction=fraction,
             occupancy=self.index.occupancy(backend),
-            ghost_blocks=ctx.ghost_blocks,
-            recorded_age_s=ctx.recorded_age_s,
+            ghost_blocks=recorded.ghost_blocks,
+            recorded_age_s=recorded.age_s,
             ttft_s=ttft_s if ttft_s is not None else settle_s,
         )
         moved = self.capacity.observe(backend, outcome)
@@ -440,6 +445,7 @@ class Router:
             prompt_chars=ctx.prompt_chars,
             filtered_out=dropped,
             exact=ctx.exact,
+            blocks=ctx.prefix_blocks,
         )
 
 

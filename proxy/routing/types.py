@@ -121,7 +121,9 @@ def one_copy(models: frozenset[str]) -> frozenset[str]:
 
 @dataclass(slots=True)
 class RouteContext:
-    """The per-request facts a routing decision is made from."""
+    """What a routing decision is made from: the request's facts, and the prefix facts the
+    router works out from them for the plugins (only the router writes those, during the
+    decision). What the request path needs afterwards is in the Decision."""
 
     request_id: str
     model: str
@@ -143,10 +145,16 @@ class RouteContext:
     homes: tuple[str, ...] = ()  # the backends this prompt's prefix is assigned to
     full: frozenset[str] = frozenset()  # backends whose learned cache has no room for it
     shared_blocks: float = 0.0  # blocks its prefix's requests share (more: its own history)
-    # Filled when the prefix is recorded (for the capacity learner, once the engine reports):
-    recorded_on: str | None = None
-    recorded_age_s: float | None = None  # since the matched prefix was last recorded there
-    ghost_blocks: int = 0  # leading blocks the index held or had trimmed on that backend
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """Where a request's prefix was recorded, and how the index stood there then: what the
+    capacity learner checks the engine's own cached_tokens against once it answers."""
+
+    backend: str
+    age_s: float | None  # since the matched prefix was last recorded there (None: never)
+    ghost_blocks: int  # leading blocks the index held or had trimmed on that backend
 
 
 class Scores(Mapping[str, float]):
@@ -255,6 +263,8 @@ class Decision:
     filtered_out: dict[str, str] = field(default_factory=dict)  # backend -> why
     decision_s: float = 0.0
     exact: frozenset[str] = frozenset()  # matches read from the engines' KV events
+    blocks: Sequence[int] = ()  # the prompt's block chain (recorded where the request goes)
+    recorded: Recorded | None = None  # where its prefix was recorded (Router.record)
 
     def match_source(self, backend: str | None = None) -> str:
         """Where `backend`'s (default: the winner's) match came from: the engine's own KV
