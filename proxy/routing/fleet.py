@@ -40,14 +40,6 @@ class Names(tuple[str, ...]):
         return name in self.members
 
 
-def members(backends: Sequence[str]) -> Any:
-    """A container with fast membership for `backends` (its own set when it is `Names`)."""
-    found = getattr(backends, "members", None)
-    if found is not None:
-        return found
-    return backends if len(backends) < 8 else frozenset(backends)
-
-
 class FleetWeights(dict[str, float]):
     """Backend -> weight, with the total the placement bounds loads by (sum of the weights,
     each at least 1e-9, in fleet order: the same float the sum over the names gives)."""

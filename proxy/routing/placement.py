@@ -64,6 +64,7 @@ from proxy.routing.placement_views import (
     rank_of,
     spare_homes,
     total_weight,
+    uniform_over,
 )
 from proxy.routing.tallies import Placed, Shares, Tallies, unfixed
 
@@ -414,9 +415,7 @@ class Placement:
         room: MutableMapping[str, float]
         if len(backends) > EAGER_UP_TO:
             fill, inside = self.fill, fast_members(backends)
-            uniform = getattr(weights, "names", None) is backends and getattr(
-                weights, "uniform", False
-            )
+            uniform = uniform_over(weights, backends)
             loads = Accumulated(inside, uniform)
             room = self._rebalance_room = Room(inside, lambda b: fill * capacity(b))
         else:
@@ -573,9 +572,7 @@ class Placement:
             # capacity as it is now or, if the learner moves it first, as it was (pin_room).
             inside, fill, taken = fast_members(backends), self.fill, dict(sizes)
             room = Room(inside, lambda b: fill * capacity(b) - unfixed(taken.get(b, 0)))
-            uniform = getattr(weights, "names", None) is backends and getattr(
-                weights, "uniform", False
-            )
+            uniform = uniform_over(weights, backends)
             return Loads(inside, tallies.weights, shares.scale(), weights, uniform), room
         room = {b: self.fill * capacity(b) - unfixed(sizes.get(b, 0)) for b in backends}
         if shares is not None:

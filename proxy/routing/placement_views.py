@@ -26,14 +26,15 @@ from itertools import compress, repeat
 from operator import le
 from typing import Any
 
+from proxy.routing.fleet import FleetWeights, Names, Rendezvous
+
 EAGER_UP_TO = 64  # backends; below this the whole-fleet dicts cost less than reading lazily
 
 
 def fast_members(backends: Sequence[str]) -> Collection[str]:
     """`backends` as a container with fast `in` (a fleet's Names carries its own set)."""
-    found: Collection[str] | None = getattr(backends, "members", None)
-    if found is not None:
-        return found
+    if isinstance(backends, Names):
+        return backends.members
     return backends if len(backends) < 8 else frozenset(backends)
 
 
@@ -42,12 +43,16 @@ def weight_of(weights: Mapping[str, float], backend: str) -> float:
     return w if w > 1e-9 else 1e-9
 
 
+def uniform_over(weights: Mapping[str, float], backends: Sequence[str]) -> bool:
+    """Whether `weights` are a fleet's, for exactly these names, and all the same."""
+    return isinstance(weights, FleetWeights) and weights.names is backends and weights.uniform
+
+
 def total_weight(weights: Mapping[str, float], backends: Sequence[str]) -> float:
     """Sum of the weights of `backends` (the fleet's own total when `weights` carries it for
     exactly these names: the same additions in the same order)."""
-    if getattr(weights, "names", None) is backends:
-        total: float = getattr(weights, "total")  # noqa: B009 (a FleetWeights)
-        return total
+    if isinstance(weights, FleetWeights) and weights.names is backends:
+        return weights.total
     return sum(weight_of(weights, b) for b in backends)
 
 
@@ -58,10 +63,8 @@ def rank_of(
     hrw: list[str],
 ) -> Mapping[str, int]:
     """Name -> position in `hrw` (the order's own, kept, when it keeps them)."""
-    rank = getattr(order, "rank", None)
-    if rank is not None:
-        found: Mapping[str, int] = rank(key, backends)
-        return found
+    if isinstance(order, Rendezvous):
+        return order.rank(key, backends)
     return {b: i for i, b in enumerate(hrw)}
 
 

@@ -161,7 +161,7 @@ def split_by_load(
     """
     if not candidates:
         return [], []
-    bound: LoadBound | None = getattr(candidates, "bound", None)
+    bound = candidates.bound if isinstance(candidates, Shortlist) else None
     if bound is None or bound.epsilon != epsilon or bound.slack != slack:
         bound = load_bound(candidates, epsilon, slack)
     mean_w, limit = bound.mean_w, bound.limit
