@@ -293,8 +293,44 @@ def test_help_teaches_the_engine_model_and_flags_need_it(
     for needle in ("--cache-tokens", "POST /mock/cache", "3-character tokens", "examples:"):
         assert needle in text
     with pytest.raises(SystemExit) as exit_:
-        main(["--chunk-interval-ms", "5"])
+        main(["--prefill-tokens-per-s", "5"])
     assert exit_.value.code == 2 and "--cache-tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--chunk-interval-ms", "-1"])
+    assert exit_.value.code == 2 and "--chunk-interval-ms" in capsys.readouterr().err
+
+
+async def test_the_zero_latency_mock_paces_its_chunks_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--chunk-interval-ms without the engine model: the same bytes, one content chunk per
+    write, the interval slept between content chunks (not before the first, nor the tail)."""
+    events: list[Any] = []
+
+    async def sleep(seconds: float) -> None:
+        events.append(("sleep", seconds))
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}"}
+
+    async def send(message: Any) -> None:
+        events.append(message.get("body", b"")[:14] if "body" in message else message["type"])
+
+    serve_module = sys.modules["proxy.bench.mock.serve"]  # (the package exports serve())
+    monkeypatch.setattr(serve_module.asyncio, "sleep", sleep)
+    await make_app(3, interval_s=0.02)(
+        {"type": "http", "method": "POST", "path": "/x"}, receive, send
+    )
+    chunk = b'data: {"id":"c'
+    assert events == [
+        "http.response.start",
+        chunk,
+        ("sleep", 0.02),
+        chunk,
+        ("sleep", 0.02),
+        chunk,
+        chunk,  # the finish chunk and [DONE], in one write
+    ]
 
 
 def _start_mock(*args: str) -> tuple[subprocess.Popen[str], int, list[str]]:

@@ -10,7 +10,14 @@
 # requests, counts the next REQUESTS (default 400) at CONCURRENCY (default 8), and prints
 #   LABEL  <instructions per request>
 # Settings: CHUNKS (mock's chunks per response, default 64), SYSTEM_CHARS (the system prompt's
-# length, default 200; ~8000 is a 2k-token prompt), REQUESTS, CONCURRENCY, PORT (default 9100).
+# length, default 200; ~8000 is a 2k-token prompt), REQUESTS, WARMUP (requests before the
+# count, default 200), CONCURRENCY, PORT (default 9100),
+# ITL_MS (the mock's gap between content chunks, default 0: each stream arrives in a few reads;
+# 5-20 is an engine's pace, and each chunk is then its own read, meter step and write: keep
+# CONCURRENCY x the proxy's slowdown under callgrind (~50x) x its CPU per chunk below ITL_MS,
+# e.g. CONCURRENCY=1, or chunks coalesce again), PROFILE (a file to keep callgrind's output in,
+# for `callgrind_annotate PROFILE`: where the counted instructions went, by function).
+# The mock is started here, with these settings, unless one already answers on 9101.
 # An OTLP/HTTP receiver that reads and discards exports listens on 127.0.0.1:9250 while this
 # runs, for OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:9250.
 # API_KEY (in this script's environment): the load presents it as a bearer token; give the proxy
@@ -39,7 +46,8 @@ trap cleanup EXIT
 
 ready() { curl -s -o /dev/null "$1"; }
 if ! ready http://127.0.0.1:9101/v1/models; then
-  $PY -m proxy.bench.mock --port 9101 --instances 2 --chunks "${CHUNKS:-64}" >/dev/null 2>&1 &
+  $PY -m proxy.bench.mock --port 9101 --instances 2 --chunks "${CHUNKS:-64}" \
+    --chunk-interval-ms "${ITL_MS:-0}" >/dev/null 2>&1 &
   pids+=($!)
   for _ in $(seq 100); do
     ready http://127.0.0.1:9101/v1/models && ready http://127.0.0.1:9102/v1/models && break
@@ -66,12 +74,13 @@ if [ -n "${API_KEY:-}" ]; then  # the client presents it (give the proxy its SHA
   export API_KEY
   bench+=(--api-key-env API_KEY)
 fi
-"${bench[@]}" --requests 200 >/dev/null
+"${bench[@]}" --requests "${WARMUP:-200}" >/dev/null
 callgrind_control -i on "$proxy" >/dev/null 2>&1
 "${bench[@]}" --requests "${REQUESTS:-400}" >/dev/null
 callgrind_control -i off "$proxy" >/dev/null 2>&1
 kill -INT "$proxy"
 wait "$proxy" || true
 total=$(grep -o "Collected : [0-9]*" "$work/log" | awk '{print $3}')
+if [ -n "${PROFILE:-}" ]; then cp "$work/out" "$PROFILE"; fi
 awk -v l="$label" -v t="$total" -v n="${REQUESTS:-400}" \
   'BEGIN { printf "%-12s %.4f M instructions per request\n", l, t / n / 1e6 }'

@@ -3,7 +3,9 @@ small engine on demand.
 
 Zero latency (the default): `python -m proxy.bench.mock --port 9101 --instances 2 --chunks 64`
 serves chat completions that stream N content chunks (one write each) with no model time at
-all, so any latency or CPU a proxy adds in front of it is the proxy's.
+all, so any latency or CPU a proxy adds in front of it is the proxy's. --chunk-interval-ms
+paces the content chunks (each its own read at the proxy, as an engine's tokens arrive) with
+no other model time: what a proxy spends per streamed chunk.
 
 Engine mode (--cache-tokens N): every instance becomes a small engine with a prefix cache that
 it never publishes, modelled apart from `warmroute sim` and from the proxy's prefix index, so a
@@ -93,10 +95,13 @@ Sizes: the bench's --system-chars 8000 is ~2700 tokens here (3 characters each),
 """
 
 
-def make_app(chunks: int = 64, model: str = "mock") -> Callable[..., Awaitable[None]]:
+def make_app(
+    chunks: int = 64, model: str = "mock", interval_s: float = 0.0
+) -> Callable[..., Awaitable[None]]:
     """Zero latency: every byte of the answer made once, so that any latency or CPU a proxy
     adds in front of it is the proxy's (docs/benchmarks.md's overhead numbers were measured
-    on it)."""
+    on it). `interval_s` paces the content chunks as an engine's decode would (each chunk its
+    own read at the proxy), with no other model time."""
     event = sse
     base = {"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 0, "model": model}
     body_chunks = [
@@ -131,8 +136,14 @@ def make_app(chunks: int = 64, model: str = "mock") -> Callable[..., Awaitable[N
             return
         raw = await read_body(receive)
         await start_stream(send, 200, head)
-        for c in body_chunks:
-            await stream_chunk(send, c)
+        if interval_s:
+            for i, c in enumerate(body_chunks):
+                if i:
+                    await asyncio.sleep(interval_s)
+                await stream_chunk(send, c)
+        else:
+            for c in body_chunks:
+                await stream_chunk(send, c)
         tail = final + (usage if b"include_usage" in raw else b"") + SSE_DONE
         await send({"type": "http.response.body", "body": tail})
 
@@ -159,11 +170,12 @@ async def serve(
     model: str = "mock",
     engine: EngineSettings | None = None,
     schedule: Sequence[tuple[float, int]] = (),
+    interval_s: float = 0.0,
 ) -> None:
     engines = [MockEngine(engine) for _ in range(instances)] if engine else []
     apps: list[Callable[..., Awaitable[None]]] = [MockBackend(e, chunks, model) for e in engines]
     if not engine:
-        apps = [make_app(chunks, model) for _ in range(instances)]
+        apps = [make_app(chunks, model, interval_s) for _ in range(instances)]
     servers = [
         _Server(
             uvicorn.Config(
@@ -225,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=9101, help="port of the first instance")
     p.add_argument("--instances", type=int, default=1, help="servers on consecutive ports")
     p.add_argument("--chunks", type=int, default=64, help="content chunks per response")
+    p.add_argument(
+        "--chunk-interval-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="gap between content chunks, as an engine decodes (default 0: all at once); "
+        "with the engine model too",
+    )
     p.add_argument("--model", default="mock", help="model name /v1/models lists (default mock)")
     g = p.add_argument_group("engine mode (off unless --cache-tokens > 0)")
     g.add_argument(
@@ -248,13 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="R",
         help=f"serial prefill speed of uncached tokens (default {DEFAULT_PREFILL_TOKENS_PER_S:g})",
-    )
-    g.add_argument(
-        "--chunk-interval-ms",
-        type=float,
-        default=None,
-        metavar="MS",
-        help="gap between streamed chunks (default 0)",
     )
     g.add_argument(
         "--priority-scheduling",
@@ -286,7 +299,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine_flags = {
         "--cache-block-tokens": args.cache_block_tokens,
         "--prefill-tokens-per-s": args.prefill_tokens_per_s,
-        "--chunk-interval-ms": args.chunk_interval_ms,
         "--cache-tokens-schedule": args.cache_tokens_schedule,
         "--priority-scheduling": args.priority_scheduling or None,
     }
@@ -329,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 model=args.model,
                 engine=engine,
                 schedule=schedule,
+                interval_s=_or(args.chunk_interval_ms, 0.0) / 1000,
             )
         )
 
