@@ -291,19 +291,56 @@ def _json_errors(inner: Starlette) -> None:
     inner.router.redirect_slashes = False
 
 
-def _observe(edge: Edge, telemetry: Telemetry) -> None:
-    """The edge's counts as metrics: admission, connections, refused keys, clients."""
+def _gauge(read: Callable[[], int]) -> Callable[[Any], list[Any]]:
+    """An observable's callback: one value, read at collection."""
     from opentelemetry.metrics import Observation
 
+    return lambda _options: [Observation(read())]
+
+
+def _counts(table: Callable[[], dict[str, int]], key: str) -> Callable[[Any], list[Any]]:
+    """An observable's callback: one value per key of `table`, labelled `key`."""
+    from opentelemetry.metrics import Observation
+
+    return lambda _options: [Observation(n, {key: k}) for k, n in dict(table()).items()]
+
+
+def _observe(edge: Edge, telemetry: Telemetry) -> None:
+    """The edge's counts as metrics: admission, connections, refused keys, clients."""
     meter = telemetry.meter_provider.get_meter("warmroute")
-    admission, conns = edge.admission, edge.connections
+    _observe_admission(meter, edge.admission, edge.backend_queue)
+    conns, gauge, counts = edge.connections, _gauge, _counts
+    meter.create_observable_up_down_counter(
+        "warmroute.connections.open",
+        [gauge(lambda: conns.open)],
+        unit="{connection}",
+        description="Client connections open (server.max_connections bounds it).",
+    )
+    meter.create_observable_counter(
+        "warmroute.connections.refused",
+        [counts(lambda: conns.refused, "warmroute.reason")],
+        unit="{connection}",
+        description="Client connections closed by a limit (size, timeout, count), by reason.",
+    )
+    meter.create_observable_counter(
+        "warmroute.auth.refused",
+        [counts(lambda: edge.auth_refused, "warmroute.route")],
+        unit="{request}",
+        description="Requests refused for a missing or wrong API key or admin token.",
+    )
+    meter.create_observable_counter(
+        "warmroute.client.requests",
+        [counts(lambda: edge.client_requests, "warmroute.client")],
+        unit="{request}",
+        description="Requests by the name of the API key they presented (configured names only).",
+    )
 
-    def gauge(read: Callable[[], int]) -> Callable[[Any], list[Observation]]:
-        return lambda _options: [Observation(read())]
 
-    def counts(table: Callable[[], dict[str, int]], key: str) -> Callable[[Any], list[Any]]:
-        return lambda _options: [Observation(n, {key: k}) for k, n in dict(table()).items()]
+def _observe_admission(meter: Any, admission: Admission, queue: BackendQueue | None) -> None:
+    """The waits' metrics: the admission's slots and queue, the wait for a backend."""
+    from opentelemetry.metrics import Observation
 
+    gauge, counts = _gauge, _counts
     meter.create_observable_up_down_counter(
         "warmroute.admission.inflight",
         [gauge(lambda: admission.inflight)],
@@ -334,7 +371,6 @@ def _observe(edge: Edge, telemetry: Telemetry) -> None:
         description="Requests of a class with a TTFT target (tenants.ttft_targets_s): met it, "
         "missed it, or refused at once as unable to meet it (deadline).",
     )
-    queue = edge.backend_queue
     if queue is not None:
         meter.create_observable_up_down_counter(
             "warmroute.backend_queue.waiting",
@@ -349,27 +385,3 @@ def _observe(edge: Edge, telemetry: Telemetry) -> None:
             description="Requests that found every backend at its max_inflight: waited, "
             "routed after waiting, or refused (queue_full, queue_timeout, shed_*).",
         )
-    meter.create_observable_up_down_counter(
-        "warmroute.connections.open",
-        [gauge(lambda: conns.open)],
-        unit="{connection}",
-        description="Client connections open (server.max_connections bounds it).",
-    )
-    meter.create_observable_counter(
-        "warmroute.connections.refused",
-        [counts(lambda: conns.refused, "warmroute.reason")],
-        unit="{connection}",
-        description="Client connections closed by a limit (size, timeout, count), by reason.",
-    )
-    meter.create_observable_counter(
-        "warmroute.auth.refused",
-        [counts(lambda: edge.auth_refused, "warmroute.route")],
-        unit="{request}",
-        description="Requests refused for a missing or wrong API key or admin token.",
-    )
-    meter.create_observable_counter(
-        "warmroute.client.requests",
-        [counts(lambda: edge.client_requests, "warmroute.client")],
-        unit="{request}",
-        description="Requests by the name of the API key they presented (configured names only).",
-    )

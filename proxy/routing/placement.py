@@ -624,30 +624,8 @@ class Placement:
         def fits(b: str) -> bool:
             return room[b] >= p.size
 
-        chosen: list[str] = []
-        taken: set[str] = set()
-        # Previous homes that still fit and are within the bound stay (hysteresis).
-        # Previous homes keep their prefix up to twice the imbalance: shares measured over a
-        # few hundred requests are noisy, and a move costs a cold prefill and an eviction.
-        # Or while the backend, without this copy, carries less than a fair load: copies come
-        # whole, and when the placed prefixes need more copies than there are backends, some
-        # backend must carry two; the second copy should not move at every rebalance.
-        fair = total / weight_sum if total > 0 else math.inf
-        kept = None
-        if len(previous) > KEEP_IN_PASSES:  # (a hot prefix's hundreds: the same rule)
-            twice = (1.0 + self.imbalance * 2.0) * total / weight_sum if total > 0 else math.inf
-            members = fast_members(backends) if isinstance(loads, Loads | Accumulated) else loads
-            kept = kept_homes(
-                previous, need, members, loads, room, p.size, per_copy, weights, twice, fair
-            )
-        if kept is not None:
-            chosen, taken = kept, set(kept)
-        else:
-            for b in previous:
-                if len(chosen) < need and b in loads and b not in taken and fits(b):
-                    if within(b, 2.0) or loads[b] < fair - 1e-12:
-                        chosen.append(b)
-                        taken.add(b)
+        chosen = self._kept(p, previous, need, backends, weights, loads, room, per_copy, total)
+        taken = set(chosen)
         # Then backends that already hold it (with a shared index, what another replica
         # placed), then the first within the bound and with room in the prefix's rendezvous
         # order: the same choice on every replica, where the least loaded would not be.
@@ -673,6 +651,45 @@ class Placement:
             )
             chosen += rest[: need - len(chosen)]
         return tuple(chosen), overflow
+
+    def _kept(
+        self,
+        p: Placed,
+        previous: Sequence[str],
+        need: int,
+        backends: Sequence[str],
+        weights: Mapping[str, float],
+        loads: Mapping[str, float],
+        room: Mapping[str, float],
+        per_copy: float,
+        total: float,
+    ) -> list[str]:
+        """The previous homes that stay (hysteresis), in their order, at most `need`.
+
+        Previous homes that still fit keep their prefix up to twice the imbalance: shares
+        measured over a few hundred requests are noisy, and a move costs a cold prefill and an
+        eviction. Or while the backend, without this copy, carries less than a fair load:
+        copies come whole, and when the placed prefixes need more copies than there are
+        backends, some backend must carry two; the second copy should not move at every
+        rebalance."""
+        weight_sum = total_weight(weights, backends)
+        fair = total / weight_sum if total > 0 else math.inf
+        twice = (1.0 + self.imbalance * 2.0) * total / weight_sum if total > 0 else math.inf
+        if len(previous) > KEEP_IN_PASSES:  # (a hot prefix's hundreds: the same rule)
+            members = fast_members(backends) if isinstance(loads, Loads | Accumulated) else loads
+            kept = kept_homes(
+                previous, need, members, loads, room, p.size, per_copy, weights, twice, fair
+            )
+            if kept is not None:
+                return kept
+        chosen: list[str] = []
+        for b in previous:
+            if len(chosen) < need and b in loads and b not in chosen and room[b] >= p.size:
+                if loads[b] + per_copy / _weight(weights, b) <= twice + 1e-12:
+                    chosen.append(b)
+                elif loads[b] < fair - 1e-12:
+                    chosen.append(b)
+        return chosen
 
     def _first_alike(
         self,

@@ -327,38 +327,7 @@ class RequestRecord:
         if span.recording:
             retries = len(self.attempts) - 1 if self.attempts else 0
             finished = (facts, self.stream, status, err, name, address, port, retries, itl)
-            cfg = tel.cfg
-            events: bytes | list[Event] = b""
-            client = CLIENT.get()  # set by the edge when API keys are configured
-            ticket = TICKET.get()  # likewise: the request's class and its wait for a slot
-            if span.enc is not None:
-                if client is not None:
-                    span.enc.append(CLIENT_ATTR.s(client))
-                if ticket is not None:
-                    span.enc.append(PRIORITY_ATTR.s(CLASSES[ticket.rank]))
-                    span.enc.append(QUEUE_WAIT_ATTR.f(ticket.waited_s))
-                if self.request is not None:
-                    span.enc.append(span_attrs.request_fields(*self._request_args(*self.request)))
-                    if self.decision is not None:
-                        span.enc.append(span_attrs.decision_fields(self.decision))
-                if self.fleet is not None:
-                    span.enc.append(span_attrs.fleet_fields(*self.fleet))
-                span.enc.append(span_attrs.finish_fields(*finished))
-                if facts is not None:
-                    mode, cap = cfg.chunk_events, cfg.chunk_events_cap
-                    events = span_attrs.event_fields(mode, cap, facts, self.anchor)
-            else:
-                if client is not None:
-                    span.attrs["warmroute.client"] = client
-                if ticket is not None:
-                    span.attrs["warmroute.priority"] = CLASSES[ticket.rank]
-                    span.attrs["warmroute.queue_wait_s"] = ticket.waited_s
-                span_attrs.finish(DictWriter(span.attrs), *finished)
-                events = []
-                if facts is not None:
-                    mode, cap = cfg.chunk_events, cfg.chunk_events_cap
-                    events = span_attrs.event_objects(mode, cap, facts, self.anchor)
-            span.end(spans, end_ns, err, events)
+            self._end_span(facts, finished, end_ns, err)
         exemplar = (span.trace_id, span.span_id, time.time_ns()) if span.flags & 1 else None
         duration = facts.e2e_s if facts is not None and facts.e2e_s is not None else now - self.t0
         tel.metrics.record(
@@ -376,6 +345,44 @@ class RequestRecord:
         )
         if tel.finished is not None:  # the doctor's windows (proxy/doctor/collector.py)
             tel.finished(self.model or "", name, facts, err, self.decision, self.t0)
+
+    def _end_span(
+        self, facts: StreamFacts | None, finished: tuple[Any, ...], end_ns: int, err: str | None
+    ) -> None:
+        """The SERVER span's last attributes (who called, its class and wait, the request,
+        the decision, the fleet, the outcome) and its chunk events; then it ends."""
+        span, cfg = self.span, self.tel.cfg
+        events: bytes | list[Event] = b""
+        client = CLIENT.get()  # set by the edge when API keys are configured
+        ticket = TICKET.get()  # likewise: the request's class and its wait for a slot
+        if span.enc is not None:
+            if client is not None:
+                span.enc.append(CLIENT_ATTR.s(client))
+            if ticket is not None:
+                span.enc.append(PRIORITY_ATTR.s(CLASSES[ticket.rank]))
+                span.enc.append(QUEUE_WAIT_ATTR.f(ticket.waited_s))
+            if self.request is not None:
+                span.enc.append(span_attrs.request_fields(*self._request_args(*self.request)))
+                if self.decision is not None:
+                    span.enc.append(span_attrs.decision_fields(self.decision))
+            if self.fleet is not None:
+                span.enc.append(span_attrs.fleet_fields(*self.fleet))
+            span.enc.append(span_attrs.finish_fields(*finished))
+            if facts is not None:
+                mode, cap = cfg.chunk_events, cfg.chunk_events_cap
+                events = span_attrs.event_fields(mode, cap, facts, self.anchor)
+        else:
+            if client is not None:
+                span.attrs["warmroute.client"] = client
+            if ticket is not None:
+                span.attrs["warmroute.priority"] = CLASSES[ticket.rank]
+                span.attrs["warmroute.queue_wait_s"] = ticket.waited_s
+            span_attrs.finish(DictWriter(span.attrs), *finished)
+            events = []
+            if facts is not None:
+                mode, cap = cfg.chunk_events, cfg.chunk_events_cap
+                events = span_attrs.event_objects(mode, cap, facts, self.anchor)
+        span.end(self.tel.spans, end_ns, err, events)
 
 
 def _set(span: SpanData, key: str, value: str | int | float | bool) -> None:
