@@ -57,6 +57,17 @@ def wait_ready(url: str, within_s: float) -> None:
     raise RuntimeError(f"{url} not ready within {within_s:g}s")
 
 
+def stop(*processes: subprocess.Popen[bytes] | None) -> None:
+    """Terminate each started process, killing any that is still there 10 s later."""
+    for p in processes:
+        if p is not None:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 def per_request(pid: int, port: int, requests: int, out: Path) -> dict[str, float]:
     """The proxy's CPU per request while `requests` chat completions (8 shared 2k-token system
     prompts, c=8, streamed) go through it, background work included."""
@@ -129,13 +140,7 @@ def run(
             result |= per_request(proxy.pid, port, requests, out / f"bench-{n}.json")
         return result
     finally:
-        for p in (proxy, mock):
-            if p is not None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop(proxy, mock)
         os.unlink(config)
         mock_log.close()
         proxy_log.close()

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "deploy" / "perf"))
 sys.path.insert(0, str(ROOT))
 
-from idle_cpu import cpu_s, wait_ready  # noqa: E402
+from idle_cpu import cpu_s, stop, wait_ready  # noqa: E402
 
 from proxy.demo.stack import free_ports  # noqa: E402
 
@@ -89,13 +89,7 @@ def run(
             "proxy_cpu_ms_per_request": round(1000 * used / requests, 3),
         }
     finally:
-        for p in (proxy, mock):
-            if p is not None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop(proxy, mock)
 
 
 def main() -> None:
