@@ -624,7 +624,9 @@ class Placement:
         def fits(b: str) -> bool:
             return room[b] >= p.size
 
-        chosen = self._kept(p, previous, need, backends, weights, loads, room, per_copy, total)
+        chosen = self._kept(
+            p, previous, need, backends, weights, loads, room, per_copy, total, weight_sum
+        )
         taken = set(chosen)
         # Then backends that already hold it (with a shared index, what another replica
         # placed), then the first within the bound and with room in the prefix's rendezvous
@@ -663,6 +665,7 @@ class Placement:
         room: Mapping[str, float],
         per_copy: float,
         total: float,
+        weight_sum: float,
     ) -> list[str]:
         """The previous homes that stay (hysteresis), in their order, at most `need`.
 
@@ -671,8 +674,7 @@ class Placement:
         eviction. Or while the backend, without this copy, carries less than a fair load:
         copies come whole, and when the placed prefixes need more copies than there are
         backends, some backend must carry two; the second copy should not move at every
-        rebalance."""
-        weight_sum = total_weight(weights, backends)
+        rebalance. `weight_sum`: the backends' total weight (the caller's)."""
         fair = total / weight_sum if total > 0 else math.inf
         twice = (1.0 + self.imbalance * 2.0) * total / weight_sum if total > 0 else math.inf
         if len(previous) > KEEP_IN_PASSES:  # (a hot prefix's hundreds: the same rule)
