@@ -43,6 +43,8 @@ from plugins.predicted_ttft_scorer import PredictedTtftScorer
 from proxy.routing.rendezvous import hrw_order, key_of, split_by_load
 from proxy.routing.types import BackendView, PickerHints, PluginSettings, RouteContext
 
+HOME_SETS_KEPT = 1024  # placed prefixes whose homes are kept as sets (placement keeps 256)
+
 
 class BoundedLoadPicker:
     name = "bounded_load"
@@ -70,6 +72,9 @@ class BoundedLoadPicker:
         self.warm_blocks = max(1, warm_blocks)
         self.spill_ratio = spill_ratio
         self._ttft = PredictedTtftScorer()
+        # A placed prefix's homes as a set, by id of the homes tuple (the placement hands back
+        # the same tuple while they stay): a hot prefix has hundreds of homes.
+        self._home_sets: dict[int, tuple[tuple[str, ...], frozenset[str]]] = {}
         # What the router around it reads (the policy carries it: proxy.routing.types): hot
         # prefixes get homes (proxy.routing.placement) unless `placement` is off, shared with
         # the other replicas through Redis (proxy.routing.shared_placement) unless `shared` is.
@@ -147,7 +152,8 @@ class BoundedLoadPicker:
         warm = self.warm_blocks
         best_match = max([matched.get(b.name, 0) for b in candidates]) if matched else 0
         spill = f"; {len(over)} over the load bound" if over else ""
-        homes = [b for b in candidates if b.name in ctx.homes] if blocks and ctx.homes else []
+        placed = self._members(ctx.homes) if blocks and ctx.homes else frozenset()
+        homes = [b for b in candidates if b.name in placed] if placed else []
         if homes:
             # A backend holding clearly more of this prompt than any home, and more than the
             # part its prefix's requests share (a conversation's earlier turns, placed there
@@ -158,7 +164,7 @@ class BoundedLoadPicker:
             shared = ctx.shared_blocks
             reach = (most if most > shared else shared) + warm
             homes += [
-                b for b in candidates if b.name not in ctx.homes and matched.get(b.name, 0) >= reach
+                b for b in candidates if b.name not in placed and matched.get(b.name, 0) >= reach
             ]
             return self._pick_placed(ctx, key, candidates, homes, within)
         if blocks and best_match < warm:
@@ -174,6 +180,16 @@ class BoundedLoadPicker:
         if over:
             order += sorted(over, key=lambda b: (_load(b), -totals.get(b.name, 0)))
         return [b.name for b in order], reason
+
+    def _members(self, homes: tuple[str, ...]) -> frozenset[str]:
+        kept = self._home_sets.get(id(homes))
+        if kept is not None and kept[0] is homes:
+            return kept[1]
+        if len(self._home_sets) >= HOME_SETS_KEPT:
+            self._home_sets.clear()
+        members = frozenset(homes)
+        self._home_sets[id(homes)] = (homes, members)
+        return members
 
     def _cold(
         self, key: int, within: list[BackendView], spill: str

@@ -2,15 +2,24 @@
 
 A fleet has few distinct model lists (often one), so the verdict is reached once per distinct
 list and applied to every backend in flat passes: in front of 1,024 backends a per-backend
-call was the largest single cost of a decision.
+call was the largest single cost of a decision. For a Views read (proxy.routing.types) the
+distinct lists are found once per fleet epoch, and a model every list serves costs no pass.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import compress
 from typing import Any
 
-from proxy.routing.types import BackendView, Dropped, PluginSettings, RouteContext, Verdict
+from proxy.routing.types import (
+    BackendView,
+    Dropped,
+    PluginSettings,
+    RouteContext,
+    Verdict,
+    Views,
+)
 
 
 class ModelFilter:
@@ -26,6 +35,10 @@ class ModelFilter:
         self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]
     ) -> list[BackendView]:
         model = ctx.model
+        if isinstance(candidates, Views):
+            kinds = candidates.fleetwide("model", _model_lists)
+            if all([m is None or model in m for m in kinds]):
+                return candidates
         lists = [b.models for b in candidates]
         verdict = {m: m is None or model in m for m in set(lists)}
         if all(verdict.values()):
@@ -36,6 +49,11 @@ class ModelFilter:
             if not ok:
                 dropped[b.name] = why
         return list(compress(candidates, serves))
+
+
+def _model_lists(views: Sequence[BackendView]) -> frozenset[frozenset[str] | None]:
+    """The distinct model lists of a fleet (None: a backend's list is not known yet)."""
+    return frozenset([b.models for b in views])
 
 
 PLUGINS = [ModelFilter]

@@ -1,13 +1,22 @@
 """Filter: keep backends whose role can serve a whole request (mixed, or decode with fallback).
 
-Decided per distinct role (a fleet has at most three), applied in flat passes."""
+Decided per distinct role (a fleet has at most three), applied in flat passes; for a Views read
+(proxy.routing.types) the fleet's roles are found once per fleet epoch."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import compress
 from typing import Any, Literal
 
-from proxy.routing.types import BackendView, Dropped, PluginSettings, RouteContext, Verdict
+from proxy.routing.types import (
+    BackendView,
+    Dropped,
+    PluginSettings,
+    RouteContext,
+    Verdict,
+    Views,
+)
 
 
 class RoleFilter:
@@ -28,6 +37,9 @@ class RoleFilter:
     def filter(
         self, ctx: RouteContext, candidates: list[BackendView], dropped: dict[str, str]
     ) -> list[BackendView]:
+        if isinstance(candidates, Views):
+            if self._roles.issuperset(candidates.fleetwide("role", _roles)):
+                return candidates
         roles = [b.role for b in candidates]
         if self._roles.issuperset(roles):
             return candidates  # (disagg off: every backend is mixed)
@@ -41,6 +53,11 @@ class RoleFilter:
                 why = f"role {b.role} is not one of {allowed}"
                 dropped[b.name] = Dropped(Verdict.ROLE, why)
         return list(compress(candidates, keep))
+
+
+def _roles(views: Sequence[BackendView]) -> frozenset[str]:
+    """The roles a fleet's backends have."""
+    return frozenset([b.role for b in views])
 
 
 PLUGINS = [RoleFilter]

@@ -25,6 +25,7 @@ from proxy.routing.setup import build_policy
 from proxy.routing.shortlist import HEAD
 from proxy.routing.tallies import Placed, unfixed
 from proxy.routing.types import BackendView, EngineLoad, RouteContext
+from proxy.routing.views import ViewKeeper
 from tests.routing_support import SHARED_URL, delete_prefix, unique_prefix
 
 
@@ -190,7 +191,9 @@ def routers(placement: bool, clock: Clock, capacity: int) -> tuple[Router, Route
     return new, old
 
 
-def fleet(rng: random.Random, names: list[str], weights: list[float], hot: set[str]) -> list[Any]:
+def fleet(
+    rng: random.Random, names: list[str], weights: list[float], hot: set[str], sick: float = 0.02
+) -> list[Any]:
     views = []
     for name, weight in zip(names, weights, strict=True):
         busy = name in hot
@@ -202,7 +205,7 @@ def fleet(rng: random.Random, names: list[str], weights: list[float], hot: set[s
                 engine="vllm",
                 role="mixed",
                 weight=weight,
-                healthy=rng.random() > 0.02,
+                healthy=rng.random() > sick,
                 inflight=rng.randint(14, 30) if busy else rng.randint(0, 6),
                 load=EngineLoad(waiting=waiting, kv_usage=rng.random()),
                 models=frozenset({"m"}),
@@ -225,13 +228,21 @@ def chat(system: str, question: str) -> dict[str, Any]:
     return {"model": "m", "messages": messages}
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["fresh", "kept"])
 @pytest.mark.parametrize("seed", range(6))
-async def test_decisions_are_those_of_the_per_candidate_path(seed: int) -> None:
+async def test_decisions_are_those_of_the_per_candidate_path(seed: int, kept: bool) -> None:
     """Random fleets of 40-400 backends (uniform and mixed weights, loaded homes, an engine
     with a long queue now and then, unhealthy ones), Zipf-popular system prompts and short
     prompts, learned capacities moving: the router decides as the reference router does,
-    winner, reason and the ranking as far as a retry reaches, and places alike."""
+    winner, reason and the ranking as far as a retry reaches, and places alike.
+
+    `kept`: as the proxy reads them, a few views change from one decision to the next (now
+    and then all of them) and the router is handed a ViewKeeper's Views: its fleet-wide facts
+    (the filters' epoch, in-flight total and least, longest queue) stand in for the passes
+    the reference router makes over the same views."""
     rng = random.Random(seed)
+    keeper = ViewKeeper()
+    current: list[Any] = []
     clock = Clock()
     n = rng.choice((40, 90, 400)) if seed < 4 else rng.choice((70, 120))
     names = [f"e{i}" for i in range(n)]
@@ -241,16 +252,26 @@ async def test_decisions_are_those_of_the_per_candidate_path(seed: int) -> None:
         f"[system {k}] " + "".join(rng.choices("abcdefgh ", k=rng.randint(300, 2500)))
         for k in range(12)
     ]
-    shortlisted = 0
+    shortlisted = whole = 0
     for turn in range(160):
         clock.now += rng.random() * 2
         hot = set(rng.sample(names, rng.randint(0, n // 2))) if rng.random() < 0.3 else set()
-        views = fleet(rng, names, weights, hot)
+        views = fleet(rng, names, weights, hot, 0.001 if kept else 0.02)
+        handed: list[Any] = views
+        if kept:
+            changed: list[int] | None = None
+            if current and rng.random() < 0.9:
+                changed = rng.sample(range(n), rng.randint(0, 6))
+                for i in changed:
+                    current[i] = views[i]
+            else:
+                current = list(views)
+            handed, views = keeper.read(current, changed), list(current)
         req = body(rng, systems, turn)
         decisions = []
-        for router in (new, old):
+        for router, seen in ((new, handed), (old, views)):
             ctx = RouteContext(f"r{seed}-{turn}", "m", "chat", req, {}, clock.now)
-            decisions.append((await router.route(ctx, views), ctx))
+            decisions.append((await router.route(ctx, seen), ctx))
         (got, ctx_new), (want, ctx_old) = decisions
         assert got.winner == want.winner, (turn, got.reason, want.reason)
         assert got.reason == want.reason
@@ -258,6 +279,7 @@ async def test_decisions_are_those_of_the_per_candidate_path(seed: int) -> None:
         assert got.matched_blocks == want.matched_blocks
         assert ctx_new.homes == ctx_old.homes
         shortlisted += len(got.ranking) < len(want.ranking)
+        whole += new.fleets.epoch is not None  # decided on the Views' facts, no filter dropped
         if got.winner is not None and rng.random() < 0.3:  # the engine reports its cache
             tokens = max(ctx_new.prompt_chars // 4, 1)
             cached = int(tokens * rng.random())
@@ -269,6 +291,7 @@ async def test_decisions_are_those_of_the_per_candidate_path(seed: int) -> None:
             k: p.homes for k, p in old.placement.placed.items()
         }
     assert shortlisted > 0  # the shortlist was used (and not only the whole-fleet path)
+    assert (whole > 20) if kept else whole == 0
 
 
 def test_holder_lookups_answer_as_a_binary_search_per_backend_did() -> None:

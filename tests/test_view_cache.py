@@ -18,7 +18,7 @@ from proxy.forwarding.state import ViewCache
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.inflight import InflightBoard
 from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S, PrefillLearner
-from proxy.routing.types import BackendView, EngineLoad
+from proxy.routing.types import BackendView, EngineLoad, Views
 from proxy.upstream.backends import Backend
 from proxy.upstream.outlier import Breaker
 
@@ -111,6 +111,12 @@ def test_views_read_in_passes_are_those_made_one_backend_at_a_time(seed: int) ->
         got = cache.read(list(fleet), clock.now, board, learner, router)  # type: ignore[arg-type]
         want = afresh(fleet, clock.now, board, learner, router)
         assert list(map(fields, got)) == list(map(fields, want))
+        # Its fleet-wide facts, kept current for the views remade only, are the fleet's.
+        assert isinstance(got, Views)
+        assert got.inflight == [b.inflight for b in want]
+        assert got.inflight_total == sum(got.inflight)
+        assert got.inflight_least == min(got.inflight)
+        assert got.waiting_most == max(float(b.load.waiting or 0) for b in want)
         made += cache.made - before
         read += len(fleet)
     if len(spare) >= 40:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from proxy.forwarding.ports import Fleet, Recorder, UpstreamClient, UpstreamResponseLike
 from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S
+from proxy.routing.views import ViewKeeper
 from proxy.upstream.outlier import CLOSED
 
 __all__ = [
@@ -68,15 +69,18 @@ class ViewCache:
     only when something it shows changed (its health, in-flight count, scraped load, models,
     learned prefill, backlog or configuration): in front of 256 engines making every view
     afresh was the largest cost of a request. Views are read-only snapshots, so one that
-    still holds is handed out again."""
+    still holds is handed out again. The read is a `Views` whose fleet-wide facts (the
+    in-flight total, the stable facts' epoch, ...) a ViewKeeper updates for the views made
+    again only: the router then makes no pass over the fleet for them."""
 
-    __slots__ = ("_keys", "_names", "_position", "_views", "made")
+    __slots__ = ("_keeper", "_keys", "_names", "_position", "_views", "made")
 
     def __init__(self) -> None:
         self._names: list[str] = []
         self._position: dict[str, int] = {}
         self._keys: list[tuple[Any, ...] | None] = []
         self._views: list[Any] = []
+        self._keeper = ViewKeeper()  # the fleet-wide facts, updated for the views made again
         self.made = 0  # views made (the rest were reused)
 
     def read(
@@ -89,9 +93,11 @@ class ViewCache:
     ) -> list[BackendView]:
         n = len(backends)
         names = list(map(_NAME, backends))
+        remade: list[int] | None = []
         if names != self._names:
             self._names, self._position = names, dict(zip(names, range(n), strict=True))
             self._keys, self._views = [None] * n, [None] * n
+            remade = None  # another fleet: the keeper reads it whole
         up = _up(backends, now)
         inflight = board.counts(names)
         fits = learner.fits(names)
@@ -103,13 +109,16 @@ class ViewCache:
         changed = list(map(ne, keys, self._keys))
         if True in changed:
             views = self._views
-            for i in compress(range(n), changed):
+            positions = list(compress(range(n), changed))
+            for i in positions:
                 views[i] = backends[i].view(
                     now, inflight[i], rates[i], means[i], backlogs[i], up=up[i]
                 )
-                self.made += 1
+            self.made += len(positions)
             self._keys = keys
-        return list(self._views)
+            if remade is not None:
+                remade = positions
+        return self._keeper.read(self._views, remade)
 
 
 def _up(backends: list[Backend], now: float) -> list[bool]:

@@ -24,6 +24,7 @@ from proxy.routing.index import MemoryPrefixIndex, RedisPrefixIndex, open_redis
 from proxy.routing.router import Router
 from proxy.routing.setup import build_router
 from proxy.routing.types import BackendView, EngineLoad, RouteContext
+from proxy.routing.views import ViewKeeper
 from proxy.stats import percentile
 
 
@@ -75,27 +76,35 @@ async def measure(
     router: Router, n_backends: int, count: int, seed: int = 1, reuse_views: bool = False
 ) -> list[float]:
     """`reuse_views`: keep the views from one decision to the next, remaking only those
-    whose in-flight count moved (the winner's, and one random request's end), as the
-    proxy's ViewCache does; otherwise every view is new, with fresh random loads."""
+    whose in-flight count moved (the winner's, and one random request's end), and read them
+    as the proxy's ViewCache does (a ViewKeeper told which changed); otherwise every view is
+    new, with fresh random loads, handed over as a plain list."""
     rng = random.Random(seed)
     bodies = _requests(count, rng)
     times = []
     fleet = _fleet(n_backends)
     backends = _backends(fleet, rng)
     position = {b.name: i for i, b in enumerate(backends)}
+    keeper = ViewKeeper()
+    changed: list[int] | None = None
     for i, body in enumerate(bodies):
-        if not reuse_views:
-            backends = _backends(fleet, rng)
+        views: list[BackendView]
+        if reuse_views:
+            views = keeper.read(backends, changed)
+        else:
+            views = backends = _backends(fleet, rng)
         ctx = RouteContext(f"r{i}", "m", "chat", body, {}, time.monotonic())
         start = time.perf_counter()
-        decision = await router.route(ctx, list(backends) if reuse_views else backends)
+        decision = await router.route(ctx, views)
         times.append(time.perf_counter() - start)
         if reuse_views and decision.winner is not None:
             w = position[decision.winner]
             backends[w] = dataclasses.replace(backends[w], inflight=backends[w].inflight + 1)
+            changed = [w]
             k = rng.randrange(n_backends)
             if backends[k].inflight > 0:
                 backends[k] = dataclasses.replace(backends[k], inflight=backends[k].inflight - 1)
+                changed.append(k)
         if i % 64 == 0:
             await asyncio.sleep(0)  # let the batched Redis writes run, as between requests
     return times[count // 10 :]  # drop warm-up (script load, first connections, cold caches)

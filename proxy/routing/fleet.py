@@ -21,7 +21,7 @@ from operator import add, mul, truediv
 from typing import Any
 
 from proxy.routing.rendezvous import SCALE, h64, hrw_names, name_bytes
-from proxy.routing.types import BackendView
+from proxy.routing.types import BackendView, Epoch, Views
 
 ORDERS_KEPT = 512  # prompt heads whose rendezvous orders a fleet keeps (the placement's 256 fit)
 
@@ -141,13 +141,26 @@ class Fleet:
 
 
 class FleetCache:
-    """The last decision's fleet, reused while the candidates' names and weights match."""
+    """The last decision's fleet, reused while the candidates' names and weights match: for a
+    Views read (proxy.routing.types), while its epoch is the one the fleet was made in, which
+    costs no pass at all."""
 
     def __init__(self) -> None:
         self.fleet: Fleet | None = None
+        self.epoch: Epoch | None = None
         self.builds = 0
 
     def of(self, candidates: Sequence[BackendView]) -> Fleet:
+        if isinstance(candidates, Views):
+            if candidates.epoch is self.epoch and self.fleet is not None:
+                return self.fleet
+            fleet = self._of(candidates)
+            self.epoch = candidates.epoch
+            return fleet
+        self.epoch = None
+        return self._of(candidates)
+
+    def _of(self, candidates: Sequence[BackendView]) -> Fleet:
         names = tuple([b.name for b in candidates])
         weights = [b.weight for b in candidates]
         fleet = self.fleet

@@ -17,7 +17,7 @@ from operator import add, le, mul, truediv
 
 import xxhash
 
-from proxy.routing.types import BackendView
+from proxy.routing.types import BackendView, Views
 
 _h64 = xxhash.xxh3_64_intdigest
 _SCALE = 1.0 / 18446744073709551616.0  # 2**-64
@@ -113,6 +113,8 @@ def load_bound(
     in-flight counts, if already read; `unit`: every weight is 1.0 (then the normalised loads
     are the counts themselves, and the same floats come out of fewer passes)."""
     n = len(candidates)
+    if unit and isinstance(candidates, Views) and candidates.inflight_least >= 0:
+        return _unit_bound(candidates, epsilon, slack, count)
     loads = [b.inflight for b in candidates] if inflight is None else inflight
     if min(loads) < 0:
         loads = [i if i > 0 else 0 for i in loads]
@@ -130,13 +132,7 @@ def load_bound(
         norm = list(map(truediv, map(mul, loads, repeat(mean_w, n)), weights))
         average = (sum(norm) + 1) / n
         least = min(norm)
-    # The two-value max() and min() written out (each call parses its arguments in CPython
-    # 3.11, ~1,200 instructions; this runs on every request).
-    ratio, plus = math.ceil((1.0 + epsilon) * average), math.ceil(average) + slack
-    above = plus if ratio < plus else ratio
-    spread = epsilon * (least + 1)
-    below = least + 1 + (spread if slack < spread else slack) + 1e-9
-    limit = below if below < above else above
+    limit = _limit(epsilon, slack, average, least)
     within = -1
     if count and unit:
         within = sum(map(le, map(add, norm, repeat(1.0, n)), repeat(limit, n)))
@@ -144,6 +140,29 @@ def load_bound(
         one_more = map(truediv, repeat(mean_w, n), weights)
         within = sum(map(le, map(add, norm, one_more), repeat(limit, n)))
     return LoadBound(epsilon, slack, mean_w, limit, within)
+
+
+def _limit(epsilon: float, slack: int, average: float, least: float) -> float:
+    """The bound in weight-normalised requests, from the average load (one more request
+    counted) and the least loaded backend's."""
+    # The two-value max() and min() written out (each call parses its arguments in CPython
+    # 3.11, ~1,200 instructions; this runs on every request).
+    ratio, plus = math.ceil((1.0 + epsilon) * average), math.ceil(average) + slack
+    above = plus if ratio < plus else ratio
+    spread = epsilon * (least + 1)
+    below = least + 1 + (spread if slack < spread else slack) + 1e-9
+    return below if below < above else above
+
+
+def _unit_bound(views: Views, epsilon: float, slack: int, count: bool) -> LoadBound:
+    """load_bound over a Views read where every weight is 1.0: the same floats, from the
+    fleet's in-flight total, least and counts instead of passes over every backend."""
+    average = (views.inflight_total + 1) / len(views)
+    limit = _limit(epsilon, slack, average, float(views.inflight_least))
+    within = -1
+    if count:
+        within = sum([c for load, c in views.inflight_counts.items() if load + 1.0 <= limit])
+    return LoadBound(epsilon, slack, 1.0, limit, within)
 
 
 def split_by_load(

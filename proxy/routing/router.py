@@ -41,6 +41,7 @@ from proxy.routing.types import (
     RouteContext,
     Scores,
     ScoresByBackend,
+    Views,
 )
 
 log = logging.getLogger("warmroute.routing")
@@ -146,7 +147,9 @@ class Router:
         """Decide; `record=False` is a dry run (explain) that leaves the index untouched."""
         started = time.perf_counter()
         dropped: dict[str, str] = {}
-        candidates = list(backends)
+        # A Views read is the request's own (made per read): kept whole, its fleet-wide facts
+        # with it; any other sequence is copied, as a filter may hand back what it was given.
+        candidates = backends if isinstance(backends, Views) else list(backends)
         for f in self.policy.filters:
             candidates = f.filter(ctx, candidates, dropped)
         plan: Plan | None = None
@@ -159,7 +162,10 @@ class Router:
                 if record:
                     self.popularity.observe(head)
                 ctx.prefix_share = self.popularity.share(head)
-                inflight = [b.inflight for b in candidates]
+                if isinstance(candidates, Views):
+                    inflight = candidates.inflight
+                else:
+                    inflight = [b.inflight for b in candidates]
                 placed = self.placement is not None and n >= self.warm_blocks
                 if placed:
                     if record and self.claims is not None:
@@ -263,7 +269,8 @@ class Router:
         share = self.popularity.current
         order = fleet.rendezvous  # hrw_names, kept per prefix for this fleet
         if record:
-            placement.note_load(float(sum(inflight) + 1))
+            total = candidates.inflight_total if isinstance(candidates, Views) else sum(inflight)
+            placement.note_load(float(total + 1))
             placement.observe(head, ctx.prefix_blocks)
             if placement.due():
                 placement.start_rebalance(names, weights, self.capacity.capacity, share, order)

@@ -46,7 +46,7 @@ from operator import add, le, lt, mul, not_, truediv
 
 from proxy.routing.fleet import Fleet
 from proxy.routing.rendezvous import LoadBound, Shortlist, hrw_order, key_of, load_bound
-from proxy.routing.types import BackendView, PickerHints, RouteContext
+from proxy.routing.types import BackendView, PickerHints, RouteContext, Views
 
 HEAD = 10  # ranking entries kept exactly as over the whole fleet (retries.max_attempts <= 10)
 SHORTLIST_ABOVE = 32  # candidates; a fleet this small is handed whole (it costs less)
@@ -92,7 +92,11 @@ def shortlist(
     if n <= SHORTLIST_ABOVE or len(blocks) < warm or hints.load_bound is None:
         return None
     epsilon, slack, choices = hints.load_bound
-    if epsilon < -1.0 or max([b.load.waiting or 0.0 for b in candidates], default=0.0) > slack:
+    if isinstance(candidates, Views):
+        waiting = candidates.waiting_most
+    else:
+        waiting = max([b.load.waiting or 0.0 for b in candidates], default=0.0)
+    if epsilon < -1.0 or waiting > slack:
         return None  # the long-queue guard could set some apart: it compares to all of them
     affinity = hints.affinity_blocks
     key = blocks[(len(blocks) if len(blocks) < affinity else affinity) - 1]

@@ -7,10 +7,10 @@ pickers are pure: every input they need (load, prefix matches, time) is in the c
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, Protocol, Self, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -101,6 +101,54 @@ class BackendView:
 
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+
+_T = TypeVar("_T")
+
+
+class Epoch:
+    """One state of what a fleet's views say that rarely changes: every view's name, weight,
+    role, models, health and in-flight bound, in fleet order. `memo` holds what filters and the
+    router derive from those alone (Views.fleetwide); a new Epoch starts empty."""
+
+    __slots__ = ("memo",)
+
+    def __init__(self) -> None:
+        self.memo: dict[str, Any] = {}
+
+
+class Views(list[BackendView]):
+    """Every routable backend's view at one read, with what a decision reads of the whole fleet
+    made ready by whoever read it (proxy.routing.views keeps these current in time proportional
+    to the views that changed, not to the fleet). A snapshot: nothing here changes after the
+    read, so a decision that waits (a Redis lookup) still reads one consistent fleet.
+
+    `epoch` is the same object from one read to the next while no view's stable facts changed;
+    `inflight` each view's in-flight count in order, `inflight_total` their sum,
+    `inflight_least` the smallest, `inflight_counts` how many views have each count;
+    `waiting_most` the longest queue an engine reported (unknown read as 0).
+
+    A filter that drops nothing returns the list it was handed, so these still describe the
+    candidates after it; one that drops a backend returns a plain list, and what follows reads
+    the candidates themselves, as for any list.
+    """
+
+    epoch: Epoch
+    inflight: list[int]
+    inflight_total: int
+    inflight_least: int
+    inflight_counts: Mapping[int, int]
+    waiting_most: float
+
+    def fleetwide(self, key: str, derive: Callable[[Sequence[BackendView]], _T]) -> _T:
+        """`derive(self)`, computed once per epoch: `derive` must read only the stable facts
+        (name, weight, role, models, healthy, max_inflight), and `key` name what it derives."""
+        memo = self.epoch.memo
+        try:
+            value: _T = memo[key]
+        except KeyError:
+            value = memo[key] = derive(self)
+        return value
 
 
 _MODEL_LISTS: dict[frozenset[str], frozenset[str]] = {}
