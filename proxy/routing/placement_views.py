@@ -363,13 +363,31 @@ def _from_within(
     every: list[str],
 ) -> list[str] | None:
     """first_spares, knowing `every` backend within the bound: those with room head the
-    spare order; the others (over the bound) follow in rendezvous order, found by walking it."""
+    spare order; the others (over the bound) follow in rendezvous order, found by walking it.
+
+    The first `want` of them are found by walking the rendezvous order as far as they lie
+    (a hot prefix growing by a few dozen homes reads the room of those, not of the ~1,000
+    backends within the bound); all of them only when fewer are found or the first is
+    crowded (then the order is by how many prefixes each one hosts)."""
+    inside = frozenset(every)
+    first: list[str] = []
+    for b in hrw:
+        if b in inside and b not in chosen and fits(b):
+            first.append(b)
+            if len(first) >= want:
+                break
+    if len(first) >= want:
+        # As the whole sorted list would begin: complete (no backend over the bound needed),
+        # and the pair rule reads the first two only (with choices > 2, a list of two only).
+        if choices == 2 and swap(first[0], first[1]):
+            first[0], first[1] = first[1], first[0]
+        if hosted.get(first[0], 0) <= fair:
+            return first[:r]
     fitting = [b for b in every if b not in chosen and fits(b)]
     fitting.sort(key=rank.__getitem__)
     over: list[str] = []
     complete = True
     if len(fitting) < want:
-        inside = frozenset(every)
         for b in hrw:
             if b not in chosen and b not in inside and fits(b):
                 over.append(b)
@@ -388,7 +406,6 @@ def _from_within(
     fitting.sort(key=lambda b: (hosted.get(b, 0) > fair, hosted.get(b, 0), rank[b]))
     if len(fitting) >= r:
         return fitting[:r]
-    inside = frozenset(every)
     rest: list[str] = []
     levels = sorted(set(hosted.values()) | {0})
     for level in levels:
