@@ -13,6 +13,7 @@ import redis
 from redis.asyncio.connection import Connection
 from redis.crc import key_slot
 
+from proxy.routing import index_redis
 from proxy.routing.index import (
     TIMEOUTS_TO_OUTAGE,
     MemoryPrefixIndex,
@@ -22,6 +23,7 @@ from proxy.routing.index import (
     capacity_blocks_from_tokens,
     open_redis,
 )
+from proxy.routing.index_redis import BLOCKS_PER_CALL
 from tests.routing_support import (
     HAVE_REDIS_SERVER,
     SHARED_URL,
@@ -83,6 +85,42 @@ async def test_memory_and_redis_lookups_agree(shared: RedisPrefixIndex) -> None:
         for length in (1, len(chain) // 2, len(chain)):
             probe = chain[: max(length, 1)]
             assert await shared.lookup(probe, BACKENDS) == await memory.lookup(probe, BACKENDS)
+
+
+def test_a_batch_of_records_goes_in_calls_short_in_records_and_in_blocks() -> None:
+    """One script call runs atomically: a lookup that comes in meanwhile waits for it."""
+    sizes = [300, 300, 100, 700, 10, 10, 2000] + [1] * 100
+    batch = [(f"b{i}", list(range(n)), 0.0, 0) for i, n in enumerate(sizes)]
+    calls = list(index_redis._calls(batch))
+    assert [start for start, _ in calls] == [0, 1, 3, 4, 6, 7, 71]
+    assert [r for _, chunk in calls for r in chunk] == batch  # each record once, in order
+    for _, chunk in calls:
+        assert len(chunk) <= index_redis.RECORDS_PER_CALL
+        assert len(chunk) == 1 or sum(len(b) for _, b, _, _ in chunk) <= BLOCKS_PER_CALL
+
+
+@pytest.mark.redis
+async def test_records_larger_than_a_call_are_all_written(
+    shared: RedisPrefixIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = 0
+    script = shared._record_script
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        return await script(*args, **kwargs)
+
+    monkeypatch.setattr(shared, "_record_script", counted)
+    chains = [[(k << 20) + i for i in range(BLOCKS_PER_CALL // 2 + 7)] for k in range(1, 9)]
+    for k, chain in enumerate(chains):
+        shared.record(BACKENDS[k], chain)
+    await shared.flush()
+    assert calls == 8  # no two of them fit one call
+    for k, chain in enumerate(chains):
+        assert await shared.lookup(chain, BACKENDS[:8]) == {
+            b: len(chain) if b == BACKENDS[k] else 0 for b in BACKENDS[:8]
+        }
 
 
 @pytest.mark.redis
