@@ -325,10 +325,11 @@ class Placement:
             return frozenset()
         room = self.room
         hosted = self.tallies.hosted
+        homes = p.home_set()
         return frozenset(
             b
             for b in backends
-            if b not in p.homes
+            if b not in homes
             and (room.get(b, math.inf) < p.size or (b in hosted and not measured(b)))
         )
 

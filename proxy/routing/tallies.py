@@ -64,6 +64,17 @@ class Placed:
     inside: tuple[object, tuple[str, ...], tuple[str, ...]] | None = field(
         default=None, repr=False, compare=False
     )
+    # Its homes as a set, with the tuple it was made from (a hot prefix has hundreds).
+    members: tuple[tuple[str, ...], frozenset[str]] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def home_set(self) -> frozenset[str]:
+        """`homes` as a set (made again only when they change)."""
+        kept = self.members
+        if kept is None or kept[0] is not self.homes:
+            kept = self.members = (self.homes, frozenset(self.homes))
+        return kept[1]
 
 
 @dataclass
