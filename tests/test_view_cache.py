@@ -8,6 +8,8 @@ prefill rates learned, backlogs draining, backends leaving and joining."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import random
 from typing import Any
 
@@ -18,7 +20,7 @@ from proxy.forwarding.state import ViewCache
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.inflight import InflightBoard
 from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S, PrefillLearner
-from proxy.routing.types import BackendView, EngineLoad, Views
+from proxy.routing.types import BackendView, Changes, EngineLoad, Views
 from proxy.upstream.backends import Backend
 from proxy.upstream.outlier import Breaker
 
@@ -69,15 +71,31 @@ def afresh(
     ]
 
 
+def tracked(backends: list[Backend]) -> Changes:
+    """The registry's wiring: each backend, and its breaker's ejections, mark one record."""
+    changes = Changes()
+    for b in backends:
+        b.changes = changes
+        assert b.breaker is not None
+        b.breaker.watch = functools.partial(changes.mark, b.name)
+    return changes
+
+
+@pytest.mark.parametrize("mode", ["whole", "marked", "verified"])
 @pytest.mark.parametrize("seed", range(8))
-def test_views_read_in_passes_are_those_made_one_backend_at_a_time(seed: int) -> None:
+def test_views_read_in_passes_are_those_made_one_backend_at_a_time(seed: int, mode: str) -> None:
+    """`whole`: no record of changes, every backend read at each request; `marked`: only the
+    backends their sources marked (and those a backlog or a breaker moves with time);
+    `verified`: every read whole and compared with the marks, none of which may miss."""
     rng = random.Random(seed)
     clock = Clock()
     board, learner = InflightBoard(None), PrefillLearner(min_samples=2)
     router = RouterLike(learner, clock)
     spare = [backend(i) for i in range(rng.choice((4, 40, 300)))]
     fleet = spare[: len(spare) * 3 // 4]
+    changes = tracked(spare) if mode != "whole" else None
     cache = ViewCache()
+    cache.verify_s = 0.0 if mode == "verified" else math.inf
     made = read = 0
     for _ in range(120):
         clock.now += rng.random() * 3
@@ -107,8 +125,10 @@ def test_views_read_in_passes_are_those_made_one_backend_at_a_time(seed: int) ->
                 fleet.remove(b)  # it left; another joins now and then
                 if rng.random() < 0.5:
                     fleet.append(rng.choice([s for s in spare if s not in fleet]))
+                if changes is not None:
+                    changes.mark_all()  # (the registry's add and remove)
         before = cache.made
-        got = cache.read(list(fleet), clock.now, board, learner, router)  # type: ignore[arg-type]
+        got = cache.read(list(fleet), clock.now, board, learner, router, changes)  # type: ignore[arg-type]
         want = afresh(fleet, clock.now, board, learner, router)
         assert list(map(fields, got)) == list(map(fields, want))
         # Its fleet-wide facts, kept current for the views remade only, are the fleet's.
@@ -121,6 +141,7 @@ def test_views_read_in_passes_are_those_made_one_backend_at_a_time(seed: int) ->
         read += len(fleet)
     if len(spare) >= 40:
         assert made < read / 4  # most views were handed out again
+    assert cache.missed == 0
 
 
 def test_an_unchanged_fleet_gets_the_same_views_and_a_change_remakes_one() -> None:

@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from itertools import compress, repeat
-from operator import attrgetter, itemgetter, ne
 from typing import TYPE_CHECKING, Any
 
 from proxy.forwarding.ports import Fleet, Recorder, UpstreamClient, UpstreamResponseLike
-from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S
-from proxy.routing.views import ViewKeeper
-from proxy.upstream.outlier import CLOSED
+from proxy.forwarding.view_cache import ViewCache
 
 __all__ = [
     "AppState",
@@ -43,100 +39,12 @@ if TYPE_CHECKING:
     from proxy.config import Config
     from proxy.fleet.reconciler import Reconciler
     from proxy.forwarding.exchange import Exchange
-    from proxy.routing.inflight import InflightBoard
-    from proxy.routing.learn import PrefillLearner
     from proxy.routing.router import Router
     from proxy.routing.setup import Routing
     from proxy.routing.types import BackendView, Decision, RouteContext
     from proxy.telemetry import RequestRecord, Telemetry
     from proxy.types import StreamFacts
-    from proxy.upstream.backends import Backend, BackendRegistry
-
-
-_NAME = attrgetter("name")
-_HEALTHY = attrgetter("healthy")
-_BREAKER = attrgetter("breaker")
-_BREAKER_STATE = attrgetter("breaker.state")
-_LOAD = attrgetter("load")
-_MODELS = attrgetter("models")
-_CFG = attrgetter("cfg")
-_RATE = itemgetter(0)
-_MEAN = itemgetter(1)
-
-
-class ViewCache:
-    """Every routable backend's view, read per request in C-level passes, each view made again
-    only when something it shows changed (its health, in-flight count, scraped load, models,
-    learned prefill, backlog or configuration): in front of 256 engines making every view
-    afresh was the largest cost of a request. Views are read-only snapshots, so one that
-    still holds is handed out again. The read is a `Views` whose fleet-wide facts (the
-    in-flight total, the stable facts' epoch, ...) a ViewKeeper updates for the views made
-    again only: the router then makes no pass over the fleet for them."""
-
-    __slots__ = ("_keeper", "_keys", "_names", "_position", "_views", "made")
-
-    def __init__(self) -> None:
-        self._names: list[str] = []
-        self._position: dict[str, int] = {}
-        self._keys: list[tuple[Any, ...] | None] = []
-        self._views: list[Any] = []
-        self._keeper = ViewKeeper()  # the fleet-wide facts, updated for the views made again
-        self.made = 0  # views made (the rest were reused)
-
-    def read(
-        self,
-        backends: list[Backend],
-        now: float,
-        board: InflightBoard,
-        learner: PrefillLearner,
-        router: Router,
-    ) -> list[BackendView]:
-        n = len(backends)
-        names = list(map(_NAME, backends))
-        remade: list[int] | None = []
-        if names != self._names:
-            self._names, self._position = names, dict(zip(names, range(n), strict=True))
-            self._keys, self._views = [None] * n, [None] * n
-            remade = None  # another fleet: the keeper reads it whole
-        up = _up(backends, now)
-        inflight = board.counts(names)
-        fits = learner.fits(names)
-        rates, means = list(map(_RATE, fits)), list(map(_MEAN, fits))
-        backlogs = router.backlog.levels(self._position, rates, DEFAULT_PREFILL_TOKENS_PER_S)
-        loads, models, cfgs = map(_LOAD, backends), map(_MODELS, backends), map(_CFG, backends)
-        keys: list[tuple[Any, ...] | None]
-        keys = list(zip(up, inflight, loads, models, rates, means, backlogs, cfgs, strict=True))
-        changed = list(map(ne, keys, self._keys))
-        if True in changed:
-            views = self._views
-            positions = list(compress(range(n), changed))
-            for i in positions:
-                views[i] = backends[i].view(
-                    now, inflight[i], rates[i], means[i], backlogs[i], up=up[i]
-                )
-            self.made += len(positions)
-            self._keys = keys
-            if remade is not None:
-                remade = positions
-        return self._keeper.read(self._views, remade)
-
-
-def _up(backends: list[Backend], now: float) -> list[bool]:
-    """Backend.is_up(now) for each of `backends` (all serving: the registry's routable ones);
-    a breaker is asked only where it is not closed (asking may move it to half-open)."""
-    up = list(map(_HEALTHY, backends))
-    n = len(backends)
-    try:
-        states = list(map(_BREAKER_STATE, backends))
-    except AttributeError:  # a backend with no breaker (the registry gives each one)
-        breakers = map(_BREAKER, backends)
-        states = list(map(getattr, breakers, repeat("state", n), repeat(CLOSED, n)))
-    if states.count(CLOSED) != n:
-        for i in range(n):
-            breaker = backends[i].breaker
-            if up[i] and states[i] != CLOSED and breaker is not None:
-                up[i] = breaker.allows(now)
-    return up
+    from proxy.upstream.backends import BackendRegistry
 
 
 class RequestRouting:
@@ -157,8 +65,14 @@ class RequestRouting:
 
     def views(self) -> list[BackendView]:
         """What routing may know of every backend now: health, load, shared in-flight."""
+        registry = self._registry
         return self._views.read(
-            self._registry.routable(), time.monotonic(), self._board, self._learner, self.router
+            registry.routable(),
+            time.monotonic(),
+            self._board,
+            self._learner,
+            self.router,
+            registry.changes,
         )
 
     async def route(self, ctx: RouteContext, *, record: bool = True) -> Decision:

@@ -13,7 +13,7 @@ Per proxy replica; the scraped gauges carry what the other replicas sent.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 
 class PrefillBacklog:
@@ -50,6 +50,11 @@ class PrefillBacklog:
             else:
                 del level[b]
         return out
+
+    def backlogged(self) -> Collection[str]:
+        """The backends that may have a backlog now (each one drains with time: a reader of
+        levels reads these again; one that drained leaves at the next levels())."""
+        return self._level.keys()
 
     def add(self, backend: str, tokens: float, tokens_per_s: float) -> None:
         """`backend` was just handed a prompt with `tokens` uncached tokens."""

@@ -37,6 +37,7 @@ from proxy.routing.index import (
     _reraise_if_cancelled,
     stop_task,
 )
+from proxy.routing.types import Changes
 
 log = logging.getLogger("warmroute.routing.inflight")
 
@@ -93,6 +94,8 @@ class InflightBoard:
         self.timeout_s = timeout_s
         self.local: Counter[str] = Counter()
         self.peers: dict[str, int] = {}
+        # Whose count moved since the ViewCache last read them (proxy.routing.views).
+        self.changes = Changes()
         # Backends forgotten here whose field in the shared hash the next sync deletes (each
         # replica writes only its own fields, so each deletes only its own: once).
         self.forgotten: set[str] = set()
@@ -115,10 +118,12 @@ class InflightBoard:
 
     def acquire(self, backend: str) -> None:
         self.local[backend] += 1
+        self.changes.names.add(backend)
 
     def release(self, backend: str) -> None:
         if self.local[backend] > 0:
             self.local[backend] -= 1
+            self.changes.names.add(backend)
 
     def get(self, backend: str) -> int:
         """Requests open on `backend` across all live replicas (peers as of the last sync)."""
@@ -137,6 +142,7 @@ class InflightBoard:
         The peers' counts for it go too; each peer deletes its own field when it forgets."""
         self.local.pop(backend, None)
         self.peers.pop(backend, None)
+        self.changes.mark(backend)
         if self.client is not None:
             self.forgotten.add(backend)
 
@@ -188,12 +194,22 @@ class InflightBoard:
         async with asyncio.timeout(self.timeout_s):
             flat = await self._script(keys=self.keys, args=args)
         self.forgotten.difference_update(gone)
-        self.peers = {
-            (k.decode() if isinstance(k, bytes) else str(k)): int(v)
-            for k, v in zip(flat[::2], flat[1::2], strict=True)
-        }
+        self._set_peers(
+            {
+                (k.decode() if isinstance(k, bytes) else str(k)): int(v)
+                for k, v in zip(flat[::2], flat[1::2], strict=True)
+            }
+        )
         self.synced_at = time.monotonic()
         self.counters["syncs"] += 1
+
+    def _set_peers(self, peers: dict[str, int]) -> None:
+        """The other replicas' counts, marking those that moved."""
+        old, mark = self.peers, self.changes.names.add
+        for b in old.keys() | peers.keys():
+            if old.get(b) != peers.get(b):
+                mark(b)
+        self.peers = peers
 
     async def _loop(self) -> None:
         while not self._closed:
@@ -223,7 +239,7 @@ class InflightBoard:
                 )
             # Peers' counts go stale quickly; routing on our own counts is the safe side.
             if time.monotonic() - self.synced_at > self.ttl_s:
-                self.peers = {}
+                self._set_peers({})
             return
         self._timeouts.answered()
         if not self._up:

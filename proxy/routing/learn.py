@@ -117,6 +117,8 @@ class PrefillLearner:
     _known: dict[str, tuple[float | None, float | None]] = field(
         default_factory=dict, init=False, repr=False
     )
+    # Whose fit moved since the ViewCache last took them (it swaps the set for an empty one).
+    changed: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def observe(
         self, backend: str, uncached_tokens: float, ttft_s: float, queue_s: float = 0.0
@@ -126,6 +128,7 @@ class PrefillLearner:
             est = self.rates[backend] = PrefillRate(self.half_life, self.min_samples)
         est.observe(uncached_tokens, ttft_s, queue_s)
         self._known.pop(backend, None)
+        self.changed.add(backend)
 
     def fits(self, backends: Sequence[str]) -> list[tuple[float | None, float | None]]:
         """(rate(b), mean_prefill_s(b)) for each of `backends`, each computed once per
@@ -154,6 +157,7 @@ class PrefillLearner:
         hardware prefills at the same speed, whatever its cache lost.)"""
         self.rates.pop(backend, None)
         self._known.pop(backend, None)
+        self.changed.add(backend)
 
     def snapshot(self) -> dict[str, dict[str, float | None]]:
         return {

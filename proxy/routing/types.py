@@ -151,6 +151,37 @@ class Views(list[BackendView]):
         return value
 
 
+class Changes:
+    """The backends whose view may have changed since its reader last took them: each source
+    of what a view shows (the registry's backends, the in-flight board, the prefill learner)
+    marks the names it changes, and the one reader (the proxy's ViewCache) takes them per
+    read instead of comparing every backend's state. `mark_all` says the fleet itself
+    changed (a backend joined, left or changed state): the reader reads it whole. Unread,
+    the names are a set of the fleet's, bounded by it."""
+
+    __slots__ = ("epoch", "everything", "names")
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.everything = True  # (the first read is whole)
+        self.epoch = 0  # bumps at each mark_all: a membership cache's key
+
+    def mark(self, name: str) -> None:
+        self.names.add(name)
+
+    def mark_all(self) -> None:
+        self.everything = True
+        self.epoch += 1
+
+    def take(self) -> set[str] | None:
+        """The names marked since the last take, or None: read everything."""
+        names, self.names = self.names, set()
+        if self.everything:
+            self.everything = False
+            return None
+        return names
+
+
 _MODEL_LISTS: dict[frozenset[str], frozenset[str]] = {}
 MODEL_LISTS_KEPT = 1024  # distinct model lists remembered (a fleet serves a few)
 

@@ -13,49 +13,23 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import engines
 from proxy.config import BackendConfig, Config, HealthConfig
-from proxy.routing.types import BackendView, EngineLoad, one_copy
+from proxy.routing.types import BackendView, Changes, EngineLoad, one_copy
 from proxy.types import FailureKind
+from proxy.upstream.engine_metrics import LOAD_METRICS, counters_reset, parse_load
 from proxy.upstream.outlier import Breaker
 
 log = logging.getLogger("warmroute.backends")
 
-# Engine-specific load gauges: the engines' own queue and KV signals, scraped.
-LOAD_METRICS: dict[str, dict[str, str]] = {
-    "vllm": {
-        "vllm:num_requests_waiting": "waiting",
-        "vllm:num_requests_running": "running",
-        "vllm:kv_cache_usage_perc": "kv_usage",
-        "vllm:gpu_cache_usage_perc": "kv_usage",  # older vLLM name
-        # Cumulative counters (EngineLoad.counters): the doctor compares them across its window
-        # to split TTFT into queueing and prefill and to read the prefix cache (docs/doctor.md).
-        "vllm:request_queue_time_seconds_sum": "queue_time_sum",
-        "vllm:request_queue_time_seconds_count": "queue_time_count",
-        "vllm:request_prefill_time_seconds_sum": "prefill_time_sum",
-        "vllm:request_prefill_time_seconds_count": "prefill_time_count",
-        "vllm:prefix_cache_queries_total": "prefix_queries",
-        "vllm:prefix_cache_hits_total": "prefix_hits",
-        "vllm:num_preemptions_total": "preemptions",
-    },
-    "sglang": {
-        "sglang:num_queue_reqs": "waiting",
-        "sglang:num_running_reqs": "running",
-        "sglang:token_usage": "kv_usage",
-    },
-    "llamacpp": {
-        "llamacpp:requests_deferred": "waiting",
-        "llamacpp:requests_processing": "running",
-    },
-}
 HEALTH_PATH = {
     "vllm": "/health",
     "sglang": "/health",
@@ -65,81 +39,13 @@ HEALTH_PATH = {
 }
 
 
-KV_CONFIG_INFO = "vllm:cache_config_info"
-_GAUGES = ("waiting", "running", "kv_usage")
-
-
-def parse_load(engine: str, text: str, now: float) -> EngineLoad | None:
-    """Sum the engine's load gauges over all label sets in a Prometheus text exposition.
-
-    Parsed with prometheus_client's parser (values, labels, escapes and timestamps as the
-    format defines them), but only on the lines of the few families we read: vLLM's
-    exposition runs to hundreds of KB, every scrape, on the event loop, and parsing all of it
-    costs ~50x more than picking the lines by name first.
-    """
-    wanted = LOAD_METRICS.get(engine)
-    if not wanted:
-        return None
-    names = (*wanted, KV_CONFIG_INFO)
-    lines = [ln for ln in text.splitlines() if ln.startswith(names)]
-    if not lines:
-        return None
-    sums: dict[str, float] = {}
-    kv_tokens: int | None = None
-    try:
-        families = list(text_string_to_metric_families("\n".join(lines) + "\n"))
-    except ValueError:
-        families = _per_line(lines)  # one bad line must not hide the rest
-    for family in families:
-        for sample in family.samples:
-            if sample.name in (KV_CONFIG_INFO, KV_CONFIG_INFO + "_total"):
-                kv_tokens = _kv_pool_tokens(sample.labels) or kv_tokens
-                continue
-            attr = wanted.get(sample.name)
-            if attr is not None and sample.value == sample.value:  # not NaN
-                sums[attr] = sums.get(attr, 0.0) + sample.value
-    if not sums and kv_tokens is None:
-        return None
-    return EngineLoad(
-        waiting=sums.get("waiting"),
-        running=sums.get("running"),
-        kv_usage=sums.get("kv_usage"),
-        kv_tokens=kv_tokens,
-        scraped_at=now,
-        counters={k: v for k, v in sums.items() if k not in _GAUGES},
-    )
-
-
-def counters_reset(before: Mapping[str, float], after: Mapping[str, float]) -> str | None:
-    """The cumulative counter that went back between two scrapes (the engine restarted: its
-    cache is cold), or None."""
-    for name, value in after.items():
-        was = before.get(name)
-        if was is not None and value < was:
-            return name
-    return None
-
-
-def _per_line(lines: list[str]) -> list[Any]:
-    out: list[Any] = []
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            out.extend(text_string_to_metric_families(line + "\n"))
-    return out
-
-
-def _kv_pool_tokens(labels: dict[str, str]) -> int | None:
-    """num_gpu_blocks x block_size from vLLM's cache_config_info labels."""
-    try:
-        return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
-    except (KeyError, ValueError):
-        return None
-
-
 # joining: added, not yet answered its health check and model list (gets no request);
 # serving; draining: no new requests, its streams finish; drained: drained and kept listed
 # (an admin drain, a terminating pod); gone: removed (kept a while for /admin/backends).
 State = Literal["joining", "serving", "draining", "drained", "gone"]
+
+# What a backend's view shows of it (Backend.view): setting one marks it for the ViewCache.
+_VIEWED = frozenset({"healthy", "load", "models", "cfg"})
 
 
 @dataclass
@@ -157,6 +63,20 @@ class Backend:
     streams: set[Any] = field(default_factory=set)
     since: float = field(default_factory=time.monotonic)  # in this state since
     attached: int = 0  # requests ever attached: the poll loop sees new traffic by it
+    # Its registry's record of changed views (None until the registry lists it): health,
+    # load, models and configuration mark this backend there, a change of state the fleet.
+    changes: Changes | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _VIEWED:
+            changes = self.__dict__.get("changes")
+            if changes is not None:
+                changes.mark(self.name)
+        elif name == "state":
+            changes = self.__dict__.get("changes")
+            if changes is not None:
+                changes.mark_all()
 
     def __post_init__(self) -> None:
         self.name = self.cfg.key
@@ -303,6 +223,9 @@ class BackendRegistry:
         self._control = control
         self._clients: dict[str, httpx.AsyncClient] = {}
         self.backends: dict[str, Backend] = {}
+        # Whose view changed since the ViewCache last read them (proxy.routing.views).
+        self.changes = Changes()
+        self._routable: tuple[int, list[Backend]] | None = None  # (changes.epoch, the list)
         for b in config.listed:
             self.backends[b.key] = self._new(b, "config", "serving")
         self.gone: deque[Backend] = deque(maxlen=GONE_KEPT)
@@ -321,7 +244,9 @@ class BackendRegistry:
         breaker = Breaker(
             self.config.outlier, self.config.retries.unhealthy_cooldown_s, name=cfg.key
         )
-        return Backend(cfg, breaker=breaker, source=source, state=state)
+        changes = self.changes
+        breaker.watch = partial(changes.mark, cfg.key)  # an ejection changes its view
+        return Backend(cfg, breaker=breaker, source=source, state=state, changes=changes)
 
     def __iter__(self) -> Iterable[Backend]:
         return iter(self.backends.values())
@@ -335,7 +260,15 @@ class BackendRegistry:
     def routable(self) -> list[Backend]:
         """The backends routing may choose from: serving ones (healthy or not: the filters
         say why one is left out); joining, draining and drained ones get no new request."""
-        return [b for b in self.backends.values() if b.state == "serving"]
+        epoch = self.changes.epoch
+        kept = self._routable
+        if kept is None or kept[0] != epoch:
+            # Made again when the fleet changed (a join, a departure, a change of state).
+            kept = self._routable = (
+                epoch,
+                [b for b in self.backends.values() if b.state == "serving"],
+            )
+        return list(kept[1])
 
     # -- membership (proxy/fleet/reconciler.py decides; this keeps the records) -------------
     def add(self, cfg: BackendConfig, source: str) -> Backend:
@@ -343,6 +276,7 @@ class BackendRegistry:
         b = self._new(cfg, source, "joining")
         b.healthy = False  # no request before it answered
         self.backends[cfg.key] = b
+        self.changes.mark_all()
         if self._started:
             self._tasks[b.name] = asyncio.create_task(self._poll(b), name=f"poll {b.name}")
         return b
@@ -350,6 +284,7 @@ class BackendRegistry:
     def remove(self, name: str) -> Backend | None:
         """Forget the record (its requests already ended: the reconciler drained it)."""
         b = self.backends.pop(name, None)
+        self.changes.mark_all()
         task = self._tasks.pop(name, None)
         if task is not None:
             task.cancel()

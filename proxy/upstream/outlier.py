@@ -22,7 +22,8 @@ endpoint but fails requests stays ejected until a probe request succeeds.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from proxy.config import OutlierConfig
 from proxy.types import FailureKind
@@ -58,6 +59,9 @@ class Breaker:
     lost_probes: int = 0
     last_kind: FailureKind | None = None
     name: str = ""  # the backend's, for the log
+    # Told when it ejects the backend (the registry marks the backend's view changed; the
+    # ViewCache reads a breaker that is not closed at every read, as time may reopen it).
+    watch: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def allows(self, now: float) -> bool:
         """May a request be routed here now?"""
@@ -140,6 +144,8 @@ class Breaker:
         self.state = OPEN
         self.probe_out = False
         self.held_since = None
+        if self.watch is not None:
+            self.watch()
 
     def info(self, now: float) -> dict[str, object]:
         return {
