@@ -94,7 +94,7 @@ class InflightBoard:
         self.timeout_s = timeout_s
         self.local: Counter[str] = Counter()
         self.peers: dict[str, int] = {}
-        # Whose count moved since the ViewCache last read them (proxy.routing.views).
+        # Whose count moved since the ViewCache last read them (routing.types.Changes).
         self.changes = Changes()
         # Backends forgotten here whose field in the shared hash the next sync deletes (each
         # replica writes only its own fields, so each deletes only its own: once).

@@ -223,7 +223,7 @@ class BackendRegistry:
         self._control = control
         self._clients: dict[str, httpx.AsyncClient] = {}
         self.backends: dict[str, Backend] = {}
-        # Whose view changed since the ViewCache last read them (proxy.routing.views).
+        # Whose view changed since the ViewCache last read them (routing.types.Changes).
         self.changes = Changes()
         self._routable: tuple[int, list[Backend]] | None = None  # (changes.epoch, the list)
         for b in config.listed:
