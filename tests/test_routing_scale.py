@@ -17,9 +17,10 @@ import pytest
 
 import plugins.bounded_load_picker as picker_module
 from proxy.config import RoutingConfig
+from proxy.routing.fleet import Fleet, Names
 from proxy.routing.index import MemoryPrefixIndex, RedisPrefixIndex, open_redis
 from proxy.routing.placement import Placement
-from proxy.routing.rendezvous import hrw_names
+from proxy.routing.rendezvous import hrw_names, hrw_order
 from proxy.routing.router import Router
 from proxy.routing.setup import build_policy
 from proxy.routing.shortlist import HEAD
@@ -292,6 +293,31 @@ async def test_decisions_are_those_of_the_per_candidate_path(seed: int, kept: bo
         }
     assert shortlisted > 0  # the shortlist was used (and not only the whole-fleet path)
     assert (whole > 20) if kept else whole == 0
+
+
+def test_a_fleets_kept_orders_are_those_computed_afresh() -> None:
+    """Rendezvous keeps, per prompt head, the placement's order (hrw_names) and the pickers'
+    (hrw_order), each from the same hashes of the names: asked in any order, for new heads
+    and kept ones, they are what the plain functions give."""
+    rng = random.Random(5)
+    names = [f"e{i}" for i in range(300)]
+    weights = [rng.choice((0.5, 1.0, 2.0)) for _ in names]
+    fleet = Fleet(Names(names), weights)
+    views = [
+        BackendView(
+            name=n, url=f"http://{n}", engine="vllm", role="mixed", weight=w, healthy=True,
+            inflight=0, load=EngineLoad(), models=None,
+        )
+        for n, w in zip(names, weights, strict=True)
+    ]  # fmt: skip
+    keys = [rng.getrandbits(64) for _ in range(6)]
+    for key in [*keys, *reversed(keys), *keys]:
+        if rng.random() < 0.5:
+            plain, weighted = fleet.rendezvous(key, fleet.names), fleet.rendezvous.weighted(key)
+        else:
+            weighted, plain = fleet.rendezvous.weighted(key), fleet.rendezvous(key, fleet.names)
+        assert plain == hrw_names(key, names)
+        assert [views[i] for i in weighted] == hrw_order(key, views)
 
 
 def test_holder_lookups_answer_as_a_binary_search_per_backend_did() -> None:

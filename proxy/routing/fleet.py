@@ -64,15 +64,26 @@ class Rendezvous:
         self._plain: OrderedDict[int, list[str]] = OrderedDict()
         self._ranks: dict[int, dict[str, int]] = {}
         self._weighted: OrderedDict[int, list[int]] = OrderedDict()
+        self._last: tuple[int, list[int]] = (-1, [])  # the last seed's hashes of the names
         self.computed = 0  # orders computed (each one hashes every name once)
+
+    def _hashes(self, seed: int) -> list[int]:
+        """Every name's hash under `seed`: a prompt head seen for the first time needs both
+        its orders in the same decision (placement's, then the shortlist's), from the same
+        1,024 hashes."""
+        last = self._last
+        if last[0] == seed:
+            return last[1]
+        hashes = list(map(h64, self._bytes, repeat(seed, len(self._bytes))))
+        self._last = (seed, hashes)
+        return hashes
 
     def __call__(self, key: int, backends: Sequence[str]) -> list[str]:
         if backends is not self.names:
             return hrw_names(key, backends)
         order = self._plain.get(key)
         if order is None:
-            seed = key & 0xFFFFFFFFFFFFFFFF
-            hashes = list(map(h64, self._bytes, repeat(seed, len(self._bytes))))
+            hashes = self._hashes(key & 0xFFFFFFFFFFFFFFFF)
             # sorted() is stable with reverse=True, as hrw_names's sort by hash is.
             idx = sorted(range(len(hashes)), key=hashes.__getitem__, reverse=True)
             order = list(map(self.names.__getitem__, idx))
@@ -97,9 +108,8 @@ class Rendezvous:
         """Fleet indices in `hrw_order(key, fleet views)`'s order (same floats, same ties)."""
         order = self._weighted.get(key)
         if order is None:
-            seed = key & 0xFFFFFFFFFFFFFFFF
-            n = len(self._bytes)
-            hashes = map(h64, self._bytes, repeat(seed, n))
+            hashes = self._hashes(key & 0xFFFFFFFFFFFFFFFF)
+            n = len(hashes)
             u = map(mul, map(add, hashes, repeat(0.5, n)), repeat(SCALE, n))
             scores = list(map(truediv, self._weights, map(math.log, u)))
             # hrw_order sorts (score, index) pairs: a stable sort by score is the same order.
