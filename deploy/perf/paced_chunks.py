@@ -13,19 +13,30 @@ completions, and the CPU per chunk is the slope between the shortest and the lon
   deploy/perf/paced_chunks.py                     # ITL 5 and 20 ms, 16/64/256 chunks, c=16
   ITLS="20" CHUNKS="16 64" REQUESTS=100 deploy/perf/paced_chunks.py
   PIN=1 deploy/perf/paced_chunks.py               # proxy on core 1; mock and load on core 0
+  PROXIES="warmroute nginx sglang-router vllm-router" deploy/perf/paced_chunks.py
+
+PROXIES puts each in front of the same mock in turn, one pace and stream length at a time, so
+that their figures come from one run: `nginx` (a plain reverse proxy: streaming, no
+buffering, kept-alive upstream connections; `apt-get install nginx`), and the Rust routers of
+SGLang (`pip install sglang-router`: `sglang-router launch`, round robin) and vLLM (`pip
+install vllm-router`, round robin), found on PATH or at $NGINX, $SGLANG_ROUTER,
+$VLLM_ROUTER. A proxy's CPU is that of every process of its session (nginx's workers too).
 
 Environment: ITLS ("5 20", ms), CHUNKS ("16 64 256"), REQUESTS (200), CONCURRENCY (16), WARMUP
-(50 requests before each measurement), PIN, OUT (/tmp/warmroute-paced). Prints one line per
-run and a per-chunk line per pace, and writes OUT/paced_chunks.json. Instructions instead of
-CPU (a figure a noisy machine does not move): deploy/perf/count-instructions.sh with ITL_MS.
+(50 requests before each measurement), PIN, PROXIES ("warmroute"), OUT
+(/tmp/warmroute-paced). Prints one line per run and a per-chunk line per pace and proxy, and
+writes OUT/paced_chunks.json. Instructions instead of CPU (a figure a noisy machine does not
+move): deploy/perf/count-instructions.sh with ITL_MS.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "deploy" / "perf"))
 sys.path.insert(0, str(ROOT))
 
-from idle_cpu import cpu_s, stop, wait_ready  # noqa: E402
+from idle_cpu import TICK, stop, wait_ready  # noqa: E402
 
 from proxy.demo.stack import free_ports  # noqa: E402
 
@@ -50,9 +61,81 @@ def _bench(port: int, requests: int, concurrency: int, pin: list[str]) -> None:
     )  # fmt: skip
 
 
+NGINX_CONF = """
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir}/body;
+  proxy_temp_path {dir}/proxy;
+  fastcgi_temp_path {dir}/fastcgi;
+  uwsgi_temp_path {dir}/uwsgi;
+  scgi_temp_path {dir}/scgi;
+  upstream engines {{ {servers} keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://engines;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+def _command(kind: str, port: int, backends: list[str], work: Path) -> tuple[list[str], str]:
+    """The command line that runs proxy `kind` on `port` in front of `backends`, and the URL
+    that answers once it is ready."""
+    ready = f"http://127.0.0.1:{port}/health"
+    if kind == "warmroute":
+        cmd = [sys.executable, "-m", "proxy", "serve", "--port", str(port)]
+        cmd += ["--log-level", "warning"]
+        for b in backends:
+            cmd += ["--backend", b]
+        return cmd, f"http://127.0.0.1:{port}/ready"
+    if kind == "nginx":
+        servers = " ".join(f"server {b.removeprefix('http://')};" for b in backends)
+        (work / "nginx.conf").write_text(NGINX_CONF.format(dir=work, servers=servers, port=port))
+        nginx = os.environ.get("NGINX") or shutil.which("nginx") or "/usr/sbin/nginx"
+        return [nginx, "-c", str(work / "nginx.conf"), "-g", "daemon off;"], ready
+    if kind == "sglang-router":
+        exe = os.environ.get("SGLANG_ROUTER") or shutil.which("sglang-router") or "sglang-router"
+        cmd = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+        return [*cmd, "--log-level", "warn", "--worker-urls", *backends], ready
+    if kind == "vllm-router":
+        exe = os.environ.get("VLLM_ROUTER") or shutil.which("vllm-router") or "vllm-router"
+        cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+        return [*cmd, "--log-level", "warning", "--worker-urls", *backends], ready
+    known = "warmroute, nginx, sglang-router, vllm-router"
+    raise SystemExit(f"paced_chunks: unknown proxy {kind!r} ({known})")
+
+
+def session_cpu_s(sid: int) -> float:
+    """utime + stime of every live process of session `sid` (and the children they reaped)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[3]) == sid:  # the session id (after state, ppid, pgrp)
+            total += sum(int(fields[i]) for i in (11, 12, 13, 14))
+    return total / TICK
+
+
 def run(
-    itl_ms: float, chunks: int, requests: int, concurrency: int, warmup: int, pin: bool
-) -> dict[str, float]:
+    itl_ms: float,
+    chunks: int,
+    requests: int,
+    concurrency: int,
+    warmup: int,
+    pin: bool,
+    kind: str = "warmroute",
+) -> dict[str, float | str]:
     mock_port, proxy_port = free_ports(2)[0], free_ports(1)[0]
     load_cpu = ["taskset", "-c", "0"] if pin else []
     proxy_cpu = ["taskset", "-c", "1"] if pin else []
@@ -64,32 +147,36 @@ def run(
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     proxy = None
-    try:
-        wait_ready(f"http://127.0.0.1:{mock_port + 1}/health", 60)
-        proxy = subprocess.Popen(
-            [
-                *proxy_cpu, sys.executable, "-m", "proxy", "serve", "--port", str(proxy_port),
-                "--backend", f"http://127.0.0.1:{mock_port}",
-                "--backend", f"http://127.0.0.1:{mock_port + 1}", "--log-level", "warning",
-            ],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        wait_ready(f"http://127.0.0.1:{proxy_port}/ready", 120)
-        _bench(proxy_port, warmup, concurrency, load_cpu)
-        before, t0 = cpu_s(proxy.pid), time.monotonic()
-        _bench(proxy_port, requests, concurrency, load_cpu)
-        used, wall = cpu_s(proxy.pid) - before, time.monotonic() - t0
-        return {
-            "itl_ms": itl_ms,
-            "chunks": chunks,
-            "requests": requests,
-            "concurrency": concurrency,
-            "wall_s": round(wall, 2),
-            "proxy_cpu_s": round(used, 3),
-            "proxy_cpu_ms_per_request": round(1000 * used / requests, 3),
-        }
-    finally:
-        stop(proxy, mock)
+    backends = [f"http://127.0.0.1:{mock_port}", f"http://127.0.0.1:{mock_port + 1}"]
+    with tempfile.TemporaryDirectory(prefix="paced-") as tmp:
+        try:
+            wait_ready(f"http://127.0.0.1:{mock_port + 1}/health", 60)
+            cmd, ready = _command(kind, proxy_port, backends, Path(tmp))
+            proxy = subprocess.Popen(
+                [*proxy_cpu, *cmd], cwd=ROOT, stdout=subprocess.DEVNULL,
+                stderr=open(Path(tmp) / "stderr", "wb"), start_new_session=True,
+            )  # fmt: skip
+            try:
+                wait_ready(ready, 120)
+            except RuntimeError:
+                print((Path(tmp) / "stderr").read_text()[-2000:], file=sys.stderr)
+                raise
+            _bench(proxy_port, warmup, concurrency, load_cpu)
+            before, t0 = session_cpu_s(proxy.pid), time.monotonic()
+            _bench(proxy_port, requests, concurrency, load_cpu)
+            used, wall = session_cpu_s(proxy.pid) - before, time.monotonic() - t0
+            return {
+                "proxy": kind,
+                "itl_ms": itl_ms,
+                "chunks": chunks,
+                "requests": requests,
+                "concurrency": concurrency,
+                "wall_s": round(wall, 2),
+                "proxy_cpu_s": round(used, 3),
+                "proxy_cpu_ms_per_request": round(1000 * used / requests, 3),
+            }
+        finally:
+            stop(proxy, mock)
 
 
 def main() -> None:
@@ -98,26 +185,38 @@ def main() -> None:
     lengths = [int(x) for x in env.get("CHUNKS", "16 64 256").split()]
     requests, concurrency = int(env.get("REQUESTS", "200")), int(env.get("CONCURRENCY", "16"))
     warmup, pin = int(env.get("WARMUP", "50")), bool(env.get("PIN"))
+    kinds = env.get("PROXIES", "warmroute").split()
     out = Path(env.get("OUT", "/tmp/warmroute-paced"))
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, object]] = []
     for itl in itls:
-        rows = []
+        rows: dict[str, list[dict[str, float | str]]] = {k: [] for k in kinds}
         for n in lengths:
-            row = run(itl, n, requests, concurrency, warmup, pin)
-            rows.append(row)
-            per = row["proxy_cpu_ms_per_request"]
-            print(
-                f"itl {itl:g} ms  chunks {n:4d}  cpu/request {per:.3f} ms"
-                f"  ({requests} requests, c={concurrency}, {row['wall_s']:.1f} s)",
-                flush=True,
+            for kind in kinds:  # each length through every proxy in turn: one run's figures
+                row = run(itl, n, requests, concurrency, warmup, pin, kind)
+                rows[kind].append(row)
+                print(
+                    f"{kind:13s} itl {itl:g} ms  chunks {n:4d}"
+                    f"  cpu/request {row['proxy_cpu_ms_per_request']:.3f} ms"
+                    f"  ({requests} requests, c={concurrency}, {row['wall_s']:.1f} s)",
+                    flush=True,
+                )
+        for kind in kinds:
+            short, long = rows[kind][0], rows[kind][-1]
+            rise = float(long["proxy_cpu_ms_per_request"]) - float(
+                short["proxy_cpu_ms_per_request"]
             )
-        short, long = rows[0], rows[-1]
-        slope = (long["proxy_cpu_ms_per_request"] - short["proxy_cpu_ms_per_request"]) / (
-            long["chunks"] - short["chunks"]
-        )
-        print(f"itl {itl:g} ms  cpu per paced chunk {1000 * slope:.1f} us", flush=True)
-        results.append({"itl_ms": itl, "rows": rows, "cpu_us_per_chunk": round(1000 * slope, 2)})
+            slope = rise / (int(long["chunks"]) - int(short["chunks"]))
+            per = f"cpu per paced chunk {1000 * slope:.1f} us"
+            print(f"{kind:13s} itl {itl:g} ms  {per}", flush=True)
+            results.append(
+                {
+                    "proxy": kind,
+                    "itl_ms": itl,
+                    "rows": rows[kind],
+                    "cpu_us_per_chunk": round(1000 * slope, 2),
+                }
+            )
     (out / "paced_chunks.json").write_text(json.dumps(results, indent=2))
 
 
