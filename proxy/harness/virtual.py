@@ -32,6 +32,7 @@ from proxy.routing.index import MemoryPrefixIndex, capacity_blocks_from_tokens
 from proxy.routing.prefix import DEFAULT_MAX_BLOCKS, chain_tokens, seed
 from proxy.routing.setup import build_router
 from proxy.routing.types import BackendView, Decision, EngineLoad, RouteContext
+from proxy.routing.views import ViewKeeper
 from proxy.sim import tokens
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Scheduler, Seq, StepPlan, make_seq
@@ -135,8 +136,14 @@ class VirtualFleet:
         self._busy = [False] * engines
         self._events: list[tuple[float, int, int, StepPlan]] = []
         self._tie = itertools.count()
+        # The router is handed its views as the proxy's ViewCache hands them (a Views with the
+        # fleet-wide facts); made afresh each request here, so read whole each time.
+        self._keeper = ViewKeeper()
 
     def views(self) -> list[BackendView]:
+        return self._keeper.read(self._views())
+
+    def _views(self) -> list[BackendView]:
         return [
             BackendView(
                 name=name,
