@@ -118,12 +118,12 @@ class InflightBoard:
 
     def acquire(self, backend: str) -> None:
         self.local[backend] += 1
-        self.changes.names.add(backend)
+        self.changes.mark(backend)
 
     def release(self, backend: str) -> None:
         if self.local[backend] > 0:
             self.local[backend] -= 1
-            self.changes.names.add(backend)
+            self.changes.mark(backend)
 
     def get(self, backend: str) -> int:
         """Requests open on `backend` across all live replicas (peers as of the last sync)."""
@@ -205,7 +205,7 @@ class InflightBoard:
 
     def _set_peers(self, peers: dict[str, int]) -> None:
         """The other replicas' counts, marking those that moved."""
-        old, mark = self.peers, self.changes.names.add
+        old, mark = self.peers, self.changes.mark
         for b in old.keys() | peers.keys():
             if old.get(b) != peers.get(b):
                 mark(b)
