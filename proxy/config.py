@@ -471,6 +471,10 @@ class RedisConfig(_Model):
     key_prefix: str = "warmroute"
     # Connections to a plain Redis per replica; a call past them waits (within its timeout).
     max_connections: int = Field(64, ge=1)
+    # Prefix lookups answered from this replica's copy of the shared index, kept current by the
+    # other replicas' writes (a Redis stream), once it agrees with Redis: no round trip on a
+    # decision's path. false: one round trip a lookup, and a copy of this replica's records only.
+    local_lookups: bool = True
 
     @field_validator("url")
     @classmethod

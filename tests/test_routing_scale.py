@@ -496,10 +496,15 @@ async def test_a_replica_judges_a_shared_backend_by_every_replicas_records() -> 
     """Redis: the capacity learner's evidence reads the shared index, not this replica's
     share of it: occupancy is what the backend's ZSET holds after the last write (behind a
     round robin of three, the local copy holds about a third), and a match another replica
-    recorded counts as just recorded (its age unknown: a miss on it proves no eviction)."""
+    recorded counts as just recorded (its age unknown: a miss on it proves no eviction).
+    Without the feed (local_lookups false) the copy holds only this replica's records."""
     kp = unique_prefix("occupancy")
-    a = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=kp, owns_client=True)
-    b = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=kp, owns_client=True)
+    a = RedisPrefixIndex(
+        open_redis(SHARED_URL), key_prefix=kp, owns_client=True, local_lookups=False
+    )
+    b = RedisPrefixIndex(
+        open_redis(SHARED_URL), key_prefix=kp, owns_client=True, local_lookups=False
+    )
     await a.start()
     await b.start()
     try:

@@ -201,6 +201,8 @@ class ReplicatedFleet(VirtualFleet):
         cpu = time.process_time()
         for rep in self.replicas:
             await rep.index.flush()
+        for rep in self.replicas:  # each reads the others' writes, as its feed reader would
+            await rep.index.pull_feed()
         self._next_flush = now + self.replicas[0].index.flush_interval_s
         if now >= self._next_sync:
             self._next_sync = now + SYNC_S

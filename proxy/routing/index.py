@@ -10,7 +10,9 @@ Two stores behind one interface:
   memory index, and a refused or dropped connection, or replies slower than ``timeout_s``
   several times running, switch lookups to that local index (mode ``memory-fallback``) while
   a background task reconnects. A request never waits on Redis longer than ``timeout_s`` and
-  never fails because of it.
+  never fails because of it. Each written batch is also appended to a stream that every
+  replica applies to its local copy; once that copy agrees with Redis, it answers lookups
+  without a round trip (index_feed.py).
 
 Both stores evict the *tail* of a prompt first (later blocks carry older timestamps), like an
 engine's LRU does: a chain hash whose predecessors were evicted would be a lie.
@@ -20,6 +22,10 @@ script touches one slot)::
 
     {key_prefix}:{{key_prefix}:pfx}:{backend}   ZSET  member = 8-byte block hash,
                                                        score = last seen (s since SCORE_EPOCH)
+    {key_prefix}:{{key_prefix}:pfx}!head:{block}   SET  the backend ZSETs that recorded a prompt
+                                                       starting with that block (the lookup's
+                                                       entry point)
+    {key_prefix}:{{key_prefix}:pfx}!feed   STREAM  every written batch, field ``d`` (index_feed.py)
     {key_prefix}:{{key_prefix}:pfx}!departed:{departure}:{backend}   STRING  a departure's guard:
                                                        the first replica to forget the backend
                                                        deleted its ZSET (departures.py)

@@ -59,8 +59,10 @@ return out
 # (ms); then per record: packed block hashes, record time, index of its first block in the
 # prompt, capacity, KEYS index of its head set (0: none). Later blocks get slightly older
 # scores so that trimming by rank drops a prompt's tail first. Scores are formatted with
-# %.17g: Lua's default number-to-string keeps 14 digits, too few. Returns, flat, each written
-# ZSET's key and the blocks it holds after trimming (what every replica recorded there).
+# %.17g: Lua's default number-to-string keeps 14 digits, too few. After the records, optionally:
+# a feed entry (index_feed.py) and the feed's length to keep; it is appended, in this same call,
+# to the stream that is the last of KEYS. Returns, flat, each written ZSET's key and the blocks
+# it holds after trimming (what every replica recorded there).
 RECORD_LUA = """
 local step, ttl, oldest = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local records, head_ttl = tonumber(ARGV[4]), ARGV[5]
@@ -84,6 +86,12 @@ for j = 1, records do
     redis.call('SADD', KEYS[head], KEYS[j])
     redis.call('PEXPIRE', KEYS[head], head_ttl)
   end
+end
+local at = 5 + records * 5
+local entry = ARGV[at + 1]
+if entry and #entry > 0 then
+  redis.call('XADD', KEYS[#KEYS], 'MAXLEN', '~', ARGV[at + 2], '*', 'd', entry)
+  redis.call('PEXPIRE', KEYS[#KEYS], head_ttl)
 end
 local held = {}
 for key, cap in pairs(caps) do

@@ -273,7 +273,11 @@ class MemoryPrefixIndex:
     def record(self, backend: str, blocks: Sequence[int]) -> None:
         self.record_now(backend, blocks)
 
-    def record_now(self, backend: str, blocks: Sequence[int], now: float | None = None) -> None:
+    def record_now(
+        self, backend: str, blocks: Sequence[int], now: float | None = None, first: int = 0
+    ) -> None:
+        """`first`: where `blocks` start in the prompt (a shared index's writer skips the blocks
+        it wrote moments ago; only a record from the prompt's start names its head)."""
         if not blocks:
             return
         self.records += 1
@@ -297,7 +301,7 @@ class MemoryPrefixIndex:
             if lru.pop(h, None) is None:
                 held[h] = held.get(h, 0) | bit
             lru[h] = now
-        if fresh == 0:
+        if fresh == 0 and first == 0:
             self._heads[backend].add(blocks[0])
         cap = self._capacity.get(backend, self.default_capacity)
         if len(lru) > cap:

@@ -1,7 +1,7 @@
 """The prefix index in Redis, shared by proxy replicas (see proxy/routing/index.py).
 
-When Redis counts as down: a refused or dropped connection at once, a timeout only when it
-repeats (see TimeoutStreak), because a busy event loop makes a healthy Redis time out too.
+When Redis counts as down: see redis_connect.TimeoutStreak. How a replica answers lookups from
+its own copy of the shared index, without a round trip: index_feed.py.
 """
 
 from __future__ import annotations
@@ -15,15 +15,23 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
-from redis import exceptions as redis_errors
-
 from proxy.routing.departures import DELETE_ONCE_LUA, Departures, guard_key
+from proxy.routing.index_feed import FEED_BLOCK_MS, FEED_COUNT, FEED_MAXLEN, Feed, encode
 from proxy.routing.index_lua import LOOKUP_LUA, RECORD_LUA
 from proxy.routing.index_memory import (
     DEFAULT_CAPACITY_BLOCKS,
     DEFAULT_TTL_S,
     MemoryPrefixIndex,
     Probe,
+)
+from proxy.routing.redis_connect import (
+    REDIS_DOWN_ERRORS,
+    TIMEOUT_ERRORS,
+    TIMEOUTS_TO_OUTAGE,
+    TimeoutStreak,
+    _reraise_if_cancelled,
+    drop_idle_connections,
+    stop_task,
 )
 
 log = logging.getLogger("warmroute.routing.index")
@@ -32,81 +40,6 @@ log = logging.getLogger("warmroute.routing.index")
 # fine enough to give each block of a prompt its own, slightly older, score (see _flush).
 SCORE_EPOCH = 1_700_000_000.0
 BLOCK_STEP_S = 1e-7
-# Errors that mean "Redis is not answering properly"; anything else is a bug and propagates.
-REDIS_DOWN_ERRORS: tuple[type[BaseException], ...] = (
-    redis_errors.RedisError,
-    OSError,
-    TimeoutError,
-    asyncio.TimeoutError,
-)
-# Of those, the ones that may only mean this process was too busy to read the answer in time.
-TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, redis_errors.TimeoutError)
-TIMEOUTS_TO_OUTAGE = 3
-
-
-def _reraise_if_cancelled() -> None:
-    """Call in an `except` of Redis errors: a cancel that arrived while a Redis call timed out
-    can surface as TimeoutError; swallowing it would leave a task that never stops."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
-async def stop_task(task: asyncio.Task[Any], grace_s: float = 1.0) -> None:
-    """Cancel a background task and wait for it, but never hang shutdown on it."""
-    task.cancel()
-    await asyncio.wait({task}, timeout=grace_s)
-
-
-class TimeoutStreak:
-    """Whether lookup timeouts say Redis is down, or only that this process was slow.
-
-    A stalled event loop (CPU load, a long pause) times out every lookup in flight at once, and
-    a single late reply is noise; neither is an outage. So a timeout counts only when its lookup
-    started after the last counted timeout was seen (lookups in flight then share its cause),
-    and `limit` counted timeouts with no answer between them make an outage. Against a frozen
-    Redis that takes `limit` rounds of the lookup timeout; no request waits longer than one.
-    """
-
-    def __init__(self, limit: int = TIMEOUTS_TO_OUTAGE) -> None:
-        self.limit = limit
-        self._started = 0
-        self._barrier = 0
-        self._streak = 0
-
-    def start(self) -> int:
-        """A lookup starts; returns its ticket."""
-        self._started += 1
-        return self._started
-
-    def answered(self) -> None:
-        self._streak = 0
-
-    def timed_out(self, ticket: int) -> bool:
-        """The lookup with `ticket` timed out; True when that makes an outage."""
-        if ticket <= self._barrier:
-            return False
-        self._barrier = self._started
-        self._streak += 1
-        return self._streak >= self.limit
-
-    def reset(self) -> None:
-        self._streak = 0
-        self._barrier = self._started
-
-
-async def drop_idle_connections(client: Any) -> None:
-    """Close the pooled connections no call holds. After Redis restarts, each one is a socket
-    to the old process: handed out after the reconnect, it fails its first command and would
-    declare a second outage."""
-    pool = getattr(client, "connection_pool", None)
-    if pool is not None:  # Redis, and Sentinel's master_for
-        await pool.disconnect(inuse_connections=False)
-        return
-    for node in client.get_nodes():  # RedisCluster: a pool per node
-        await node.disconnect_free_connections()
-
-
 DEPTHS_KEPT = 4096  # heads whose last common depth a lookup tries first
 HEAD_TTL_MARGIN_S = 60.0  # a head set outlives its members' scores by this (clocks differ)
 RECORDS_PER_CALL = 64  # one call runs atomically in Redis: keep each one short
@@ -170,6 +103,7 @@ class RedisPrefixIndex:
         owns_client: bool = False,
         timeouts_to_outage: int = TIMEOUTS_TO_OUTAGE,
         clock: Callable[[], float] = time.time,
+        local_lookups: bool = True,
     ) -> None:
         self.client = client
         self.key_prefix = key_prefix
@@ -205,6 +139,12 @@ class RedisPrefixIndex:
         self._wake = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
         self._reconnector: asyncio.Task[None] | None = None
+        # Every replica writes the feed; one with local_lookups reads it into `local`, which
+        # then holds every replica's records and answers lookups once shown to agree with Redis.
+        self.feed = Feed()
+        self.local_lookups = local_lookups
+        self._reader: asyncio.Task[None] | None = None
+        self._checking: asyncio.Task[None] | None = None
         self.counters = {
             "lookups": 0,
             "fallback_lookups": 0,
@@ -217,6 +157,7 @@ class RedisPrefixIndex:
             "outages": 0,
             "reconnects": 0,
             "reseeded_backends": 0,
+            "copy_lookups": 0,  # answered from the local copy, Redis up (see index_feed.py)
         }
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -234,6 +175,8 @@ class RedisPrefixIndex:
             self._went_down(e)  # start anyway: a Redis outage must not stop the proxy
         if self._flusher is None:
             self._flusher = asyncio.create_task(self._flush_loop(), name="prefix-index-flush")
+        if self.local_lookups and self._reader is None:
+            self._reader = asyncio.create_task(self._read_loop(), name="prefix-index-feed")
 
     @property
     def _slow_s(self) -> float:
@@ -252,7 +195,7 @@ class RedisPrefixIndex:
         self._closed = True
         with contextlib.suppress(*REDIS_DOWN_ERRORS):
             await asyncio.wait_for(self._flush(), max(self.timeout_s * 10, 0.5))
-        for task in (self._flusher, self._reconnector):
+        for task in (self._flusher, self._reconnector, self._reader, self._checking):
             if task is not None:
                 await stop_task(task)
         if self.owns_client:
@@ -262,6 +205,11 @@ class RedisPrefixIndex:
     def key(self, backend: str) -> str:
         kp = self.key_prefix
         return f"{kp}:{{{kp}:pfx}}:{backend}"
+
+    def feed_key(self) -> str:
+        """The stream every replica's writes are appended to (index_feed.py)."""
+        kp = self.key_prefix
+        return f"{kp}:{{{kp}:pfx}}!feed"
 
     # -- hot path ----------------------------------------------------------------------------
 
@@ -278,6 +226,13 @@ class RedisPrefixIndex:
         if not self._up:
             self.counters["fallback_lookups"] += 1
             return self.local.holders_now(blocks, backends)
+        feed = self.feed
+        if feed.trusted:
+            self.counters["copy_lookups"] += 1
+            found = self.local.holders_now(blocks, backends)
+            if feed.check_due() and self._reader is not None:
+                self._check_later(blocks, backends)
+            return found
         self.counters["lookups"] += 1
         oldest = self.local.clock() - SCORE_EPOCH - self.ttl_s
         ticket = self._timeouts.start()
@@ -301,7 +256,49 @@ class RedisPrefixIndex:
         out = {name: n for name, n in _counts(found) if name in backends}
         if out:
             self._note_depth(blocks[0], out)
+        if self.local_lookups:
+            self._compare(blocks, backends, out)
         return out
+
+    def _compare(
+        self, blocks: Sequence[int], backends: Collection[str], shared: dict[str, int]
+    ) -> None:
+        """Redis's answer against the copy's, for the feed's trust; where Redis knows a holder
+        (or a depth) the copy lacks, the copy learns it now, as of now."""
+        mine = self.local.holders_now(blocks, backends)
+        stale = ahead = 0
+        now = self.local.clock()
+        for name, depth in shared.items():
+            if mine.get(name, 0) < depth:
+                stale += 1
+                self.local.record_now(name, blocks[:depth], now)
+        for name, depth in mine.items():
+            if shared.get(name, 0) < depth:
+                ahead += 1
+        if self.feed.compared(stale, ahead):
+            if self.feed.trusted:
+                log.info("prefix index: lookups answered from the local copy (%s)", self.feed.why)
+            else:
+                log.warning("prefix index: lookups go to Redis again: %s", self.feed.why)
+
+    def _check_later(self, blocks: Sequence[int], backends: Collection[str]) -> None:
+        """While the copy answers: compare this lookup with Redis in the background (one at a
+        time; a request never waits on it)."""
+        if self._checking is not None and not self._checking.done():
+            return
+        self._checking = asyncio.create_task(self._check(blocks, frozenset(backends)))
+
+    async def _check(self, blocks: Sequence[int], backends: Collection[str]) -> None:
+        oldest = self.local.clock() - SCORE_EPOCH - self.ttl_s
+        args = [_pack(blocks), repr(oldest), self._depths.get(blocks[0], 0), self._name_at]
+        try:
+            async with asyncio.timeout(self._slow_s):
+                found = await self._script(keys=[self.head_key(blocks[0])], args=args)
+        except REDIS_DOWN_ERRORS:
+            _reraise_if_cancelled()
+            return  # the writer and the feed's reader tell an outage; a check only compares
+        if self._up and self.feed.trusted:
+            self._compare(blocks, backends, {n: d for n, d in _counts(found) if n in backends})
 
     def _note_depth(self, head: int, held: Mapping[str, int]) -> None:
         """The depth most holders of `head` hold, tried first at its next lookup."""
@@ -410,6 +407,53 @@ class RedisPrefixIndex:
         """Write everything recorded so far (for shutdown and for tests)."""
         await self._flush()
 
+    async def pull_feed(self, block_ms: int | None = None) -> int:
+        """Read the feed once (waiting up to `block_ms` for an entry; None: not at all) and
+        apply the other replicas' records to the local copy; returns the records applied.
+        A first read starts at the stream's oldest entry: a replica that joins late catches up
+        on the history Redis keeps (FEED_MAXLEN entries), skipping what is past the TTL."""
+        key = self.feed_key()
+        reply = await self.client.xread(
+            {key: self.feed.position or "0-0"}, count=FEED_COUNT, block=block_ms
+        )
+        applied, trusted = 0, self.feed.trusted
+        now = self.local.clock()
+        oldest = now - SCORE_EPOCH - self.ttl_s
+        for _, entries in reply or ():
+            for entry_id, fields in entries:
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                payload = fields.get(b"d", fields.get("d", b""))
+                for rec in self.feed.read(eid, payload):
+                    if rec.ts >= oldest and rec.blocks:
+                        # As of now, when this replica learns it: the writer's clock may differ
+                        # from ours, and a copy out of time order is searched backend by backend.
+                        self.local.record_now(rec.backend, rec.blocks, now, first=rec.first)
+                        applied += 1
+        if trusted and not self.feed.trusted:
+            log.warning("prefix index: lookups go to Redis again: %s", self.feed.why)
+        return applied
+
+    async def _read_loop(self) -> None:
+        delay = self.reconnect_min_s
+        while not self._closed:
+            if not self._up:
+                await self._up_event.wait()
+                continue
+            try:
+                await self.pull_feed(FEED_BLOCK_MS)
+                delay = self.reconnect_min_s
+            except REDIS_DOWN_ERRORS as e:
+                _reraise_if_cancelled()
+                if self.feed.distrust(f"feed read failed ({type(e).__name__}: {e})"):
+                    log.warning(
+                        "prefix index: feed read failed (%s: %s); lookups go to Redis "
+                        "until the copy agrees with it again",
+                        type(e).__name__,
+                        e,
+                    )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.reconnect_max_s)
+
     async def _flush_loop(self) -> None:
         while not self._closed:
             await self._wake.wait()
@@ -445,14 +489,21 @@ class RedisPrefixIndex:
                     heads: dict[str, int] = {}  # head set -> its KEYS index (from 1)
                     args: list[Any] = [repr(BLOCK_STEP_S), ttl_ms, repr(now - self.ttl_s)]
                     args += [len(chunk), head_ttl_ms]
+                    feed: list[tuple[str, bytes, float, int]] = []
                     for backend, blocks, ts, first in chunk:
                         cap = self._capacity.get(backend, self.default_capacity)
                         at = 0
                         if first == 0:
                             hk = self.head_key(blocks[0])
                             at = heads.setdefault(hk, len(chunk) + len(heads) + 1)
-                        args += [_pack(blocks), repr(ts), first, cap, at]
-                    held = await self._record_script(keys=keys + list(heads), args=args)
+                        packed = _pack(blocks)
+                        args += [packed, repr(ts), first, cap, at]
+                        feed.append((backend, packed, ts, first))
+                    # The same call appends the batch to the feed: the other replicas' copies
+                    # learn exactly what Redis now holds, in the order Redis wrote it.
+                    args += [encode(self.feed.writer, self.feed.next_seq(), feed), FEED_MAXLEN]
+                    keys += [*heads, self.feed_key()]
+                    held = await self._record_script(keys=keys, args=args)
                     done = i + len(chunk)
                     self._held.update(_counts(held, self._name_at - 1))
             self.counters["writes"] += 1
@@ -467,6 +518,7 @@ class RedisPrefixIndex:
     def _went_down(self, err: BaseException) -> None:
         if self._closed:
             return
+        self.feed.distrust(f"Redis was unavailable ({type(err).__name__})")
         if self._up:
             self._up = False
             self._up_event.clear()
@@ -542,4 +594,5 @@ class RedisPrefixIndex:
             # Learned from the engines' KV pools (see set_capacity); others use the default.
             "capacity": dict(self._capacity),
             "default_capacity": self.default_capacity,
+            "feed": {"read": self.local_lookups, **self.feed.info()},
         }

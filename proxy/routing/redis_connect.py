@@ -1,10 +1,18 @@
 """Connecting to Redis for the shared index, the in-flight board and the placement exchange:
-plain, TLS, Sentinel or Cluster URLs (split from index_redis.py, which owns the index)."""
+plain, TLS, Sentinel or Cluster URLs; and telling an outage from a slow reply (split from
+index_redis.py, which owns the index).
+
+When Redis counts as down: a refused or dropped connection at once, a timeout only when it
+repeats (see TimeoutStreak), because a busy event loop makes a healthy Redis time out too.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from redis import exceptions as redis_errors
 
 DEFAULT_MAX_CONNECTIONS = 64  # per replica: lookups, in-flight counts, flushes, placement
 
@@ -90,3 +98,78 @@ def open_redis(
     client = Redis(connection_pool=pool)
     client.auto_close_connection_pool = True  # aclose() closes the pool too, as from_url's does
     return client
+
+
+# Errors that mean "Redis is not answering properly"; anything else is a bug and propagates.
+REDIS_DOWN_ERRORS: tuple[type[BaseException], ...] = (
+    redis_errors.RedisError,
+    OSError,
+    TimeoutError,
+    asyncio.TimeoutError,
+)
+# Of those, the ones that may only mean this process was too busy to read the answer in time.
+TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, redis_errors.TimeoutError)
+TIMEOUTS_TO_OUTAGE = 3
+
+
+def _reraise_if_cancelled() -> None:
+    """Call in an `except` of Redis errors: a cancel that arrived while a Redis call timed out
+    can surface as TimeoutError; swallowing it would leave a task that never stops."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def stop_task(task: asyncio.Task[Any], grace_s: float = 1.0) -> None:
+    """Cancel a background task and wait for it, but never hang shutdown on it."""
+    task.cancel()
+    await asyncio.wait({task}, timeout=grace_s)
+
+
+class TimeoutStreak:
+    """Whether lookup timeouts say Redis is down, or only that this process was slow.
+
+    A stalled event loop (CPU load, a long pause) times out every lookup in flight at once, and
+    a single late reply is noise; neither is an outage. So a timeout counts only when its lookup
+    started after the last counted timeout was seen (lookups in flight then share its cause),
+    and `limit` counted timeouts with no answer between them make an outage. Against a frozen
+    Redis that takes `limit` rounds of the lookup timeout; no request waits longer than one.
+    """
+
+    def __init__(self, limit: int = TIMEOUTS_TO_OUTAGE) -> None:
+        self.limit = limit
+        self._started = 0
+        self._barrier = 0
+        self._streak = 0
+
+    def start(self) -> int:
+        """A lookup starts; returns its ticket."""
+        self._started += 1
+        return self._started
+
+    def answered(self) -> None:
+        self._streak = 0
+
+    def timed_out(self, ticket: int) -> bool:
+        """The lookup with `ticket` timed out; True when that makes an outage."""
+        if ticket <= self._barrier:
+            return False
+        self._barrier = self._started
+        self._streak += 1
+        return self._streak >= self.limit
+
+    def reset(self) -> None:
+        self._streak = 0
+        self._barrier = self._started
+
+
+async def drop_idle_connections(client: Any) -> None:
+    """Close the pooled connections no call holds. After Redis restarts, each one is a socket
+    to the old process: handed out after the reconnect, it fails its first command and would
+    declare a second outage."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:  # Redis, and Sentinel's master_for
+        await pool.disconnect(inuse_connections=False)
+        return
+    for node in client.get_nodes():  # RedisCluster: a pool per node
+        await node.disconnect_free_connections()

@@ -192,6 +192,7 @@ def build_routing(
             capacity_blocks=capacity,
             ttl_s=ttl_s,
             clock=clock or time.time,
+            local_lookups=rc.local_lookups,
         )
         board = InflightBoard(client, key_prefix=rc.key_prefix, replica_id=replica_id)
     else:

@@ -1,0 +1,228 @@
+"""The shared index's feed: replicas answer lookups from their own copy once it agrees with
+Redis, learn each other's writes through one stream, and go back to round trips when it may
+not (a lost entry, an unreadable one, an outage, too many disagreements)."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis
+
+from proxy.routing import index_feed
+from proxy.routing.index import RedisPrefixIndex, open_redis
+from proxy.routing.index_feed import CHECK_EVERY, WINDOW, Feed, decode, encode
+from tests.routing_support import SHARED_URL, delete_prefix, unique_prefix, until
+
+FLEET = ("b0", "b1", "b2", "b3")
+PROMPT = [11, 12, 13, 14, 15, 16]
+OTHER = [21, 22, 23, 24]
+
+
+def _packed(blocks: list[int]) -> bytes:
+    return array("Q", blocks).tobytes()
+
+
+def test_an_entry_reads_back_as_written() -> None:
+    writer = b"w" * 16
+    payload = encode(writer, 7, [("b0", _packed([1, 2**64 - 1]), 12.5, 0), ("é", b"", 3.0, 4)])
+    got_writer, seq, records = decode(payload)
+    assert (got_writer, seq) == (writer, 7)
+    assert [(r.backend, r.ts, r.first, list(r.blocks)) for r in records] == [
+        ("b0", 12.5, 0, [1, 2**64 - 1]),
+        ("é", 3.0, 4, []),
+    ]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"", b"\x01short", encode(b"w" * 16, 1, [("b0", _packed([1, 2]), 1.0, 0)])[:-3]],
+)
+def test_a_cut_entry_is_refused(payload: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode(payload)
+
+
+def test_an_unreadable_or_skipped_entry_withdraws_the_copys_trust() -> None:
+    feed, other = Feed(), b"o" * 16
+    _trust(feed)
+    assert feed.read("1-0", b"garbage") == [] and not feed.trusted
+    assert feed.counters["malformed"] == 1 and "unreadable" in feed.why
+    _trust(feed)
+    assert len(feed.read("2-0", encode(other, 1, [("b0", _packed([1]), 1.0, 0)]))) == 1
+    assert feed.trusted  # a writer's first entry: nothing to compare its number with
+    feed.read("3-0", encode(other, 3, []))  # 2 never arrived
+    assert not feed.trusted and feed.counters["gaps"] == 1
+    # Its own entries are not applied again (the copy took them when recorded).
+    assert feed.read("4-0", encode(feed.writer, feed.next_seq(), [("b0", b"", 1.0, 0)])) == []
+    assert feed.counters["own_entries"] == 1 and feed.position == "4-0"
+
+
+def test_trust_follows_the_comparisons_over_a_window() -> None:
+    feed = Feed()
+    for _ in range(WINDOW - 1):
+        assert not feed.compared(0, 0)
+    assert feed.compared(0, 0) and feed.trusted  # a full window that agreed
+    flips = [feed.compared(1, 0) for _ in range(index_feed.DISTRUST_STALE + 1)]
+    assert flips[-1] and not any(flips[:-1]) and not feed.trusted
+    # Distrusted, the window starts again: stale answers past TRUST_STALE keep it distrusted.
+    for _ in range(WINDOW):
+        feed.compared(1 if _ < index_feed.TRUST_STALE + 1 else 0, 0)
+    assert not feed.trusted
+    feed.compared(0, 0)  # the oldest stale answer leaves the window
+    assert feed.trusted
+    checks = [feed.check_due() for _ in range(3 * CHECK_EVERY)]
+    assert sum(checks) == 3 and checks[CHECK_EVERY - 1]
+
+
+def _trust(feed: Feed) -> None:
+    for _ in range(WINDOW):
+        feed.compared(0, 0)
+    assert feed.trusted
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    kp = unique_prefix("feed")
+    yield kp
+    delete_prefix(kp)
+
+
+@pytest.fixture
+async def pair(prefix: str) -> AsyncIterator[tuple[RedisPrefixIndex, RedisPrefixIndex]]:
+    """Two replicas' indexes on one key prefix, their background tasks not started: each
+    flush and feed read is the test's (no timing in it)."""
+    a = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=prefix, owns_client=True)
+    b = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=prefix, owns_client=True)
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+async def _lookups_until_trusted(index: RedisPrefixIndex) -> None:
+    for _ in range(WINDOW):
+        await index.holders(PROMPT, FLEET)
+    assert index.feed.trusted, index.info()["feed"]
+
+
+@pytest.mark.redis
+async def test_a_replica_answers_from_its_copy_what_another_wrote(
+    pair: tuple[RedisPrefixIndex, RedisPrefixIndex],
+) -> None:
+    a, b = pair
+    a.record("b0", PROMPT)
+    await a.flush()
+    assert await b.pull_feed() == 1  # the first read takes the stream's history
+    assert b.local.holders_now(PROMPT, FLEET) == {"b0": 6}
+    await _lookups_until_trusted(b)
+    assert b.counters["lookups"] == WINDOW and b.info()["feed"]["stale"] == 0
+    # From now on: no round trip, and the other replica's new writes are there once read.
+    a.record("b2", OTHER)
+    a.record("b1", PROMPT[:3])
+    await a.flush()
+    assert await b.holders(OTHER, FLEET) == {}  # not read yet
+    assert await b.pull_feed() == 2
+    assert await b.holders(OTHER, FLEET) == {"b2": 4}
+    assert await b.holders(PROMPT, FLEET) == {"b0": 6, "b1": 3}
+    assert b.counters["lookups"] == WINDOW and b.counters["copy_lookups"] == 3
+    assert await a.pull_feed() == 0  # a replica's own entries are not applied again
+    assert a.feed.counters["own_entries"] == 2  # both its flushes
+
+
+@pytest.mark.redis
+async def test_what_redis_knows_and_the_copy_missed_is_learned_from_the_lookup(
+    pair: tuple[RedisPrefixIndex, RedisPrefixIndex], prefix: str
+) -> None:
+    a, b = pair
+    a.record("b3", PROMPT)
+    await a.flush()
+    redis.Redis.from_url(SHARED_URL).delete(a.feed_key())  # as if trimmed before b read it
+    assert await b.pull_feed() == 0
+    assert await b.holders(PROMPT, FLEET) == {"b3": 6}  # Redis's answer...
+    assert b.local.holders_now(PROMPT, FLEET) == {"b3": 6}  # ... taught to the copy
+    feed = b.info()["feed"]
+    assert (feed["stale"], feed["repaired_holders"], feed["answers_lookups"]) == (1, 1, False)
+
+
+@pytest.mark.redis
+async def test_a_lost_entry_sends_lookups_back_to_redis(
+    pair: tuple[RedisPrefixIndex, RedisPrefixIndex],
+) -> None:
+    a, b = pair
+    a.record("b0", PROMPT)
+    await a.flush()
+    await b.pull_feed()
+    await _lookups_until_trusted(b)
+    a.feed.next_seq()  # a batch numbered but never appended: b cannot know what it held
+    a.record("b1", OTHER)
+    await a.flush()
+    await b.pull_feed()
+    assert not b.feed.trusted and b.feed.counters["gaps"] == 1
+    before = b.counters["lookups"]
+    assert await b.holders(PROMPT, FLEET) == {"b0": 6}
+    assert b.counters["lookups"] == before + 1  # a round trip again
+
+
+@pytest.mark.redis
+async def test_the_feed_is_off_with_local_lookups_false(prefix: str) -> None:
+    a = RedisPrefixIndex(
+        open_redis(SHARED_URL), key_prefix=prefix, owns_client=True, local_lookups=False
+    )
+    try:
+        a.record("b0", PROMPT)
+        await a.flush()
+        for _ in range(WINDOW + 1):
+            assert await a.holders(PROMPT, FLEET) == {"b0": 6}
+        assert a.counters["lookups"] == WINDOW + 1 and not a.feed.trusted
+        assert a.info()["feed"]["comparisons"] == 0
+    finally:
+        await a.close()
+
+
+@pytest.mark.redis
+async def test_started_replicas_read_each_others_writes_in_the_background(prefix: str) -> None:
+    a = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=prefix, owns_client=True)
+    b = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=prefix, owns_client=True)
+    await a.start()
+    await b.start()
+    try:
+        a.record("b0", PROMPT)
+        await a.flush()
+        await until(lambda: b.local.occupancy("b0") == len(PROMPT))
+        await _lookups_until_trusted(b)
+        b.record("b1", OTHER)
+        await b.flush()
+        await until(lambda: a.local.occupancy("b1") == len(OTHER))
+        assert b.info()["feed"]["entries"] >= 1 and a.info()["feed"]["entries"] >= 1
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_an_outage_withdraws_the_copys_trust() -> None:
+    index = RedisPrefixIndex(redis.asyncio.Redis(port=1), key_prefix="wr", reconnect_min_s=60)
+    _trust(index.feed)
+    index._went_down(ConnectionError("refused"))
+    assert not index.feed.trusted and "unavailable" in index.feed.why
+    await index.close()
+
+
+@pytest.mark.redis
+async def test_with_the_feed_the_learners_evidence_holds_every_replicas_records(
+    pair: tuple[RedisPrefixIndex, RedisPrefixIndex],
+) -> None:
+    """The copy holds the other replicas' records once read: occupancy counts them, and a
+    match on one is dated when this replica learned of it (not "just now", unknown)."""
+    a, b = pair
+    theirs, ours = list(range(1, 51)), list(range(1000, 1005))
+    a.record("x", theirs)
+    await a.flush()
+    b.record("x", ours)
+    await b.flush()
+    before = b.now()
+    await b.pull_feed()
+    after = b.now()
+    assert b.local.occupancy("x") == 55 and b.occupancy("x") == 55
+    seen = b.probe("x", theirs, 50).last_seen
+    assert seen is not None and before <= seen <= after
