@@ -195,6 +195,29 @@ def test_memory_index_ages_entries_out_after_ttl() -> None:
     assert index.lookup_now([1, 2, 3], ["a"]) == {"a": 0}
 
 
+def test_a_block_several_backends_hold_is_one_object_from_its_second_holder_on() -> None:
+    """Each request hashes its prompt into int objects of its own; the index keeps one object
+    per shared block (deploy/perf/memory_bounds.py: 86 -> 59 B a (block, backend) entry)."""
+    index = MemoryPrefixIndex(capacity_blocks=4, clock=lambda: 0.0)
+
+    def hashed() -> list[int]:
+        return [int(str(10**18 + i)) for i in range(3)]  # new objects at every call
+
+    for name in ("a", "b", "c"):
+        index.record_now(name, hashed())
+    a, b, c = (list(index._lru[name]) for name in "abc")
+    assert all(b[i] is c[i] and a[i] is not b[i] for i in range(3))
+    assert index.info()["shared_blocks"] == 3
+    index.record_now("b", hashed(), now=5.0)  # touched again: still the shared object
+    assert all(x is y for x, y in zip(index._lru["b"], c, strict=True))
+    assert index.lookup_now(hashed(), ["a", "b", "c"]) == {"a": 3, "b": 3, "c": 3}
+    index.forget("b")
+    index.forget("c")
+    assert index.info()["shared_blocks"] == 3  # "a" holds them still
+    index.record_now("a", [7, 8, 9, 10])  # trims "a"'s three: nobody holds them now
+    assert index.info()["shared_blocks"] == 0 and index.lookup_now(hashed(), ["a"]) == {"a": 0}
+
+
 def test_capacity_from_engine_kv_pool() -> None:
     # 8192 GPU blocks of 16 tokens ≈ 131k tokens ≈ 524k chars ≈ 8192 blocks of 64 chars.
     assert capacity_blocks_from_tokens(8192 * 16, 64) == 8192

@@ -18,7 +18,8 @@
 #   RESTART_AT=3 BALANCER=nginx deploy/perf/scale_out.sh   # replica 1 restarted 3 s into a run
 #
 # Prints one line per run (hit ratio, of the first 50 requests too, TTFT p50/p99; with several replicas, on how many of the
-# hot prompts their placements agree at the end, and the spread of their learned capacities)
+# hot prompts their placements agree at the end, and the spread of their learned capacities;
+# the share of prefix lookups the replicas answered from their own copy of the shared index)
 # and writes results JSON under $OUT. BASE=DIR runs the proxies from another checkout of the
 # source (say, `git archive` of an older commit unpacked in DIR), for a before/after.
 set -euo pipefail
@@ -186,8 +187,12 @@ for homes in views[0].values():
     for b in homes:
         per[b] = per.get(b, 0) + 1
 layout = "/".join(map(str, sorted(per.values(), reverse=True)))
+idx = [i["index"] for i in infos]
+copy = sum(x.get("copy_lookups", 0) for x in idx)
+asked = copy + sum(x.get("lookups", 0) + x.get("fallback_lookups", 0) for x in idx)
+answered = f"  from the copy {copy / asked:4.0%}" if "copy_lookups" in idx[0] and asked else ""
 if len(infos) < 2:
-    print(f"  prompts per engine {layout}")
+    print(f"  prompts per engine {layout}{answered}")
     sys.exit()
 hot = set(views[0])
 same = sum(1 for k in hot if all(v.get(k) == views[0][k] for v in views[1:]))
@@ -196,7 +201,8 @@ for i in infos:
     for b, est in i["cache"]["backends"].items():
         caps.setdefault(b, []).append(est["capacity_blocks"])
 spread = max(max(v) / max(min(v), 1) for v in caps.values()) if caps else 1.0
-print(f"  prompts per engine {layout}  homes agree {same}/{len(hot)}  capacity spread x{spread:.1f}")
+print(f"  prompts per engine {layout}  homes agree {same}/{len(hot)}  capacity spread x{spread:.1f}"
+      f"{answered}")
 EOF
 }
 

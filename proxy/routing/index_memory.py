@@ -133,6 +133,11 @@ class MemoryPrefixIndex:
         self._heads: dict[str, set[int]] = {}
         # Block hash -> bitmask of the slots of the backends whose LRU holds it.
         self._held: dict[int, int] = {}
+        # Block hash -> the one int object that stands for it in every LRU from its second
+        # holder on. Each request hashes its prompt into int objects of its own (36 bytes each),
+        # so without it a block held by 16 backends was 16 objects; only blocks held by two or
+        # more backends are here, so blocks no two backends share cost nothing more.
+        self._canon: dict[int, int] = {}
         self._slot: dict[str, int] = {}  # backend -> its slot (a bit in the masks)
         self._names: list[str] = []  # slot -> backend
         self._free: list[int] = []  # slots given back (a heap: masks stay small)
@@ -295,11 +300,16 @@ class MemoryPrefixIndex:
         # the largest cost of a decision. Blocks touched within touch_s keep their place: LRU
         # order at one-second resolution is all an engine's cache estimate needs.
         fresh = self._match(lru, blocks, now - self.touch_s)
-        held, bit = self._held, 1 << self._slot[backend]
+        held, canon, bit = self._held, self._canon, 1 << self._slot[backend]
         # Reversed: the first block ends up most recently used, so eviction takes tails first.
         for h in reversed(blocks[fresh:]):
             if lru.pop(h, None) is None:
-                held[h] = held.get(h, 0) | bit
+                others = held.get(h, 0)
+                if others:
+                    h = canon.setdefault(h, h)
+                held[h] = others | bit
+            elif canon:
+                h = canon.get(h, h)  # (re-inserted: keep the shared object)
             lru[h] = now
         if fresh == 0 and first == 0:
             self._heads[backend].add(blocks[0])
@@ -312,6 +322,7 @@ class MemoryPrefixIndex:
         if ghost is None:
             ghost = self._ghost[backend] = {}
         held, keep, heads = self._held, ~(1 << self._slot[backend]), self._heads[backend]
+        canon = self._canon
         # The front of a plain dict is its least recently used blocks: taken in one C-level
         # pass (which also steps over the slots earlier trims left, until the dict compacts).
         gone = list(islice(lru, len(lru) - cap))
@@ -320,6 +331,8 @@ class MemoryPrefixIndex:
             others = held.pop(h, 0) & keep
             if others:
                 held[h] = others
+            else:
+                canon.pop(h, None)
             heads.discard(h)
             ghost.pop(h, None)  # to the back
             ghost[h] = None
@@ -345,11 +358,13 @@ class MemoryPrefixIndex:
         # the default capacity, as every backend does before its engine reports.
         lru = self._lru.pop(backend, None)
         if lru is not None:
-            held, keep = self._held, ~(1 << self._slot[backend])
+            held, keep, canon = self._held, ~(1 << self._slot[backend]), self._canon
             for h in lru:
                 others = held.pop(h, 0) & keep
                 if others:
                     held[h] = others
+                else:
+                    canon.pop(h, None)
             self._give_slot(backend)
         self._unsorted.discard(backend)
         self._heads.pop(backend, None)
@@ -422,6 +437,7 @@ class MemoryPrefixIndex:
             "records": self.records,
             "evictions": self.evictions,
             "distinct_blocks": len(self._held),
+            "shared_blocks": len(self._canon),
             "blocks": {b: len(lru) for b, lru in self._lru.items()},
             "capacity": dict(self._capacity),
             "default_capacity": self.default_capacity,
