@@ -13,7 +13,7 @@ import redis
 from redis.asyncio.connection import Connection
 from redis.crc import key_slot
 
-from proxy.routing import index_redis
+from proxy.routing import index_lua
 from proxy.routing.index import (
     TIMEOUTS_TO_OUTAGE,
     MemoryPrefixIndex,
@@ -23,7 +23,7 @@ from proxy.routing.index import (
     capacity_blocks_from_tokens,
     open_redis,
 )
-from proxy.routing.index_redis import BLOCKS_PER_CALL
+from proxy.routing.index_lua import BLOCKS_PER_CALL
 from tests.routing_support import (
     HAVE_REDIS_SERVER,
     SHARED_URL,
@@ -91,11 +91,11 @@ def test_a_batch_of_records_goes_in_calls_short_in_records_and_in_blocks() -> No
     """One script call runs atomically: a lookup that comes in meanwhile waits for it."""
     sizes = [300, 300, 100, 700, 10, 10, 2000] + [1] * 100
     batch = [(f"b{i}", list(range(n)), 0.0, 0) for i, n in enumerate(sizes)]
-    calls = list(index_redis._calls(batch))
+    calls = list(index_lua.record_calls(batch))
     assert [start for start, _ in calls] == [0, 1, 3, 4, 6, 7, 71]
     assert [r for _, chunk in calls for r in chunk] == batch  # each record once, in order
     for _, chunk in calls:
-        assert len(chunk) <= index_redis.RECORDS_PER_CALL
+        assert len(chunk) <= index_lua.RECORDS_PER_CALL
         assert len(chunk) == 1 or sum(len(b) for _, b, _, _ in chunk) <= BLOCKS_PER_CALL
 
 

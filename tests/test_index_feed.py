@@ -12,7 +12,7 @@ import redis
 
 from proxy.routing import index_feed
 from proxy.routing.index import RedisPrefixIndex, open_redis
-from proxy.routing.index_feed import CHECK_EVERY, WINDOW, Feed, decode, encode
+from proxy.routing.index_feed import CHECK_EVERY, WINDOW, Feed, decode
 from tests.routing_support import SHARED_URL, delete_prefix, unique_prefix, until
 
 FLEET = ("b0", "b1", "b2", "b3")
@@ -24,10 +24,25 @@ def _packed(blocks: list[int]) -> bytes:
     return array("Q", blocks).tobytes()
 
 
+KEY = "wr:{wr:pfx}:"  # a backend's ZSET key is this and its name
+
+
+def _entry(writer: bytes, seq: int, records: list[tuple[str, float, int, list[int]]]) -> dict:
+    """An entry's fields as the record script writes them and redis-py reads them back."""
+    f: dict[bytes, bytes] = {b"v": b"1", b"w": writer, b"s": b"%d" % seq}
+    f[b"n"] = b"%d" % len(records)
+    for j, (name, ts, first, blocks) in enumerate(records, 1):
+        f[b"k%d" % j] = (KEY + name).encode()
+        f[b"t%d" % j] = repr(ts).encode()
+        f[b"f%d" % j] = b"%d" % first
+        f[b"b%d" % j] = _packed(blocks)
+    return f
+
+
 def test_an_entry_reads_back_as_written() -> None:
     writer = b"w" * 16
-    payload = encode(writer, 7, [("b0", _packed([1, 2**64 - 1]), 12.5, 0), ("é", b"", 3.0, 4)])
-    got_writer, seq, records = decode(payload)
+    fields = _entry(writer, 7, [("b0", 12.5, 0, [1, 2**64 - 1]), ("é", 3.0, 4, [])])
+    got_writer, seq, records = decode(fields, len(KEY))
     assert (got_writer, seq) == (writer, 7)
     assert [(r.backend, r.ts, r.first, list(r.blocks)) for r in records] == [
         ("b0", 12.5, 0, [1, 2**64 - 1]),
@@ -35,27 +50,32 @@ def test_an_entry_reads_back_as_written() -> None:
     ]
 
 
-@pytest.mark.parametrize(
-    "payload",
-    [b"", b"\x01short", encode(b"w" * 16, 1, [("b0", _packed([1, 2]), 1.0, 0)])[:-3]],
-)
-def test_a_cut_entry_is_refused(payload: bytes) -> None:
+def _broken() -> list[dict]:
+    good = _entry(b"w" * 16, 1, [("b0", 1.0, 0, [1, 2])])
+    cases = [{}, {**good, b"v": b"2"}, {**good, b"n": b"2"}, {**good, b"b1": b"\x01" * 9}]
+    cases.append({k: v for k, v in good.items() if k != b"w"})
+    return cases
+
+
+@pytest.mark.parametrize("fields", _broken())
+def test_an_entry_not_of_this_format_is_refused(fields: dict) -> None:
     with pytest.raises(ValueError):
-        decode(payload)
+        decode(fields, len(KEY))
 
 
 def test_an_unreadable_or_skipped_entry_withdraws_the_copys_trust() -> None:
     feed, other = Feed(), b"o" * 16
     _trust(feed)
-    assert feed.read("1-0", b"garbage") == [] and not feed.trusted
+    assert feed.read("1-0", {b"v": b"1"}, len(KEY)) == [] and not feed.trusted
     assert feed.counters["malformed"] == 1 and "unreadable" in feed.why
     _trust(feed)
-    assert len(feed.read("2-0", encode(other, 1, [("b0", _packed([1]), 1.0, 0)]))) == 1
+    assert len(feed.read("2-0", _entry(other, 1, [("b0", 1.0, 0, [1])]), len(KEY))) == 1
     assert feed.trusted  # a writer's first entry: nothing to compare its number with
-    feed.read("3-0", encode(other, 3, []))  # 2 never arrived
+    feed.read("3-0", _entry(other, 3, []), len(KEY))  # 2 never arrived
     assert not feed.trusted and feed.counters["gaps"] == 1
     # Its own entries are not applied again (the copy took them when recorded).
-    assert feed.read("4-0", encode(feed.writer, feed.next_seq(), [("b0", b"", 1.0, 0)])) == []
+    own = _entry(feed.writer, feed.next_seq(), [("b0", 1.0, 0, [1])])
+    assert feed.read("4-0", own, len(KEY)) == []
     assert feed.counters["own_entries"] == 1 and feed.position == "4-0"
 
 

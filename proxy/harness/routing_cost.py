@@ -157,7 +157,12 @@ async def main(
                 try:
                     router = build_router(cfg, index=index)
                     times = await measure(router, n, count, seed, reuse_views)
-                    note("redis", n, seed, times, f"  mode={index.mode}")
+                    c = index.counters
+                    asked = c["lookups"] + c["copy_lookups"] + c["fallback_lookups"]
+                    note(
+                        "redis", n, seed, times,
+                        f"  mode={index.mode}  from the copy {c['copy_lookups']}/{asked}",
+                    )  # fmt: skip
                 finally:
                     keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]
                     if keys:

@@ -199,10 +199,16 @@ class ReplicatedFleet(VirtualFleet):
         if now < self._next_flush:
             return
         cpu = time.process_time()
+        wrote = []
         for rep in self.replicas:
+            writes = rep.index.counters["writes"]
             await rep.index.flush()
-        for rep in self.replicas:  # each reads the others' writes, as its feed reader would
-            await rep.index.pull_feed()
+            wrote.append(rep.index.counters["writes"] != writes)
+        # Each reads the others' writes, as its feed reader does: woken by a new entry, then
+        # gathering for FEED_GATHER_S (here: until this tick).
+        for k, rep in enumerate(self.replicas):
+            if any(w for j, w in enumerate(wrote) if j != k):
+                await rep.index.pull_feed()
         self._next_flush = now + self.replicas[0].index.flush_interval_s
         if now >= self._next_sync:
             self._next_sync = now + SYNC_S

@@ -25,7 +25,7 @@ script touches one slot)::
     {key_prefix}:{{key_prefix}:pfx}!head:{block}   SET  the backend ZSETs that recorded a prompt
                                                        starting with that block (the lookup's
                                                        entry point)
-    {key_prefix}:{{key_prefix}:pfx}!feed   STREAM  every written batch, field ``d`` (index_feed.py)
+    {key_prefix}:{{key_prefix}:pfx}!feed   STREAM  every written batch, one entry (index_feed.py)
     {key_prefix}:{{key_prefix}:pfx}!departed:{departure}:{backend}   STRING  a departure's guard:
                                                        the first replica to forget the backend
                                                        deleted its ZSET (departures.py)

@@ -1,10 +1,12 @@
 """The shared index's feed: what lets a replica answer prefix lookups from its own copy.
 
-Every batch a replica writes to the shared index (index_redis.py) is appended, in the same
-script call, to one Redis stream as a single entry: the writer's id and sequence number, then
-each record (backend, time, index of its first block in the prompt, packed block hashes). Each
-replica reads the stream and applies the other replicas' records to its copy, so the copy holds
-what Redis holds, moments later, and a lookup needs no round trip.
+Every batch a replica writes to the shared index (index_redis.py) is appended, by the same
+script call, to one Redis stream as a single entry (index_lua.py builds it from the call's own
+arguments): fields `v` (the format, 1), `w` (the writer's id), `s` (its number for this call),
+`n` (records), then per record j from 1: `kj` (the backend's ZSET key), `tj` (its time, a
+score), `fj` (index of its first block in the prompt), `bj` (its block hashes, 8 bytes each).
+Each replica reads the stream and applies the other replicas' records to its copy, so the copy
+holds what Redis holds, moments later, and a lookup needs no round trip.
 
 The copy is trusted to answer only while it is shown to agree with Redis: a replica compares
 its lookups' answers from Redis with its copy's (and repairs the copy where Redis knows more)
@@ -20,11 +22,10 @@ This module is pure: the entry format and the bookkeeping. The reading is index_
 
 from __future__ import annotations
 
-import struct
 import uuid
 from array import array
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 FEED_VERSION = 1
@@ -33,13 +34,14 @@ FEED_VERSION = 1
 FEED_MAXLEN = 8192
 FEED_COUNT = 256  # entries a read takes at most
 FEED_BLOCK_MS = 500  # a read waits this long for a new entry (below the client's socket timeout)
+# After a read that found entries, the next waits this long first: the entries of every
+# replica's next flush come in one read, not one each (a replica reads at most ~200 times a
+# second, whatever the number of replicas), at the cost of the copy lagging by as much.
+FEED_GATHER_S = 0.005
 WINDOW = 64  # comparisons the trust is judged over
 TRUST_STALE = 2  # the copy answers once at most this many of the window were stale...
 DISTRUST_STALE = 8  # ... and stops when more than this many are
 CHECK_EVERY = 64  # while trusted: one lookup in this many is compared, in the background
-
-_HEADER = struct.Struct("<B16sQ")  # version, writer id, writer's sequence number
-_RECORD = struct.Struct("<HdII")  # backend name's length, time (score), first block, blocks
 
 
 class Record(NamedTuple):
@@ -49,39 +51,33 @@ class Record(NamedTuple):
     blocks: Sequence[int]
 
 
-def encode(writer: bytes, seq: int, records: Iterable[tuple[str, bytes, float, int]]) -> bytes:
-    """One feed entry: (backend, packed blocks, time, first) per record, after the header."""
-    parts = [_HEADER.pack(FEED_VERSION, writer, seq)]
-    for backend, packed, ts, first in records:
-        name = backend.encode()
-        parts.append(_RECORD.pack(len(name), ts, first, len(packed) // 8))
-        parts.append(name)
-        parts.append(packed)
-    return b"".join(parts)
+def decode(fields: Mapping[Any, Any], name_from: int) -> tuple[bytes, int, list[Record]]:
+    """(writer, seq, records) of an entry's fields as a Redis client returns them (names and
+    values as bytes); a record's backend is its key from `name_from` on. ValueError for
+    anything that is not an entry of this format."""
+    f = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in fields.items()}
 
+    def text(name: str) -> str:
+        v = f.get(name)
+        if v is None:
+            raise ValueError(f"feed entry without field {name!r}")
+        return v.decode() if isinstance(v, bytes) else str(v)
 
-def decode(payload: bytes) -> tuple[bytes, int, list[Record]]:
-    """(writer, seq, records) of an entry; ValueError for anything that is not one."""
-    if len(payload) < _HEADER.size:
-        raise ValueError("feed entry shorter than its header")
-    version, writer, seq = _HEADER.unpack_from(payload)
-    if version != FEED_VERSION:
-        raise ValueError(f"feed entry of version {version}, not {FEED_VERSION}")
-    view = memoryview(payload)
-    at, end, records = _HEADER.size, len(payload), []
-    while at < end:
-        if at + _RECORD.size > end:
-            raise ValueError("feed entry cut inside a record's header")
-        n_name, ts, first, n = _RECORD.unpack_from(payload, at)
-        at += _RECORD.size
-        stop = at + n_name + 8 * n
-        if stop > end:
-            raise ValueError("feed entry cut inside a record")
-        name = bytes(view[at : at + n_name]).decode()
+    if text("v") != str(FEED_VERSION):
+        raise ValueError(f"feed entry of format {text('v')!r}, not {FEED_VERSION}")
+    writer = f.get("w")
+    if not isinstance(writer, bytes):
+        raise ValueError("feed entry without a writer")
+    seq, n = int(text("s")), int(text("n"))
+    records = []
+    for j in range(1, n + 1):
+        packed = f.get(f"b{j}")
+        if not isinstance(packed, bytes) or len(packed) % 8:
+            raise ValueError(f"feed entry's record {j} has no whole block hashes")
         blocks = array("Q")
-        blocks.frombytes(view[at + n_name : stop])
-        records.append(Record(name, ts, first, blocks))
-        at = stop
+        blocks.frombytes(packed)
+        records.append(Record(text(f"k{j}")[name_from:], float(text(f"t{j}")),
+                              int(text(f"f{j}")), blocks))  # fmt: skip
     return writer, seq, records
 
 
@@ -122,11 +118,11 @@ class Feed:
         self._sent += 1
         return self._sent
 
-    def read(self, entry_id: str, payload: Any) -> list[Record]:
+    def read(self, entry_id: str, fields: Mapping[Any, Any], name_from: int) -> list[Record]:
         """An entry read from the stream: the records to apply (none of this replica's own)."""
         self.position = entry_id
         try:
-            writer, seq, records = decode(bytes(payload))
+            writer, seq, records = decode(fields, name_from)
         except (ValueError, TypeError, UnicodeDecodeError) as e:
             self.counters["malformed"] += 1
             self.distrust(f"unreadable feed entry {entry_id}: {e}")

@@ -1,6 +1,13 @@
 """The Redis half of the shared prefix index: the two scripts it runs (one lookup per request,
-one write per batch of records), as Redis executes them. proxy/routing/index_redis.py calls
-them and keeps the local copy; the key layout is described there."""
+one write per batch of records), as Redis executes them, and how their arguments are packed
+and their replies read. proxy/routing/index_redis.py calls them and keeps the local copy; the
+key layout is described in proxy/routing/index.py."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 # KEYS[1]: the set of backend ZSETs that recorded the prompt's first block (its "head" set,
 # written with each record that starts at block 0). ARGV[1]: the prompt's block hashes, 8 bytes
@@ -59,10 +66,12 @@ return out
 # (ms); then per record: packed block hashes, record time, index of its first block in the
 # prompt, capacity, KEYS index of its head set (0: none). Later blocks get slightly older
 # scores so that trimming by rank drops a prompt's tail first. Scores are formatted with
-# %.17g: Lua's default number-to-string keeps 14 digits, too few. After the records, optionally:
-# a feed entry (index_feed.py) and the feed's length to keep; it is appended, in this same call,
-# to the stream that is the last of KEYS. Returns, flat, each written ZSET's key and the blocks
-# it holds after trimming (what every replica recorded there).
+# %.17g: Lua's default number-to-string keeps 14 digits, too few. After the records, optionally
+# (the feed, index_feed.py): the writer's id, the feed's length to keep and the writer's number
+# for this call; the call's records are then appended, in this same call, as one entry of the
+# stream that is the last of KEYS (the blocks sent once, not packed again by the writer).
+# Returns, flat, each written ZSET's key and the blocks it holds after trimming (what every
+# replica recorded there).
 RECORD_LUA = """
 local step, ttl, oldest = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local records, head_ttl = tonumber(ARGV[4]), ARGV[5]
@@ -88,9 +97,21 @@ for j = 1, records do
   end
 end
 local at = 5 + records * 5
-local entry = ARGV[at + 1]
-if entry and #entry > 0 then
-  redis.call('XADD', KEYS[#KEYS], 'MAXLEN', '~', ARGV[at + 2], '*', 'd', entry)
+local writer = ARGV[at + 1]
+if writer and #writer > 0 then
+  local f = {'v', '1', 'w', writer, 's', ARGV[at + 3], 'n', ARGV[4]}
+  for j = 1, records do
+    local base = 5 + (j - 1) * 5
+    f[#f + 1] = 'k' .. j
+    f[#f + 1] = KEYS[j]
+    f[#f + 1] = 't' .. j
+    f[#f + 1] = ARGV[base + 2]
+    f[#f + 1] = 'f' .. j
+    f[#f + 1] = ARGV[base + 3]
+    f[#f + 1] = 'b' .. j
+    f[#f + 1] = ARGV[base + 1]
+  end
+  redis.call('XADD', KEYS[#KEYS], 'MAXLEN', '~', ARGV[at + 2], '*', unpack(f))
   redis.call('PEXPIRE', KEYS[#KEYS], head_ttl)
 end
 local held = {}
@@ -103,3 +124,38 @@ for key, cap in pairs(caps) do
 end
 return held
 """
+
+
+RECORDS_PER_CALL = 64  # one call runs atomically in Redis: keep each one short
+# ... and in blocks: a call writing ten prompts of 250 blocks held Redis for ~1.8 ms, and every
+# lookup (each request's) that came in meanwhile waited for it. 512 blocks is ~0.3 ms.
+BLOCKS_PER_CALL = 512
+
+
+def pack_blocks(blocks: Sequence[int]) -> bytes:
+    return array("Q", blocks).tobytes()
+
+
+def reply_pairs(flat: Sequence[Any] | None, cut: int = 0) -> Iterator[tuple[str, int]]:
+    """A script's flat (name, count, name, count, ...) reply as pairs, each name from `cut` on
+    (0: whole, as the lookup sends backend names; the writer's reply names whole keys)."""
+    pairs = iter(flat or ())
+    for key, n in zip(pairs, pairs, strict=True):
+        yield (key.decode() if isinstance(key, bytes) else str(key))[cut:], int(n)
+
+
+def record_calls(
+    batch: list[tuple[str, Sequence[int], float, int]],
+) -> Iterator[tuple[int, list[tuple[str, Sequence[int], float, int]]]]:
+    """The batch in script calls of at most RECORDS_PER_CALL records and, past the first
+    record, BLOCKS_PER_CALL blocks; with each call's first position in the batch."""
+    start, blocks = 0, 0
+    for i, (_, recorded, _, _) in enumerate(batch):
+        if i > start and (
+            i - start >= RECORDS_PER_CALL or blocks + len(recorded) > BLOCKS_PER_CALL
+        ):
+            yield start, batch[start:i]
+            start, blocks = i, 0
+        blocks += len(recorded)
+    if start < len(batch):
+        yield start, batch[start:]

@@ -10,14 +10,25 @@ import asyncio
 import contextlib
 import logging
 import time
-from array import array
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from proxy.routing.departures import DELETE_ONCE_LUA, Departures, guard_key
-from proxy.routing.index_feed import FEED_BLOCK_MS, FEED_COUNT, FEED_MAXLEN, Feed, encode
-from proxy.routing.index_lua import LOOKUP_LUA, RECORD_LUA
+from proxy.routing.index_feed import (
+    FEED_BLOCK_MS,
+    FEED_COUNT,
+    FEED_GATHER_S,
+    FEED_MAXLEN,
+    Feed,
+)
+from proxy.routing.index_lua import (
+    LOOKUP_LUA,
+    RECORD_LUA,
+    pack_blocks,
+    record_calls,
+    reply_pairs,
+)
 from proxy.routing.index_memory import (
     DEFAULT_CAPACITY_BLOCKS,
     DEFAULT_TTL_S,
@@ -42,22 +53,6 @@ SCORE_EPOCH = 1_700_000_000.0
 BLOCK_STEP_S = 1e-7
 DEPTHS_KEPT = 4096  # heads whose last common depth a lookup tries first
 HEAD_TTL_MARGIN_S = 60.0  # a head set outlives its members' scores by this (clocks differ)
-RECORDS_PER_CALL = 64  # one call runs atomically in Redis: keep each one short
-# ... and in blocks: a call writing ten prompts of 250 blocks held Redis for ~1.8 ms, and every
-# lookup (each request's) that came in meanwhile waited for it. 512 blocks is ~0.3 ms.
-BLOCKS_PER_CALL = 512
-
-
-def _pack(blocks: Sequence[int]) -> bytes:
-    return array("Q", blocks).tobytes()
-
-
-def _counts(flat: Sequence[Any] | None, cut: int = 0) -> Iterator[tuple[str, int]]:
-    """A script's flat (name, count, name, count, ...) reply as pairs, each name from `cut` on
-    (0: whole, as the lookup sends backend names; the writer's reply names whole keys)."""
-    pairs = iter(flat or ())
-    for key, n in zip(pairs, pairs, strict=True):
-        yield (key.decode() if isinstance(key, bytes) else str(key))[cut:], int(n)
 
 
 async def _run(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -65,23 +60,6 @@ async def _run(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     for name, *args in commands:
         getattr(pipe, name)(*args)
     return list(await pipe.execute())
-
-
-def _calls(
-    batch: list[tuple[str, Sequence[int], float, int]],
-) -> Iterator[tuple[int, list[tuple[str, Sequence[int], float, int]]]]:
-    """The batch in script calls of at most RECORDS_PER_CALL records and, past the first
-    record, BLOCKS_PER_CALL blocks; with each call's first position in the batch."""
-    start, blocks = 0, 0
-    for i, (_, recorded, _, _) in enumerate(batch):
-        if i > start and (
-            i - start >= RECORDS_PER_CALL or blocks + len(recorded) > BLOCKS_PER_CALL
-        ):
-            yield start, batch[start:i]
-            start, blocks = i, 0
-        blocks += len(recorded)
-    if start < len(batch):
-        yield start, batch[start:]
 
 
 class RedisPrefixIndex:
@@ -239,7 +217,7 @@ class RedisPrefixIndex:
         try:
             async with asyncio.timeout(self.timeout_s):
                 hint = self._depths.get(blocks[0], 0)
-                args = [_pack(blocks), repr(oldest), hint, self._name_at]
+                args = [pack_blocks(blocks), repr(oldest), hint, self._name_at]
                 found = await self._script(keys=[self.head_key(blocks[0])], args=args)
         except REDIS_DOWN_ERRORS as e:
             _reraise_if_cancelled()
@@ -253,7 +231,7 @@ class RedisPrefixIndex:
             self.counters["fallback_lookups"] += 1
             return self.local.holders_now(blocks, backends)
         self._timeouts.answered()
-        out = {name: n for name, n in _counts(found) if name in backends}
+        out = {name: n for name, n in reply_pairs(found) if name in backends}
         if out:
             self._note_depth(blocks[0], out)
         if self.local_lookups:
@@ -290,7 +268,7 @@ class RedisPrefixIndex:
 
     async def _check(self, blocks: Sequence[int], backends: Collection[str]) -> None:
         oldest = self.local.clock() - SCORE_EPOCH - self.ttl_s
-        args = [_pack(blocks), repr(oldest), self._depths.get(blocks[0], 0), self._name_at]
+        args = [pack_blocks(blocks), repr(oldest), self._depths.get(blocks[0], 0), self._name_at]
         try:
             async with asyncio.timeout(self._slow_s):
                 found = await self._script(keys=[self.head_key(blocks[0])], args=args)
@@ -298,7 +276,7 @@ class RedisPrefixIndex:
             _reraise_if_cancelled()
             return  # the writer and the feed's reader tell an outage; a check only compares
         if self._up and self.feed.trusted:
-            self._compare(blocks, backends, {n: d for n, d in _counts(found) if n in backends})
+            self._compare(blocks, backends, {n: d for n, d in reply_pairs(found) if n in backends})
 
     def _note_depth(self, head: int, held: Mapping[str, int]) -> None:
         """The depth most holders of `head` hold, tried first at its next lookup."""
@@ -422,8 +400,7 @@ class RedisPrefixIndex:
         for _, entries in reply or ():
             for entry_id, fields in entries:
                 eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-                payload = fields.get(b"d", fields.get("d", b""))
-                for rec in self.feed.read(eid, payload):
+                for rec in self.feed.read(eid, fields, self._name_at - 1):
                     if rec.ts >= oldest and rec.blocks:
                         # As of now, when this replica learns it: the writer's clock may differ
                         # from ours, and a copy out of time order is searched backend by backend.
@@ -440,8 +417,11 @@ class RedisPrefixIndex:
                 await self._up_event.wait()
                 continue
             try:
+                position = self.feed.position
                 await self.pull_feed(FEED_BLOCK_MS)
                 delay = self.reconnect_min_s
+                if self.feed.position != position:
+                    await asyncio.sleep(FEED_GATHER_S)
             except REDIS_DOWN_ERRORS as e:
                 _reraise_if_cancelled()
                 if self.feed.distrust(f"feed read failed ({type(e).__name__}: {e})"):
@@ -484,28 +464,25 @@ class RedisPrefixIndex:
         try:
             # Writes wait up to _slow_s, so a timeout here is not a busy loop's hiccup.
             async with asyncio.timeout(self._slow_s):
-                for i, chunk in _calls(batch):
+                for i, chunk in record_calls(batch):
                     keys = [self.key(backend) for backend, _, _, _ in chunk]
                     heads: dict[str, int] = {}  # head set -> its KEYS index (from 1)
                     args: list[Any] = [repr(BLOCK_STEP_S), ttl_ms, repr(now - self.ttl_s)]
                     args += [len(chunk), head_ttl_ms]
-                    feed: list[tuple[str, bytes, float, int]] = []
                     for backend, blocks, ts, first in chunk:
                         cap = self._capacity.get(backend, self.default_capacity)
                         at = 0
                         if first == 0:
                             hk = self.head_key(blocks[0])
                             at = heads.setdefault(hk, len(chunk) + len(heads) + 1)
-                        packed = _pack(blocks)
-                        args += [packed, repr(ts), first, cap, at]
-                        feed.append((backend, packed, ts, first))
+                        args += [pack_blocks(blocks), repr(ts), first, cap, at]
                     # The same call appends the batch to the feed: the other replicas' copies
                     # learn exactly what Redis now holds, in the order Redis wrote it.
-                    args += [encode(self.feed.writer, self.feed.next_seq(), feed), FEED_MAXLEN]
+                    args += [self.feed.writer, FEED_MAXLEN, self.feed.next_seq()]
                     keys += [*heads, self.feed_key()]
                     held = await self._record_script(keys=keys, args=args)
                     done = i + len(chunk)
-                    self._held.update(_counts(held, self._name_at - 1))
+                    self._held.update(reply_pairs(held, self._name_at - 1))
             self.counters["writes"] += 1
         except REDIS_DOWN_ERRORS as e:
             self.counters["write_errors"] += 1
@@ -573,7 +550,7 @@ class RedisPrefixIndex:
         head_ttl_ms = int((self.ttl_s + HEAD_TTL_MARGIN_S) * 1000)
         pipe = self.client.pipeline(transaction=False)
         for backend in lost:
-            members = {_pack([h]): ts - SCORE_EPOCH for h, ts in self.local.entries(backend)}
+            members = {pack_blocks([h]): ts - SCORE_EPOCH for h, ts in self.local.entries(backend)}
             if members:
                 pipe.zadd(self.key(backend), members)
                 pipe.pexpire(self.key(backend), ttl_ms)
