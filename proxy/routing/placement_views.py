@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping, Sequence
 from itertools import compress, repeat
-from operator import le
+from operator import add, le
 from typing import Any
 
 from proxy.routing.fleet import FleetWeights, Names, Rendezvous
@@ -102,6 +102,17 @@ class Room(MutableMapping[str, float]):
     def __setitem__(self, backend: str, value: float) -> None:
         self._values[backend] = value
         self._gone.discard(backend)
+
+    def take_each(self, homes: Sequence[str], size: float) -> None:
+        """`self[h] -= size` for every h of `homes`, without a method call per home (a hot
+        prefix has hundreds)."""
+        values = self._values
+        get = values.get
+        for h in homes:
+            v = get(h)
+            values[h] = (self[h] if v is None else v) - size
+        if self._gone:
+            self._gone.difference_update(homes)
 
     def __delitem__(self, backend: str) -> None:
         if backend not in self:
@@ -191,6 +202,21 @@ class Accumulated(MutableMapping[str, float]):
 
     def __setitem__(self, backend: str, value: float) -> None:
         self._values[backend] = value
+
+    def add_each(self, homes: Sequence[str], per_copy: float, weights: Mapping[str, float]) -> None:
+        """`self[h] += per_copy / weight(h)` for every h of `homes` (all of `universe`), the
+        same additions without a method call per home; one C-level pass where every backend
+        weighs the same."""
+        values = self._values
+        get = values.get
+        if self.uniform and len(frozenset(homes)) == len(homes):
+            k = len(homes)
+            step = per_copy / weight_of(weights, homes[0]) if k else 0.0
+            added = map(add, map(get, homes, repeat(0.0, k)), repeat(step, k))
+            values.update(zip(homes, added, strict=True))
+            return
+        for h in homes:
+            values[h] = get(h, 0.0) + per_copy / weight_of(weights, h)
 
     def __delitem__(self, backend: str) -> None:
         raise TypeError("every backend has a load")
