@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from proxy.config import BackendConfig
 from proxy.fleet.members import Member, Membership
 
@@ -113,3 +115,47 @@ async def test_a_changed_model_list_marks_the_backend_restarted() -> None:
         served[:] = ["qwen-7b"]  # another engine took the address
         await registry._check(b, discover=True)
         assert restarts == [("127.0.0.1:1", "its model list changed")]
+
+
+async def test_lora_adapters_loaded_and_unloaded_are_not_a_restart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM lists an adapter as a model whose `parent` is the base; loading one at run time
+    (load_lora_adapter, a LoRA resolver) keeps the engine and its cache."""
+    import logging
+
+    import httpx
+
+    from proxy.config import load_config
+    from proxy.upstream.backends import BackendRegistry
+
+    base = {"id": "llama-8b", "parent": None}
+    served = [base]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": served})
+        return httpx.Response(200)
+
+    cfg = load_config(flags={"backends": ["http://127.0.0.1:1#engine=vllm"]}, env={})
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+        registry = BackendRegistry(cfg, http)
+        restarts: list[str] = []
+        registry.on_restart = lambda b, why: restarts.append(why)
+        b = registry["127.0.0.1:1"]
+        await registry._check(b, discover=True)
+        served.append({"id": "sql-lora", "parent": "llama-8b", "root": "/a/sql"})
+        with caplog.at_level(logging.INFO, logger="warmroute"):
+            await registry._check(b, discover=True)
+        assert restarts == [] and b.models == {"llama-8b", "sql-lora"}
+        assert b.adapters == {"sql-lora": "llama-8b"}
+        assert "LoRA adapters loaded: sql-lora" in caplog.text
+        assert {"id": "sql-lora", "object": "model", "created": 0, "owned_by": "warmroute",
+                "parent": "llama-8b"} in registry.model_list()  # fmt: skip
+        served[1:] = []  # unloaded
+        await registry._check(b, discover=True)
+        assert restarts == [] and b.models == {"llama-8b"} and b.adapters == {}
+        # Another base model at the address is a new engine, adapters or not.
+        served[:] = [{"id": "qwen-7b", "parent": None}, {"id": "x", "parent": "qwen-7b"}]
+        await registry._check(b, discover=True)
+        assert restarts == ["its model list changed"]

@@ -95,6 +95,7 @@ class Handlers:
                 "up": b.is_up(time.monotonic()),
                 "inflight": self.state.routing.board.get(b.name),  # all replicas' open requests
                 "models": sorted(b.models) if b.models is not None else None,
+                "adapters": dict(sorted(b.adapters.items())),  # LoRA adapter -> its base model
                 "last_error": redact_text(b.last_error) if b.last_error else None,
                 # passive health: outlier ejection (closed / open / half_open)
                 "circuit": b.breaker.info(time.monotonic()) if b.breaker else None,

@@ -80,6 +80,11 @@ ENGINE_OPTIONS: tuple[tuple[str, str], ...] = (
     ("kv_events_endpoint", "publish KV cache events like vLLM (ZeroMQ PUB; engine i: port + i)"),
     ("kv_events_replay_endpoint", "replay missed KV events (ZeroMQ ROUTER; engine i: port + i)"),
     ("kv_events_topic", "topic frame of every KV event message"),
+    (
+        "lora_modules",
+        "LoRA adapters served beside the model, NAME[=PATH],... (vLLM's "
+        "--lora-modules); POST /v1/load_lora_adapter and /v1/unload_lora_adapter change them",
+    ),
 )
 FAULT_HELP = {
     "error_rate": "share of requests answered with --fault-error-status",

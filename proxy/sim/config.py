@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy import presets
+from proxy.sim.lora import parse_modules
 
 ROLES = ("mixed", "prefill", "decode")
 PD_FLOWS = ("both", "vllm", "sglang")  # which engines' P/D fields a sim accepts
@@ -99,6 +100,8 @@ class SimConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    # LoRA adapters served beside the model: "name[=path],..." (vLLM's --lora-modules).
+    lora_modules: str = ""
     seed: int = 0
     engine_id: str = ""
     faults: Faults = field(default_factory=Faults)
@@ -219,6 +222,7 @@ class SimConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        parse_modules(self.lora_modules, self.model)
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint as well")
         if self.step_overhead_s < 0:

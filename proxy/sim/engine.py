@@ -42,6 +42,8 @@ class Seq:
     external_tokens: int = 0  # prompt tokens whose KV arrives from a prefill engine
     cache_salt: int = 0
     cache_salt_text: str = ""  # the request's cache_salt as sent (KV events carry it)
+    lora_name: str = ""  # the LoRA adapter it runs under ("": the base model)
+    lora_id: int | None = None
     request_id: str = ""
 
     hashes: list[int] = field(default_factory=list)
@@ -336,7 +338,8 @@ class Scheduler:
                 parent = seq.hashes[i - 1] if i else None
                 tokens = seq.prompt_ids[i * bs : (i + 1) * bs]
                 salt = seq.cache_salt_text if i == 0 else ""
-                pool.commit(seq.blocks[i], seq.hashes[i], parent, tokens, salt)
+                lora = (seq.lora_name, seq.lora_id) if seq.lora_name else None
+                pool.commit(seq.blocks[i], seq.hashes[i], parent, tokens, salt, lora)
             else:
                 pool.commit(seq.blocks[i], seq.hashes[i])
         seq.num_committed = max(seq.num_committed, full)
@@ -375,6 +378,8 @@ def make_seq(
     external_tokens: int = 0,
     cache_salt: int = 0,
     cache_salt_text: str = "",
+    lora_name: str = "",
+    lora_id: int | None = None,
 ) -> Seq:
     """A sequence with its deterministic output words and natural (EOS) length."""
     s = tokens.request_seed(prompt_ids, index, seed, cfg.seed)
@@ -393,4 +398,6 @@ def make_seq(
         external_tokens=external_tokens,
         cache_salt=cache_salt,
         cache_salt_text=cache_salt_text,
+        lora_name=lora_name,
+        lora_id=lora_id,
     )

@@ -55,8 +55,8 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.evictions = 0
-        # Changes not yet taken as events: ("stored", hash, parent, tokens, salt) | ("removed",
-        # hash) | ("cleared",); None when not recording.
+        # Changes not yet taken as events: ("stored", hash, parent, tokens, salt, lora) |
+        # ("removed", hash) | ("cleared",); None when not recording.
         self._changes: list[tuple[Any, ...]] | None = [] if record_events else None
 
     @property
@@ -127,17 +127,18 @@ class BlockPool:
         parent: int | None = None,
         token_ids: Sequence[int] = (),
         salt: str = "",
+        lora: tuple[str, int | None] | None = None,
     ) -> bool:
         """Publish a full, computed block under its prefix hash; True if it entered the cache.
 
-        `parent` (the previous block's hash), `token_ids` and `salt` (a first block's
-        cache_salt) only feed the KV events."""
+        `parent` (the previous block's hash), `token_ids`, `salt` (a first block's
+        cache_salt) and `lora` (the adapter's name and id) only feed the KV events."""
         if not self.enable_caching or self.hash[block] is not None or h in self.cached:
             return False
         self.cached[h] = block
         self.hash[block] = h
         if self._changes is not None:
-            self._changes.append(("stored", h, parent, list(token_ids), salt))
+            self._changes.append(("stored", h, parent, list(token_ids), salt, lora))
         return True
 
     def reset(self) -> None:
@@ -166,7 +167,12 @@ class BlockPool:
         events: list[KVEvent] = []
         run: list[tuple[Any, ...]] = []
         for change in changes:
-            if change[0] == "stored" and run and change[2] == run[-1][1]:
+            if (
+                change[0] == "stored"
+                and run
+                and change[2] == run[-1][1]
+                and change[5] == run[-1][5]
+            ):
                 run.append(change)
                 continue
             if run:
@@ -184,13 +190,20 @@ class BlockPool:
 
     def _stored(self, run: list[tuple[Any, ...]]) -> BlockStored:
         hashes: list[BlockHash] = [c[1] for c in run]
-        extra = [(c[4],) if c[4] and c[2] is None else None for c in run]
+        lora = run[0][5]
+        # As vLLM lists them: the adapter's name on every block, then a first block's salt.
+        extra = [
+            ((lora[0],) if lora else ()) + ((c[4],) if c[4] and c[2] is None else ()) or None
+            for c in run
+        ]
         return BlockStored(
             hashes,
             run[0][2],
             [t for c in run for t in c[3]],
             self.block_size,
+            lora_id=lora[1] if lora else None,
             medium=GPU,
+            lora_name=lora[0] if lora else None,
             extra_keys=extra,
             group_idx=0,
         )

@@ -45,6 +45,7 @@ from proxy.sim.config import SimConfig
 from proxy.sim.engine import Seq, make_seq
 from proxy.sim.errors import ERROR_TYPES, HTTPError, StreamCut, error_body
 from proxy.sim.faults import QuietStreamCut, close_idle, protocol_for
+from proxy.sim.lora import Adapters, keyed_salt
 from proxy.sim.pd import Disagg
 from proxy.sim.runner import AsyncEngine
 
@@ -70,6 +71,7 @@ class SimApp:
         self.refuse_until = 0.0
         self.protocols: set[Any] = set()
         self.pd = Disagg(cfg)
+        self.adapters = Adapters(cfg.model, cfg.lora_modules)
         # A debug view for tests of what sits in front of the engine (a proxy's rewritten
         # bodies, its headers): the last completion requests exactly as they arrived.
         self.received: deque[dict[str, Any]] = deque(maxlen=RECEIVED_KEPT)
@@ -152,6 +154,12 @@ class SimApp:
             await respond(send, status, b"", b"text/plain")
         elif path == "/v1/models":
             await send_json(send, 200, self._models())
+        elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            _need(method, "POST")
+            change = self.adapters.load if path.endswith("/load_lora_adapter") else None
+            body = await _json_body(receive)
+            text = change(body) if change else self.adapters.unload(body)
+            await respond(send, 200, text.encode(), b"text/plain")
         elif path == "/metrics":
             text = self.engine.metrics.render(self.engine.scheduler, self.engine.aborted)
             await respond(send, 200, text.encode(), b"text/plain; version=0.0.4")
@@ -218,7 +226,7 @@ class SimApp:
             "parent": None,
             "max_model_len": self.cfg.effective_max_model_len,
         }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *self.adapters.cards(self.created)]}
 
     async def _set_faults(self, body: Any, send: Send) -> None:
         if not isinstance(body, dict):
@@ -250,11 +258,14 @@ class SimApp:
             self.counts["errors_injected"] += 1
             raise HTTPError(faults.error_status, "injected fault: simulated engine error")
         model = body.get("model")
-        if model is not None and model != self.cfg.model:
+        lora = model if model is not None and model in self.adapters else ""
+        if model is not None and model != self.cfg.model and not lora:
             raise HTTPError(404, f"The model `{model}` does not exist.", "model")
         prompts = self._prompts(body, chat)
         longest = max(len(p) for p in prompts)
         params = _params(body, chat, longest, self.cfg.effective_max_model_len)
+        if lora:  # an adapter's blocks are its own (vLLM keys every block by its name)
+            params = params._replace(cache_salt=keyed_salt(lora, params.cache_salt), lora=lora)
 
         # Prefill/decode disaggregation: which leg is this, if any? An SGLang decode leg waits
         # here for its prefill's KV; a client that leaves meanwhile ends that wait, as the
@@ -317,6 +328,8 @@ class SimApp:
                     external_tokens=external,
                     cache_salt=params.cache_salt,
                     cache_salt_text=params.salt_text,
+                    lora_name=params.lora,
+                    lora_id=self.adapters.id_of(params.lora) if params.lora else None,
                 )
                 seq.request_id = rid
                 job.seqs.append(seq)
@@ -437,6 +450,7 @@ class _Params(NamedTuple):
     salt_text: str
     stream: bool
     stream_options: dict[str, Any]
+    lora: str = ""  # the adapter the request names ("": the base model)
 
 
 def _params(body: dict[str, Any], chat: bool, longest: int, max_len: int) -> _Params:

@@ -52,6 +52,9 @@ _VIEWED = frozenset({"healthy", "load", "models", "cfg"})
 class Backend:
     cfg: BackendConfig
     models: frozenset[str] | None = None
+    # Of `models`, the LoRA adapters the engine lists (vLLM: a card whose `parent` is its base
+    # model), each with that parent: loaded and unloaded at run time without a restart.
+    adapters: dict[str, str] = field(default_factory=dict)
     healthy: bool = True  # optimistic until the first check says otherwise
     load: EngineLoad = field(default_factory=EngineLoad)
     failures: int = 0  # failed attempts since the last success
@@ -314,12 +317,20 @@ class BackendRegistry:
         )
 
     def model_list(self) -> list[dict[str, object]]:
+        """Every model a backend serves, once; a LoRA adapter with its `parent`, as vLLM lists
+        it (one card, whichever backend said so first)."""
         seen: dict[str, dict[str, object]] = {}
         for b in self.backends.values():
             for m in sorted(b.models or ()):
-                seen.setdefault(
-                    m, {"id": m, "object": "model", "created": 0, "owned_by": "warmroute"}
-                )
+                card: dict[str, object] = {
+                    "id": m,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "warmroute",
+                }
+                if m in b.adapters:
+                    card["parent"] = b.adapters[m]
+                seen.setdefault(m, card)
         return list(seen.values())
 
     def any_ready(self) -> bool:
@@ -415,12 +426,10 @@ class BackendRegistry:
                 url = engines.backend_url(b.url, "/v1/models")
                 r = await self._get(b, url, timeout, self._headers(b))
                 r.raise_for_status()
-                ids = frozenset(m["id"] for m in r.json().get("data", []) if "id" in m)
+                cards = [m for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m]
+                ids = frozenset(m["id"] for m in cards)
                 if ids != b.models:
-                    log.info("backend %s serves %s", b.name, ", ".join(sorted(ids)) or "no models")
-                    if b.models is not None and b.state != "joining" and self.on_restart:
-                        self.on_restart(b, "its model list changed")
-                b.models = one_copy(ids)
+                    self._models_changed(b, ids, _adapters(cards))
             fetched_models = discover and b.cfg.models is None
             if not (fetched_models and HEALTH_PATH[b.cfg.engine] == "/v1/models"):
                 url = engines.backend_url(b.url, HEALTH_PATH[b.cfg.engine])
@@ -438,6 +447,28 @@ class BackendRegistry:
                 log.info("backend %s is healthy", b.name)
             else:
                 log.warning("backend %s is unhealthy: %s", b.name, b.last_error)
+
+    def _models_changed(self, b: Backend, ids: frozenset[str], adapters: dict[str, str]) -> None:
+        """A new model list. Only a change of base models says the engine restarted: adapters
+        come and go at run time (vLLM's load_lora_adapter, a LoRA resolver), and the cache of
+        the base model and of the other adapters stays."""
+        old, old_adapters = b.models, b.adapters
+        base, old_base = ids - adapters.keys(), None if old is None else old - old_adapters.keys()
+        if old is None or base != old_base:
+            log.info("backend %s serves %s", b.name, ", ".join(sorted(ids)) or "no models")
+            if old is not None and b.state != "joining" and self.on_restart:
+                self.on_restart(b, "its model list changed")
+        else:
+            added = sorted(adapters.keys() - old_adapters.keys())
+            gone = sorted(old_adapters.keys() - adapters.keys())
+            log.info(
+                "backend %s: LoRA adapters%s%s",
+                b.name,
+                f" loaded: {', '.join(added)}" if added else "",
+                f"{';' if added else ''} unloaded: {', '.join(gone)}" if gone else "",
+            )
+        b.adapters = adapters
+        b.models = one_copy(ids)
 
     async def _scrape(self, b: Backend) -> None:
         if b.cfg.engine == "auto":
@@ -529,3 +560,13 @@ class BackendRegistry:
                 seen, first_scrape = b.attached, False
                 scraped_at = time.monotonic()
                 await self._scrape(b)
+
+
+def _adapters(cards: list[dict[str, Any]]) -> dict[str, str]:
+    """The LoRA adapters of a /v1/models answer: cards with a `parent` (vLLM names the base
+    model there; a base model's is null), as {adapter: parent}."""
+    return {
+        str(m["id"]): str(m["parent"])
+        for m in cards
+        if isinstance(m.get("parent"), str) and m["parent"] and m["parent"] != m["id"]
+    }
