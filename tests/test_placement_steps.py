@@ -264,3 +264,54 @@ def test_previous_homes_kept_in_passes_are_those_kept_one_by_one(monkeypatch) ->
                             grown.__getitem__, {}, order)  # fmt: skip
             assert homes_of(passes) == homes_of(rule)
             assert max(len(h) for h in homes_of(passes).values()) > 16  # the passes ran
+
+
+async def test_a_rebalance_moves_no_other_models_prompts_to_engines_that_cannot_serve_them() -> (
+    None
+):
+    """Two models (or LoRA adapters) on disjoint engines behind one router: a rebalance started
+    by a request of one re-places that model's prompts only, among its engines. It re-placed
+    every prompt among the engines of whichever model came when it was due: the other model's
+    prompts moved to engines that cannot serve it, and back (368 moves in 2,000 requests)."""
+    import time
+
+    from proxy.config import RoutingConfig
+    from proxy.routing.index import MemoryPrefixIndex
+    from proxy.routing.setup import build_router
+    from proxy.routing.types import BackendView, EngineLoad, RouteContext
+
+    engines = {"x": {"e0", "e1", "e2", "e3"}, "y": {"e4", "e5", "e6", "e7"}}
+    rng = random.Random(1)
+    router = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    systems = ["".join(rng.choices("abcdefgh ", k=8000)) for _ in range(6)]
+    model_of: dict[int, str] = {}
+    for i in range(1000):
+        model, k = rng.choice("xy"), rng.randrange(6)
+        views = [
+            BackendView(
+                name=f"e{j}",
+                url=f"http://10.0.0.{j}:8000",
+                engine="vllm",
+                role="mixed",
+                weight=1.0,
+                healthy=True,
+                inflight=rng.randint(0, 3),
+                load=EngineLoad(waiting=0, running=2, kv_usage=0.3),
+                models=frozenset({"x" if j < 4 else "y"}),
+                prefill_tokens_per_s=8000.0,
+            )
+            for j in range(8)
+        ]
+        system = {"role": "system", "content": f"{model}{k} {systems[k]}"}
+        body = {"model": model, "messages": [system, {"role": "user", "content": f"q{i}"}]}
+        ctx = RouteContext(f"r{i}", model, "chat", body, {}, time.monotonic())
+        decision = await router.route(ctx, views)
+        assert decision.winner in engines[model]
+        blocks = ctx.prefix_blocks
+        model_of[blocks[min(len(blocks), router.head_blocks) - 1]] = model
+    placement = router.placement
+    assert placement is not None and placement.rebalances > 10
+    assert len(placement.placed) == 12
+    for head, p in placement.placed.items():
+        assert set(p.homes) <= engines[model_of[head]] and p.model == model_of[head]
+    assert placement.moves == 0

@@ -139,6 +139,7 @@ class ReferencePlacement(Placement):
         capacity: Callable[[str], float],
         share_of: Callable[[int], float],
         order: Callable[[int, Sequence[str]], list[str]],
+        model: str | None = None,
     ) -> Iterator[int]:
         self.rebalances = max(self.rebalances + 1, self.requests // max(self.rebalance_every, 1))
         for key, p in self.placed.items():
@@ -155,9 +156,17 @@ class ReferencePlacement(Placement):
         tallies.reheap(self.placed)
         loads = dict.fromkeys(backends, 0.0)
         room = {b: self.fill * capacity(b) for b in backends}
-        total = sum(p.share for _, p in keep)
+        mine = [(k, p) for k, p in keep if model is None or p.model in (None, model)]
+        total = sum(p.share for _, p in mine)
+        for _, p in keep:  # another model's prefixes stay, counted on the engines they share
+            if model is not None and p.model not in (None, model) and p.homes:
+                here = [h for h in p.homes if h in loads]
+                for h in here:
+                    loads[h] += p.share / len(p.homes) / _w(weights, h)
+                    room[h] -= p.size
+                total += p.share * len(here) / len(p.homes)
         yield len(keep)
-        for key, p in keep:
+        for key, p in mine:
             if self.placed.get(key) is not p:
                 continue
             previous = p.homes

@@ -352,10 +352,18 @@ class Placement:
         capacity: Callable[[str], float],
         share_of: Callable[[int], float],
         order: Callable[[int, Sequence[str]], list[str]],
+        model: str | None = None,
     ) -> None:
         """Begin a rebalance that `advance` carries out a few prefixes at a time (one left
         unfinished is finished first). At 1,024 backends a whole recomputation is several
-        milliseconds: done at once it was the tail of every 64th decision."""
+        milliseconds: done at once it was the tail of every 64th decision.
+
+        `backends` are the engines a request of `model` may go to: only that model's prefixes
+        (and those of no known model) are re-placed, among them; the others keep their homes
+        and count, where they share an engine, in its load and room. A fleet whose engines
+        serve different models (or LoRA adapters) had every prefix re-placed among the
+        engines of whichever model's request came when a rebalance was due: the other models'
+        prompts moved to engines that cannot serve them, and back at the next."""
         self.advance(math.inf)
         # Its work in units (as advance counts them, with the homes it has now): the next one
         # comes after rebalance_every requests, or after enough of them to carry this much
@@ -364,7 +372,7 @@ class Placement:
         interval = -(-units // REBALANCE_UNITS_PER_REQUEST)
         every = self.rebalance_every
         self.next_rebalance = self.requests + (every if interval < every else interval)
-        self._steps = self._rebalance_steps(backends, weights, capacity, share_of, order)
+        self._steps = self._rebalance_steps(backends, weights, capacity, share_of, order, model)
 
     def advance(self, budget: float = REBALANCE_STEP) -> bool:
         """Carry a started rebalance on until about `budget` units of work are spent (a unit:
@@ -392,6 +400,7 @@ class Placement:
         capacity: Callable[[str], float],
         share_of: Callable[[int], float],
         order: Callable[[int, Sequence[str]], list[str]],
+        model: str | None = None,
     ) -> Iterator[int]:
         """The rebalance, one prefix a step (yielding the step's units). Between steps the
         placement is whole: each prefix has the homes either before or after, and the tallies
@@ -422,10 +431,15 @@ class Placement:
         else:
             loads = dict.fromkeys(backends, 0.0)
             room = {b: self.fill * capacity(b) for b in backends}
-        total = sum(p.share for _, p in keep)
+        mine = keep
+        if model is not None and any(p.model not in (None, model) for _, p in keep):
+            mine = [(k, p) for k, p in keep if p.model in (None, model)]
+        total = sum(p.share for _, p in mine)
+        if mine is not keep:
+            total += self._others_count(mine, keep, backends, weights, loads, room)
         yield len(keep)
         placed = self.placed
-        for key, p in keep:
+        for key, p in mine:
             if placed.get(key) is not p:
                 continue  # forgotten since (or placed again): not this rebalance's
             previous = p.homes
@@ -450,6 +464,31 @@ class Placement:
         self._rebalance_room = None
         self.reassigned = True
         self._fresh = {}  # the whole assignment goes out: nothing of it is this replica's alone
+
+    def _others_count(
+        self,
+        mine: list[tuple[int, Placed]],
+        keep: list[tuple[int, Placed]],
+        backends: Sequence[str],
+        weights: Mapping[str, float],
+        loads: MutableMapping[str, float],
+        room: MutableMapping[str, float],
+    ) -> float:
+        """Count the prefixes this rebalance leaves where they are (another model's) in the
+        loads and room of the engines of `backends` they share; returns their traffic there."""
+        chosen = {k for k, _ in mine}
+        inside = fast_members(backends)
+        traffic = 0.0
+        for key, p in keep:
+            if key in chosen or not p.homes:
+                continue
+            need = len(p.homes)
+            here = [h for h in p.homes if h in inside]
+            for h in here:
+                loads[h] += p.share / need / _weight(weights, h)
+                room[h] -= p.size
+            traffic += p.share * len(here) / need
+        return traffic
 
     def forget(
         self,

@@ -273,7 +273,9 @@ class Router:
             placement.note_load(float(total + 1))
             placement.observe(head, ctx.prefix_blocks)
             if placement.due():
-                placement.start_rebalance(names, weights, self.capacity.capacity, share, order)
+                placement.start_rebalance(
+                    names, weights, self.capacity.capacity, share, order, ctx.model
+                )
             placement.advance()  # (a rebalance under way, if any: REBALANCE_STEP of it)
         index = fleet.index
 
@@ -298,6 +300,8 @@ class Router:
             busy,
         )
         placed = placement.placed.get(head)
+        if placed is not None and placed.model is None:
+            placed.model = ctx.model  # (its head is seeded by it: one model per head)
         ctx.shared_blocks = placed.size if placed is not None else 0.0
 
     def record(self, decision: Decision, backend: str) -> None:

@@ -58,6 +58,10 @@ class Placed:
     weight: int = 0  # its Shares weight as the load tally counts it (fixed point)
     tallied_size: int = 0  # its size as the tallies count it (fixed point)
     seq: int = 0  # its place in the placement's order (the coolest's tie-break)
+    # The model its requests name (a prefix's head is seeded by it), once one was routed here:
+    # a rebalance started by one model's request re-places that model's prefixes only, among
+    # the engines serving it (None: any rebalance re-places it).
+    model: str | None = None
     # Its homes among the last fleet it was looked up in: (that fleet's names, the homes
     # they were taken from, those of them in it), so that a lookup in the same fleet with
     # the same homes hands back the same tuple instead of filtering hundreds of homes again.
