@@ -31,7 +31,9 @@ from typing import Any, NamedTuple
 FEED_VERSION = 1
 # Entries the stream keeps (approximately: MAXLEN ~). A reader further behind than this loses
 # entries, sees a writer's numbers skip, and goes back to round trips until the copy agrees again.
-FEED_MAXLEN = 8192
+# Redis holds ~22 bytes a block in an entry: at most ~23 MB for 2,048 entries of a full write
+# call's 512 blocks (a few MB in practice: a batch carries only the blocks not written lately).
+FEED_MAXLEN = 2048
 FEED_COUNT = 256  # entries a read takes at most
 FEED_BLOCK_MS = 500  # a read waits this long for a new entry (below the client's socket timeout)
 # After a read that found entries, the next waits this long first: the entries of every
