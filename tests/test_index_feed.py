@@ -246,3 +246,27 @@ async def test_with_the_feed_the_learners_evidence_holds_every_replicas_records(
     assert b.local.occupancy("x") == 55 and b.occupancy("x") == 55
     seen = b.probe("x", theirs, 50).last_seen
     assert seen is not None and before <= seen <= after
+
+
+@pytest.mark.redis
+async def test_a_trusted_copy_is_still_checked_in_the_background_and_repaired(prefix: str) -> None:
+    a = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=prefix, owns_client=True)
+    b = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=prefix, owns_client=True)
+    await a.start()
+    await b.start()
+    try:
+        a.record("b0", PROMPT)
+        await a.flush()
+        await until(lambda: b.local.occupancy("b0") == len(PROMPT))
+        await _lookups_until_trusted(b)
+        b.local.forget("b0")  # the copy lost what Redis holds (as a missed entry would)
+        before = b.feed.counters["comparisons"]
+        for _ in range(CHECK_EVERY):
+            assert await b.holders(PROMPT, FLEET) == {}  # answered from the copy, at once
+        await until(lambda: b.feed.counters["comparisons"] > before)  # the one check came back
+        assert b.feed.counters["stale"] == 1 and b.feed.trusted
+        assert await b.holders(PROMPT, FLEET) == {"b0": 6}  # repaired by it
+        assert b.counters["lookups"] == WINDOW  # no lookup waited on Redis
+    finally:
+        await a.close()
+        await b.close()
