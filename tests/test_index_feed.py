@@ -200,24 +200,30 @@ async def test_the_feed_is_off_with_local_lookups_false(prefix: str) -> None:
         await a.close()
 
 
-@pytest.mark.redis
-async def test_started_replicas_read_each_others_writes_in_the_background(prefix: str) -> None:
-    a = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=prefix, owns_client=True)
-    b = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=prefix, owns_client=True)
+@pytest.fixture
+async def started(
+    pair: tuple[RedisPrefixIndex, RedisPrefixIndex],
+) -> tuple[RedisPrefixIndex, RedisPrefixIndex]:
+    """The pair with their background tasks running, b's copy answering what a wrote."""
+    a, b = pair
     await a.start()
     await b.start()
-    try:
-        a.record("b0", PROMPT)
-        await a.flush()
-        await until(lambda: b.local.occupancy("b0") == len(PROMPT))
-        await _lookups_until_trusted(b)
-        b.record("b1", OTHER)
-        await b.flush()
-        await until(lambda: a.local.occupancy("b1") == len(OTHER))
-        assert b.info()["feed"]["entries"] >= 1 and a.info()["feed"]["entries"] >= 1
-    finally:
-        await a.close()
-        await b.close()
+    a.record("b0", PROMPT)
+    await a.flush()
+    await until(lambda: b.local.occupancy("b0") == len(PROMPT))  # read by b's feed reader
+    await _lookups_until_trusted(b)
+    return a, b
+
+
+@pytest.mark.redis
+async def test_started_replicas_read_each_others_writes_in_the_background(
+    started: tuple[RedisPrefixIndex, RedisPrefixIndex],
+) -> None:
+    a, b = started
+    b.record("b1", OTHER)
+    await b.flush()
+    await until(lambda: a.local.occupancy("b1") == len(OTHER))
+    assert b.info()["feed"]["entries"] >= 1 and a.info()["feed"]["entries"] >= 1
 
 
 async def test_an_outage_withdraws_the_copys_trust() -> None:
@@ -249,24 +255,15 @@ async def test_with_the_feed_the_learners_evidence_holds_every_replicas_records(
 
 
 @pytest.mark.redis
-async def test_a_trusted_copy_is_still_checked_in_the_background_and_repaired(prefix: str) -> None:
-    a = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=prefix, owns_client=True)
-    b = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=prefix, owns_client=True)
-    await a.start()
-    await b.start()
-    try:
-        a.record("b0", PROMPT)
-        await a.flush()
-        await until(lambda: b.local.occupancy("b0") == len(PROMPT))
-        await _lookups_until_trusted(b)
-        b.local.forget("b0")  # the copy lost what Redis holds (as a missed entry would)
-        before = b.feed.counters["comparisons"]
-        for _ in range(CHECK_EVERY):
-            assert await b.holders(PROMPT, FLEET) == {}  # answered from the copy, at once
-        await until(lambda: b.feed.counters["comparisons"] > before)  # the one check came back
-        assert b.feed.counters["stale"] == 1 and b.feed.trusted
-        assert await b.holders(PROMPT, FLEET) == {"b0": 6}  # repaired by it
-        assert b.counters["lookups"] == WINDOW  # no lookup waited on Redis
-    finally:
-        await a.close()
-        await b.close()
+async def test_a_trusted_copy_is_still_checked_in_the_background_and_repaired(
+    started: tuple[RedisPrefixIndex, RedisPrefixIndex],
+) -> None:
+    _, b = started
+    b.local.forget("b0")  # the copy lost what Redis holds (as a missed entry would)
+    before = b.feed.counters["comparisons"]
+    for _ in range(CHECK_EVERY):
+        assert await b.holders(PROMPT, FLEET) == {}  # answered from the copy, at once
+    await until(lambda: b.feed.counters["comparisons"] > before)  # the one check came back
+    assert b.feed.counters["stale"] == 1 and b.feed.trusted
+    assert await b.holders(PROMPT, FLEET) == {"b0": 6}  # repaired by it
+    assert b.counters["lookups"] == WINDOW  # no lookup waited on Redis
