@@ -267,3 +267,19 @@ async def test_a_trusted_copy_is_still_checked_in_the_background_and_repaired(
     assert b.feed.counters["stale"] == 1 and b.feed.trusted
     assert await b.holders(PROMPT, FLEET) == {"b0": 6}  # repaired by it
     assert b.counters["lookups"] == WINDOW  # no lookup waited on Redis
+
+
+@pytest.mark.redis
+async def test_a_forgotten_backends_records_in_flight_do_not_bring_it_back(
+    pair: tuple[RedisPrefixIndex, RedisPrefixIndex],
+) -> None:
+    a, b = pair
+    a.record("gone", PROMPT)
+    await a.flush()
+    b.forget("gone")  # it left the fleet; a's batch for it is still unread here
+    await b.pull_feed()
+    assert b.local.occupancy("gone") == 0
+    a.record("gone", OTHER)  # the address rejoined: records made since count again
+    await a.flush()
+    await b.pull_feed()
+    assert b.local.occupancy("gone") == len(OTHER)

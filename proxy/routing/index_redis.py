@@ -123,6 +123,9 @@ class RedisPrefixIndex:
         self.local_lookups = local_lookups
         self._reader: asyncio.Task[None] | None = None
         self._checking: asyncio.Task[None] | None = None
+        # Backend -> when this replica forgot it (a score): the feed's older records for it,
+        # still in flight from other replicas, must not bring it back into the copy.
+        self._forgot_at: dict[str, float] = {}
         self.counters = {
             "lookups": 0,
             "fallback_lookups": 0,
@@ -319,6 +322,10 @@ class RedisPrefixIndex:
         written); its shared key is deleted by the background writer, once across replicas
         (`departure`: a token every replica shares for this change, see departures.py)."""
         self.local.forget(backend)
+        now = self.local.clock() - SCORE_EPOCH
+        self._forgot_at[backend] = now
+        for name in [n for n, at in self._forgot_at.items() if at < now - self.ttl_s]:
+            del self._forgot_at[name]
         self._capacity.pop(backend, None)
         self._held.pop(backend, None)
         if any(r[0] == backend for r in self._pending):
@@ -401,6 +408,9 @@ class RedisPrefixIndex:
             for entry_id, fields in entries:
                 eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
                 for rec in self.feed.read(eid, fields, self._name_at - 1):
+                    gone = self._forgot_at.get(rec.backend)
+                    if gone is not None and rec.ts <= gone:
+                        continue  # written before this replica forgot the backend
                     if rec.ts >= oldest and rec.blocks:
                         # As of now, when this replica learns it: the writer's clock may differ
                         # from ours, and a copy out of time order is searched backend by backend.
