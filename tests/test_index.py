@@ -155,6 +155,7 @@ async def test_lookup_of_all_backends_is_one_round_trip(
 def test_all_keys_of_an_index_hash_to_one_cluster_slot() -> None:
     index = RedisPrefixIndex(redis.asyncio.Redis(), key_prefix="wr")
     keys = [index.key(b) for b in ["a", "b", "gpu-7:8000", "{odd}"]]
+    keys += [index.head_key(7), index.feed_key()]
     assert all(k.startswith("wr:") for k in keys)
     assert len({key_slot(k.encode()) for k in keys}) == 1
 
@@ -509,6 +510,13 @@ async def test_works_against_a_redis_cluster(tmp_path: Path) -> None:
         await index.flush()
         assert await index.lookup([1, 2, 3], ["b0", "b1", "b2"]) == {"b0": 3, "b1": 2, "b2": 0}
         assert index.mode == "redis"
+        # Another replica reads the feed there too (the stream is in the index's slot).
+        peer = RedisPrefixIndex(
+            open_redis(server.url, cluster=True), key_prefix="wr", owns_client=True
+        )
+        assert await peer.pull_feed() == 2
+        assert peer.local.holders_now([1, 2, 3], ["b0", "b1"]) == {"b0": 3, "b1": 2}
+        await peer.close()
         await index.close()
     finally:
         server.stop()
