@@ -94,12 +94,12 @@ async def test_adapter_requests_go_only_where_the_adapter_is_served_and_a_load_i
     """Through the real proxy: two engines, the adapter on one. Its requests all go there (the
     other would answer 404); once it is loaded on the other at run time, the proxy lists it
     there too, without taking the engine for a new one (its cache knowledge stays)."""
-    with sim(lora_modules="sql", time_scale=20) as (a, _), sim(time_scale=20) as (b, _):
+    with sim(lora_modules="sql", time_scale=50) as (a, _), sim(time_scale=50) as (b, _):
         fast = {"health": {"interval_s": 0.1, "idle_interval_s": 0.1, "models_refresh_s": 0.2}}
         proxy = proxy_server([a, b], config=fast)
         client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
         async with httpx.AsyncClient(timeout=30) as h:
-            for i in range(6):
+            for i in range(4):
                 for model in ("sql", "sim-8b"):
                     done = await client.chat.completions.create(
                         model=model,
@@ -109,7 +109,7 @@ async def test_adapter_requests_go_only_where_the_adapter_is_served_and_a_load_i
                     assert done.usage is not None
             on_b = (await h.get(b + "/sim/received")).json()["requests"]
             on_a = (await h.get(a + "/sim/received")).json()["requests"]
-            assert sum(r["body"]["model"] == "sql" for r in on_a) == 6
+            assert sum(r["body"]["model"] == "sql" for r in on_a) == 4
             assert all(r["body"]["model"] != "sql" for r in on_b)
             listed = (await h.get(proxy.url + "/v1/models")).json()["data"]
             assert {"id": "sql", "parent": "sim-8b"}.items() <= {
