@@ -215,13 +215,10 @@ class RedisPrefixIndex:
                 self._check_later(blocks, backends)
             return found
         self.counters["lookups"] += 1
-        oldest = self.local.clock() - SCORE_EPOCH - self.ttl_s
         ticket = self._timeouts.start()
         try:
             async with asyncio.timeout(self.timeout_s):
-                hint = self._depths.get(blocks[0], 0)
-                args = [pack_blocks(blocks), repr(oldest), hint, self._name_at]
-                found = await self._script(keys=[self.head_key(blocks[0])], args=args)
+                out = await self._ask(blocks, backends)
         except REDIS_DOWN_ERRORS as e:
             _reraise_if_cancelled()
             self.counters["lookup_errors"] += 1
@@ -234,7 +231,6 @@ class RedisPrefixIndex:
             self.counters["fallback_lookups"] += 1
             return self.local.holders_now(blocks, backends)
         self._timeouts.answered()
-        out = {name: n for name, n in reply_pairs(found) if name in backends}
         if out:
             self._note_depth(blocks[0], out)
         if self.local_lookups:
@@ -270,16 +266,23 @@ class RedisPrefixIndex:
         self._checking = asyncio.create_task(self._check(blocks, frozenset(backends)))
 
     async def _check(self, blocks: Sequence[int], backends: Collection[str]) -> None:
-        oldest = self.local.clock() - SCORE_EPOCH - self.ttl_s
-        args = [pack_blocks(blocks), repr(oldest), self._depths.get(blocks[0], 0), self._name_at]
         try:
             async with asyncio.timeout(self._slow_s):
-                found = await self._script(keys=[self.head_key(blocks[0])], args=args)
+                shared = await self._ask(blocks, backends)
         except REDIS_DOWN_ERRORS:
             _reraise_if_cancelled()
             return  # the writer and the feed's reader tell an outage; a check only compares
         if self._up and self.feed.trusted:
-            self._compare(blocks, backends, {n: d for n, d in reply_pairs(found) if n in backends})
+            self._compare(blocks, backends, shared)
+
+    async def _ask(self, blocks: Sequence[int], backends: Collection[str]) -> dict[str, int]:
+        """The lookup script's answer: the backends of `backends` holding the prompt's first
+        block, with the depth each holds (one round trip; the caller bounds its time)."""
+        oldest = self.local.clock() - SCORE_EPOCH - self.ttl_s
+        hint = self._depths.get(blocks[0], 0)
+        args = [pack_blocks(blocks), repr(oldest), hint, self._name_at]
+        found = await self._script(keys=[self.head_key(blocks[0])], args=args)
+        return {name: n for name, n in reply_pairs(found) if name in backends}
 
     def _note_depth(self, head: int, held: Mapping[str, int]) -> None:
         """The depth most holders of `head` hold, tried first at its next lookup."""
