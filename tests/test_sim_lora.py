@@ -37,6 +37,8 @@ def test_adapters_are_listed_with_their_parent_and_loaded_and_unloaded_at_run_ti
         assert r.status_code == 404 and "math" in r.json()["error"]["message"]
         r = c.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "math", "lora_path": "/m"})
         assert r.status_code == 200 and "math" in r.text
+        half = c.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x"})
+        assert half.status_code == 400 and "lora_path" in half.text
         again = c.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "math", "lora_path": "/m"})
         assert again.status_code == 400 and "already been loaded" in again.text
         assert (
