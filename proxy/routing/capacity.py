@@ -26,6 +26,10 @@ backend, moved by every replica's responses, as one proxy's would be by all of t
 A published pool size is the upper bound, never the estimate itself. Units are the index's
 blocks (64 characters by default), so the estimate sizes the index directly; the engine's
 tokens are compared as fractions of the prompt, which needs no tokenizer.
+
+An engine whose cache is a few slots (llama.cpp: proxy.routing.slots) also has a floor: it
+holds as many prompts as it has slots, and a miss caused by two requests of one prompt taking
+both slots says nothing about its size, so no false hit takes the estimate below them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.routing.index import DEFAULT_CAPACITY_BLOCKS
+from proxy.routing.slots import SlotFloor, SlotLayout
 
 
 @dataclass(slots=True)
@@ -65,6 +70,7 @@ class CacheEstimate:
     predicted_ratio: float = 0.0  # EWMA of predicted cached share of the prompt
     actual_ratio: float = 0.0  # EWMA of the engine-reported cached share
     agreement: float = 1.0  # EWMA of "prediction and report agree"
+    prompt_blocks: float = 0.0  # running mean of its prompts' length (a slot engine's floor)
     last_change: str = "initial"
 
     def as_dict(self) -> dict[str, Any]:
@@ -96,6 +102,9 @@ class CapacityLearner:
     tolerance: float = 0.25  # share of the prediction that engines' rounding may lose
     half_life: float = 32.0  # responses, for the ratio and agreement averages
     estimates: dict[str, CacheEstimate] = field(default_factory=dict)
+    # Slot engines' floors (set_slots): the prompts their slots hold, whatever misses say.
+    slot_floors: dict[str, SlotFloor] = field(default_factory=dict)
+    slot_fill: float = 0.8  # placement's fill: the floor leaves it that share of headroom
     moved: set[str] = field(default_factory=set)  # moved on this replica's evidence, not taken
     # Told of a backend just before its capacity changes (the placement pins the free room it
     # computed from the old value: proxy.routing.placement_views.Room).
@@ -138,7 +147,7 @@ class CapacityLearner:
         if backend in self.moved:
             return False
         est = self.estimate(backend)
-        value = min(max(float(blocks), float(self.min_blocks)), est.upper)
+        value = min(max(float(blocks), self._slot_floor(backend)), est.upper)
         if round(value) == round(est.capacity):
             return False
         self._moving(backend)
@@ -153,7 +162,36 @@ class CapacityLearner:
         as any backend does before its first report)."""
         self._moving(backend)
         self.estimates.pop(backend, None)
+        self.slot_floors.pop(backend, None)
         self.moved.discard(backend)
+
+    def set_slots(self, backend: str, layout: SlotLayout, slot_blocks: int | None) -> bool:
+        """The engine keeps `layout.slots` sequences of at most `slot_blocks` index blocks
+        each (llama.cpp's /props or /slots): the estimate never goes below the prompts they
+        hold. Returns whether the estimate moved (it rose to the floor)."""
+        self.slot_floors[backend] = SlotFloor(layout, slot_blocks, self.slot_fill)
+        return self._raise_to_floor(backend, 0)
+
+    def _slot_floor(self, backend: str, prompt_blocks: int = 0) -> float:
+        """One prompt (`prompt_blocks`, the one observed); a slot engine's slots' prompts, of
+        the typical size here or of this one if longer."""
+        sf = self.slot_floors.get(backend)
+        low = float(max(self.min_blocks, prompt_blocks))
+        if sf is None:
+            return low
+        typical = self.estimates[backend].prompt_blocks if backend in self.estimates else 0.0
+        return max(low, sf.blocks(max(typical, float(prompt_blocks))))
+
+    def _raise_to_floor(self, backend: str, prompt_blocks: int) -> bool:
+        est = self.estimate(backend)
+        floor = min(self._slot_floor(backend, prompt_blocks), est.upper)
+        if est.capacity >= floor:
+            return False
+        self._moving(backend)
+        est.capacity = floor
+        slots = self.slot_floors[backend].layout.slots
+        est.last_change = f"slots: {slots} prompts of {est.prompt_blocks:.0f} blocks"
+        return True
 
     def set_upper(self, backend: str, blocks: int) -> None:
         """The engine published its pool size: a bound on the estimate, not the estimate.
@@ -182,7 +220,10 @@ class CapacityLearner:
         slack = max(2.0, self.tolerance * predicted)
         agree = abs(actual - predicted) <= slack
         est.agreement += alpha * (float(agree) - est.agreement)
-        floor = float(max(self.min_blocks, o.prompt_blocks))
+        if est.prompt_blocks <= 0.0:
+            est.prompt_blocks = float(o.prompt_blocks)
+        est.prompt_blocks += 0.1 * (o.prompt_blocks - est.prompt_blocks)
+        floor = self._slot_floor(backend, o.prompt_blocks)
         if predicted >= self.min_predicted:
             est.predicted_hits += 1
             if actual < predicted - slack and self._settled(o):
@@ -208,6 +249,8 @@ class CapacityLearner:
                 self.moved.add(backend)
                 return "grow"
             return None
+        if backend in self.slot_floors and self._raise_to_floor(backend, o.prompt_blocks):
+            return "grow"
         return None
 
     @staticmethod
@@ -223,4 +266,8 @@ class CapacityLearner:
         return o.recorded_age_s > (o.ttft_s or 0.0)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
-        return {b: e.as_dict() for b, e in sorted(self.estimates.items())}
+        out = {b: e.as_dict() for b, e in sorted(self.estimates.items())}
+        for b, sf in self.slot_floors.items():
+            if b in out:
+                out[b]["slots"] = sf.as_dict(self.estimates[b].prompt_blocks)
+        return out
