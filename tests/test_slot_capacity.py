@@ -8,9 +8,11 @@ from typing import Any
 
 import httpx
 
+from proxy.config import load_config
 from proxy.routing.capacity import CapacityLearner, Outcome
 from proxy.routing.slots import SlotFloor, SlotLayout, from_props, from_slots
 from proxy.upstream import slot_scrape
+from proxy.upstream.backends import BackendRegistry
 
 # Shaped as llama.cpp writes them (tools/server/server-context.cpp: get_res_props and
 # server_slot::to_json with only_metrics, the default), trimmed to the fields read and a few.
@@ -122,3 +124,44 @@ def test_a_restart_forgets_the_slots() -> None:
     for _ in range(40):
         learner.observe("e", miss(occupancy=min(learner.capacity("e"), 300)))
     assert learner.capacity("e") == 114
+
+
+def _registry(answers: dict[str, httpx.Response]) -> tuple[BackendRegistry, list[SlotLayout]]:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return answers.get(request.url.path, httpx.Response(404, text="not found"))
+
+    config = load_config(flags={"backends": ["http://cpu:8080#engine=llamacpp"]}, env={})
+    registry = BackendRegistry(config, httpx.AsyncClient(transport=httpx.MockTransport(answer)))
+    told: list[SlotLayout] = []
+    registry.on_slots = lambda name, layout: told.append(layout)
+    return registry, told
+
+
+def _metrics(running: int) -> httpx.Response:
+    return httpx.Response(
+        200, text=f"llamacpp:requests_processing {running}\nllamacpp:requests_deferred 0\n"
+    )
+
+
+async def test_the_registry_asks_once_and_again_after_a_restart() -> None:
+    registry, told = _registry({"/metrics": _metrics(0), "/props": httpx.Response(200, json=PROPS)})
+    [b] = registry.backends.values()
+    await registry._scrape(b)
+    await registry._scrape(b)
+    assert told == [SlotLayout(2, 4096, "props")] and b.slots == told[0]
+    b.slots, b.slots_asked = None, False  # as the registry does before on_restart
+    await registry._scrape(b)
+    assert told == [SlotLayout(2, 4096, "props")] * 2
+
+
+async def test_an_engine_that_tells_nothing_has_the_slots_seen_busy() -> None:
+    answers = {"/metrics": _metrics(1)}
+    registry, told = _registry(answers)
+    [b] = registry.backends.values()
+    await registry._scrape(b)
+    answers["/metrics"] = _metrics(3)
+    await registry._scrape(b)
+    answers["/metrics"] = _metrics(2)
+    await registry._scrape(b)
+    assert [layout.slots for layout in told] == [1, 3]
+    assert b.slots == SlotLayout(3, None, "running")

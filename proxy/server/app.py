@@ -29,6 +29,7 @@ from proxy.forwarding.retry import RetryPolicy
 from proxy.forwarding.state import AppState, RequestRouting
 from proxy.routing.index import capacity_blocks_from_tokens
 from proxy.routing.setup import block_errors, block_names, build_router, build_routing
+from proxy.routing.slots import SlotLayout
 from proxy.server import handlers
 from proxy.telemetry import Telemetry
 from proxy.tenants import http as tenants_http
@@ -189,6 +190,19 @@ def _wire_routing(state: AppState) -> dict[str, Any]:
         router.set_published_capacity(backend, blocks)
 
     state.registry.on_kv_capacity = kv_capacity
+
+    def slots(backend: str, layout: SlotLayout) -> None:
+        # A slot engine holds its slots' prompts whatever its misses say (routing/slots.py).
+        tokens = layout.ctx_tokens
+        per_slot = None
+        if tokens:
+            per_slot = capacity_blocks_from_tokens(
+                tokens, hasher.block_chars, hasher.chars_per_token
+            )
+        if router.capacity.set_slots(backend, layout, per_slot) and router.index is not None:
+            router.index.set_capacity(backend, router.capacity.capacity(backend))
+
+    state.registry.on_slots = slots
     engine_caches = kv_event_caches(state.config, state.registry, hasher.kv_block_tokens)
     router.exact.update(engine_caches)
     return engine_caches

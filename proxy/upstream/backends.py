@@ -23,8 +23,10 @@ import httpx
 
 from proxy import engines
 from proxy.config import BackendConfig, Config, HealthConfig
+from proxy.routing.slots import SlotLayout
 from proxy.routing.types import BackendView, Changes, EngineLoad, one_copy
 from proxy.types import FailureKind
+from proxy.upstream import slot_scrape
 from proxy.upstream.engine_metrics import LOAD_METRICS, counters_reset, parse_load
 from proxy.upstream.outlier import Breaker
 
@@ -69,6 +71,10 @@ class Backend:
     # Its registry's record of changed views (None until the registry lists it): health,
     # load, models and configuration mark this backend there, a change of state the fleet.
     changes: Changes | None = field(default=None, repr=False, compare=False)
+    # A slot engine's slots (llama.cpp: proxy.upstream.slot_scrape), and whether the engine
+    # at this address was asked for them yet (again after a restart).
+    slots: SlotLayout | None = None
+    slots_asked: bool = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -238,6 +244,8 @@ class BackendRegistry:
         self.on_serving: Callable[[Backend], None] | None = None
         # Called with (name, what changed) when the engine at an address is not the one it was.
         self.on_restart: Callable[[Backend, str], None] | None = None
+        # Called with (backend name, its slots) when a slot engine's layout is new.
+        self.on_slots: Callable[[str, SlotLayout], None] | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._idle: set[str] = set()  # backends on the idle cadence (check_interval's count)
         self._closing: set[asyncio.Task[None]] = set()
@@ -457,6 +465,7 @@ class BackendRegistry:
         if old is None or base != old_base:
             log.info("backend %s serves %s", b.name, ", ".join(sorted(ids)) or "no models")
             if old is not None and b.state != "joining" and self.on_restart:
+                b.slots, b.slots_asked = None, False
                 self.on_restart(b, "its model list changed")
         else:
             added = sorted(adapters.keys() - old_adapters.keys())
@@ -488,11 +497,29 @@ class BackendRegistry:
         if load is not None:
             went_back = counters_reset(b.load.counters, load.counters)
             if went_back and self.on_restart is not None:
+                b.slots, b.slots_asked = None, False
                 self.on_restart(b, f"its counter {went_back} went back")
             if load.kv_tokens and load.kv_tokens != b.load.kv_tokens and self.on_kv_capacity:
                 log.info("backend %s has a KV pool of %d tokens", b.name, load.kv_tokens)
                 self.on_kv_capacity(b.name, load.kv_tokens)
             b.load = load
+        if b.cfg.engine == "llamacpp" and self.on_slots is not None:
+            await self._slots(b)
+
+    async def _slots(self, b: Backend) -> None:
+        """A llama.cpp engine's slots: asked once, else inferred from its busy slots."""
+        layout, timeout, headers = None, self.config.timeouts.health_s, self._headers(b)
+        if not b.slots_asked:  # /props and /slots want the API key, as /v1 does
+            b.slots_asked = True
+            layout = await slot_scrape.ask(
+                lambda path: self._get(b, engines.backend_url(b.url, path), timeout, headers)
+            )
+        if layout is None:
+            layout = slot_scrape.inferred(b.slots, b.load.running)
+        if layout is not None and layout != b.slots and self.on_slots is not None:
+            log.info("backend %s keeps %d slots (%s)", b.name, layout.slots, layout.source)
+            b.slots = layout
+            self.on_slots(b.name, layout)
 
     async def _join(self, b: Backend) -> None:
         """Health and the model list first, at the health interval until both answered (or
