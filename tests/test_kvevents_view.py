@@ -10,7 +10,7 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.kvevents.view import KvCacheView
+from proxy.kvevents.view import TIERS, KvCacheView, tier_of
 from proxy.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from proxy.routing.prefix import PrefixHasher, chain_tokens, seed
 
@@ -149,20 +149,76 @@ def test_an_old_lora_event_without_the_adapters_name_is_not_keyed() -> None:
     assert len(view) == 0 and view.stats()["unkeyable"] == 1
 
 
-def test_other_tiers_groups_and_block_sizes_are_counted_and_ignored() -> None:
-    ids = list(range(2 * BS))
+def test_other_groups_are_counted_and_ignored() -> None:
+    event = stored_events(list(range(2 * BS)), [])[0]
+    view = KvCacheView(MODEL, BS)
+    view.apply([replace(event, group_idx=1), BlockRemoved(event.block_hashes, None, group_idx=1)])
+    assert len(view) == 0 and view.stats()["other_group"] == 4
+
+
+def test_a_slower_tiers_copy_is_a_tier_of_its_own_and_removed_per_medium() -> None:
+    ids = list(range(3 * BS))
     event = stored_events(ids, [])[0]
+    keys = our_keys(ids)
+    view = KvCacheView(MODEL, BS)
+    view.apply([event, replace(event, medium="CPU")])  # in the GPU and offloaded to the host
+    assert view.match(keys) == 3 and view.match_tiers(keys) == (3, 3, 3, 3)
+    view.apply([BlockRemoved(event.block_hashes[1:], "GPU")])  # the GPU evicts its tail
+    assert view.match(keys) == 1 and view.match_tiers(keys) == (1, 3, 3, 3)
+    assert view.stats()["tiers"] == {"GPU": 1, "CPU": 3}
+    view.apply([BlockRemoved(event.block_hashes[2:], "CPU")])
+    assert view.match_tiers(keys) == (1, 2, 2, 2)
+    view.apply([BlockRemoved(event.block_hashes, "CPU"), BlockRemoved(event.block_hashes, "GPU")])
+    assert view.match_tiers(keys) == (0, 0, 0, 0) and view.stats()["unknown_removals"] == 3
+    assert view.engine_hashes() == frozenset()
+
+
+def test_the_tiered_match_counts_each_block_at_its_fastest_tier() -> None:
+    ids = list(range(5 * BS))
+    event = stored_events(ids, [])[0]
+    h, keys = event.block_hashes, our_keys(ids)
     view = KvCacheView(MODEL, BS)
     view.apply(
         [
-            replace(event, medium="CPU"),
-            replace(event, group_idx=1),
-            replace(event, block_size=2 * BS),
+            replace(event, medium="DISK"),  # all five on disk
+            replace(event, block_hashes=h[:3], token_ids=ids[: 3 * BS], medium="CPU_PINNED"),
+            replace(event, block_hashes=h[:1], token_ids=ids[:BS]),  # medium None: the GPU
         ]
     )
-    stats = view.stats()
-    assert len(view) == 0
-    assert (stats["other_medium"], stats["other_group"], stats["other_block_size"]) == (2, 2, 2)
-    view.apply([replace(event, group_idx=0, medium=None)])
-    view.apply([BlockRemoved(event.block_hashes, "CPU")])  # the CPU copy going away
-    assert len(view) == 2
+    assert view.match_tiers(keys) == (1, 3, 5, 5)
+    view.apply([BlockRemoved(h[3:4], "DISK")])
+    assert view.match_tiers(keys) == (1, 3, 3, 3)
+
+
+def test_medium_names_of_every_engine_map_to_a_tier() -> None:
+    names = {m: TIERS[tier_of(m)] for m in (None, "GPU", "cuda:0", "CPU", "CPU_PINNED", "DISK")}
+    names |= {m: TIERS[tier_of(m)] for m in ("STORAGE", "EXTERNAL", "REMOTE", "something")}
+    assert names == {
+        None: "GPU", "GPU": "GPU", "cuda:0": "GPU", "CPU": "CPU", "CPU_PINNED": "CPU",
+        "DISK": "DISK", "STORAGE": "DISK", "EXTERNAL": "REMOTE", "REMOTE": "REMOTE",
+        "something": "REMOTE",
+    }  # fmt: skip
+
+
+@given(
+    st.lists(st.integers(0, 2**31 - 1), min_size=3 * BS, max_size=12 * BS),
+    st.sampled_from([1, 2, 3, BS, 2 * BS, 3 * BS - 1]),
+)
+def test_engine_pages_of_any_size_give_the_views_blocks(ids: list[int], page: int) -> None:
+    """SGLang's page is 1 token on CUDA by default: each page is an engine block of its own,
+    and the view's block is complete once its last token's page is stored."""
+    n = len(ids) // page
+    hashes = [-(i + 1) for i in range(n)]  # signed, like SGLang's
+    events = [
+        BlockStored(
+            hashes[i : i + 2], hashes[i - 1] if i else None, ids[i * page : (i + 2) * page], page
+        )
+        for i in range(0, n, 2)
+    ]
+    view = KvCacheView(MODEL, BS)
+    view.apply(events)
+    keys = our_keys(ids[: n * page])
+    assert view.keys() == frozenset(keys) and view.match(keys) == len(keys)
+    view.apply([BlockRemoved(hashes[-1:], "GPU")])  # the last page: the block it completes goes
+    last = n * page // BS - (n * page - page) // BS  # blocks the last page completed
+    assert view.match(keys) == len(keys) - last

@@ -82,5 +82,9 @@ class EngineCache:
     def match(self, blocks: Sequence[int]) -> int:
         return self.view.match(blocks)
 
+    def match_tiers(self, blocks: Sequence[int]) -> tuple[int, ...]:
+        """Leading blocks reachable through each tier of `view.TIERS` (GPU first)."""
+        return self.view.match_tiers(blocks)
+
     def stats(self) -> dict[str, Any]:
         return {"live": self.live, **self.subscriber.stats(), "view": self.view.stats()}

@@ -15,8 +15,9 @@ repairs it from the engine's replay buffer:
 
 Batches sent while the SUB socket (re)joins are lost; the next live batch reveals the gap.
 `exact` says the sink holds everything since a clean start (a replay that reached seq 0, or
-an AllBlocksCleared); a gap the replay could not fill clears it, and so does an event that
-could not be read (unknown or malformed: the sink did not see that change to the cache).
+an AllBlocksCleared); a gap the replay could not fill clears it, and so does, until the next
+clean start, an event that could not be read (unknown or malformed) or a block the sink could
+not place (a parent it never saw): either way the sink missed a change to the cache.
 
 "Silent" means nothing arrived for `silent_after_s`. An idle engine is silent too (engines
 publish only when their cache changes), so silence alone is no verdict: pair it with a
@@ -48,7 +49,10 @@ RECENT = 4096  # digests of the last batches applied, to tell a repeat from a re
 class EventSink(Protocol):
     """Where decoded events go (`KvCacheView` is one)."""
 
-    def apply(self, events: Iterable[wire.KVEvent]) -> None: ...
+    def apply(self, events: Iterable[wire.KVEvent]) -> int | None:
+        """Apply events in order; may return how many blocks it could not place (a change
+        to the cache it did not follow: the subscriber then stops claiming exactness)."""
+        ...
 
     def clear(self) -> None: ...
 
@@ -83,6 +87,9 @@ class KvEventSubscriber:
         self.clock = clock
         self.last_seq: int | None = None
         self.exact = False  # the sink holds everything the engine published since a clean start
+        # Something since the last clean start was not followed (an unreadable event, a block
+        # the sink could not place): no replay repairs that, only the next clean start does.
+        self._lossy = False
         self.connected = False
         self.counts: dict[str, int] = dict.fromkeys(
             (
@@ -90,6 +97,7 @@ class KvEventSubscriber:
                 "messages",  # batches applied (live and replayed)
                 "events",  # events applied
                 "skipped_events",  # unknown or malformed events left out of a batch
+                "unplaced_blocks",  # blocks the sink could not place (a parent it never saw)
                 "undecodable",  # messages that were not a KV event batch at all
                 "duplicates",  # live batches already applied from a replay
                 "gaps",  # live messages that came after a missing one
@@ -244,8 +252,10 @@ class KvEventSubscriber:
             self.counts["undecodable"] += 1
             log.warning("KV events from %s: %s", self.endpoint, e)
             return
-        if self.topic and msg.topic != self.topic:
-            return  # a longer topic that only shares our prefix
+        if self.topic and msg.topic != self.topic and not msg.topic.startswith(self.topic + b"\0"):
+            # A longer topic that only shares our prefix. SGLang's snapshot-capable publisher
+            # appends b"\0sgl-kv-epoch=<id>" (and a snapshot marker) to the configured topic.
+            return
         if self.last_seq is not None:
             if msg.seq <= self.last_seq:
                 if self._recent.get(msg.seq) == hash(msg.payload):
@@ -277,19 +287,23 @@ class KvEventSubscriber:
             return
         self.counts["skipped_events"] += batch.skipped
         self.counts["events"] += len(batch.events)
-        self.sink.apply(batch.events)
+        unplaced = self.sink.apply(batch.events) or 0
+        self.counts["unplaced_blocks"] += unplaced
         if any(isinstance(e, wire.AllBlocksCleared) for e in batch.events):
             self.exact = True  # everything from here on is known
-        if batch.skipped:
+            self._lossy = False
+        if batch.skipped or unplaced:
             # The engine's cache changed in a way the sink did not see: until a clean start
             # (a cleared cache, a restart replayed from 0), routing must not trust it whole.
             if self.exact:
                 log.warning(
-                    "KV events from %s: batch %d had %d event(s) this proxy could not read; "
-                    "the view is no longer exact (routing falls back to the index)",
-                    self.endpoint, seq, batch.skipped,
+                    "KV events from %s: batch %d had %d event(s) this proxy could not read "
+                    "and %d block(s) it could not place; the view is no longer exact (routing "
+                    "falls back to the index)",
+                    self.endpoint, seq, batch.skipped, unplaced,
                 )  # fmt: skip
             self.exact = False
+            self._lossy = True
 
     def reset(self) -> None:
         """Another engine answers at the endpoint (the caller knows it restarted): the view
@@ -298,6 +312,7 @@ class KvEventSubscriber:
         self.sink.clear()
         self.last_seq = None
         self.exact = False
+        self._lossy = False
         self._recent.clear()
 
     def _restarted(self, seq: int | None) -> None:
@@ -314,7 +329,7 @@ class KvEventSubscriber:
         if items is None:
             self._unrepaired(0)
         else:
-            self.exact = self._apply_replayed(items, 0, upto)
+            self.exact = self._apply_replayed(items, 0, upto) and not self._lossy
 
     async def _fill_gap(self, upto: int) -> None:
         assert self.last_seq is not None

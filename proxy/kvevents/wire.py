@@ -82,6 +82,7 @@ class BlockStored:
     ownership: str | None = None
     session_id: str | None = None
     lookahead_token_ids: Sequence[Sequence[int]] | None = None
+    cache_salt: str | None = None  # SGLang's own field (vLLM puts the salt in extra_keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,10 +220,31 @@ def _event_from_wire(item: Any) -> KVEvent | None:
     else:
         values = {n: fields[n] for n in names if n in fields}
     try:
+        if cls is BlockStored:
+            values["cache_salt"] = _sglang_salt(values, fields)
         return _checked(cls, values, names[: _NEEDED[cls]])
     except (TypeError, ValueError) as e:
         log.warning("skipping a malformed %s event: %s", tag, e)
         return None
+
+
+def _sglang_salt(values: dict[str, Any], fields: dict[str, Any] | None) -> str | None:
+    """SGLang's cache salt, wherever its version put it: a `cache_salt` key of the map (since
+    sgl-project/sglang#37482), or a `{"cache_salt": ...}` metadata map, which the array
+    layout of #30827 appends after `medium` (vLLM's `lora_name` slot) and a later branch past
+    vLLM's fields. Such a map is taken out of the positional values it landed in."""
+    meta: Any = None
+    if fields is None:
+        for name in [n for n, v in values.items() if isinstance(v, dict)]:
+            meta = values.pop(name)
+    else:
+        meta = fields.get("metadata")
+        if "cache_salt" in fields:
+            meta = {"cache_salt": fields["cache_salt"]}
+    salt = meta.get("cache_salt") if isinstance(meta, dict) else None
+    if not isinstance(salt, str | None):
+        raise TypeError("cache_salt must be a string or nil")
+    return salt
 
 
 def _checked(cls: type, values: dict[str, Any], required: Sequence[str]) -> KVEvent:
