@@ -284,7 +284,8 @@ class BoundedLoadPicker:
         prompt = ctx.prompt_chars / per_token
 
         def work(b: BackendView) -> float:
-            cached = ctx.matched_blocks.get(b.name, 0) * ctx.block_chars / per_token
+            # GPU blocks, and a slower tier's at the share of prefill they save
+            cached = self._ttft.cached_blocks(ctx, b.name) * ctx.block_chars / per_token
             queued = b.backlog_tokens + max(b.load.waiting or 0.0, 0.0) * prompt
             evicts = prompt if b.name in ctx.full else 0.0  # a placed prefix re-prefills
             return queued + max(prompt - cached, 0.0) + evicts

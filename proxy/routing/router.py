@@ -213,6 +213,7 @@ class Router:
             exact = []
             fresh = None if self.index is None else self.index.fresh_prefix
             since = self._index_now() - self.pending_s
+            ctx.tier_blocks = {}
             for name, view in self.exact.items():
                 if name in fleet.index and view.live:
                     n = view.match(blocks)
@@ -220,6 +221,13 @@ class Router:
                         # Blocks sent there moments ago are being prefilled: the engine will
                         # hold them before a request sent now gets its turn.
                         n = max(n, fresh(name, blocks, since))
+                    tiers = getattr(view, "match_tiers", None)  # views that know tiers
+                    if tiers is not None and n < len(blocks):
+                        # Past the GPU's blocks, what the engine loads from a slower tier.
+                        reach = tiers(blocks)  # GPU, CPU, disk, remote (view.TIERS)
+                        if reach[-1] > n:
+                            slower = zip(("CPU", "DISK", "REMOTE"), reach[1:], strict=False)
+                            ctx.tier_blocks[name] = {tier: max(r, n) for tier, r in slower}
                     ctx.matched_blocks[name] = n
                     if n > 0:
                         held[name] = n

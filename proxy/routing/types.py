@@ -220,6 +220,11 @@ class RouteContext:
     token_keyed: bool = False  # prefix_blocks are blocks of token ids (comparable to KV events)
     # Backends whose match came from the engine's own KV events, not the learned index:
     exact: frozenset[str] = frozenset()
+    # Of those, the ones holding more of the prompt in slower tiers than on the GPU: backend ->
+    # {"CPU" | "DISK" | "REMOTE": leading blocks each on the GPU or in that tier or a faster
+    # one}. A hit there is loaded, not recomputed: cheaper than a cold prefill, dearer than
+    # the GPU (matched_blocks stays the GPU depth; the predicted-TTFT scorer prices the rest).
+    tier_blocks: dict[str, dict[str, int]] = field(default_factory=dict)
     # Filled by the router when the picker follows the placement (proxy.routing.placement):
     homes: tuple[str, ...] = ()  # the backends this prompt's prefix is assigned to
     full: frozenset[str] = frozenset()  # backends whose learned cache has no room for it
