@@ -143,22 +143,38 @@ class KvCacheView:
             return
         lora, extra = event.lora_name, event.extra_keys or ()
         first_extra = 1 if event.parent_block_hash is None else 0
-        tokens, width = event.token_ids, self.block_tokens
-        for i in range(n):
-            if state is not None and first_extra <= i < len(extra):
-                if not _only_lora(extra[i], lora):
-                    state = None  # an image or an embedding: this block and all after it
-            if state is None:
-                page = _Page((), None, ())
-                self.counts["unkeyable"] += 1
-            else:
-                base, tail = state
-                buf = (*tail, *tokens[i * size : (i + 1) * size])
-                whole = len(buf) // width
-                keys = tuple(chain_tokens(base, buf, width, whole)) if whole else ()
-                state = (keys[-1] if keys else base, buf[whole * width :])
-                page = _Page(keys, state[0], state[1])
+        usable = 0 if state is None else n  # pages up to the first an extra key makes unkeyable
+        for i in range(first_extra, min(usable, len(extra))):
+            if not _only_lora(extra[i], lora):
+                usable = i  # an image or an embedding: this block and all after it
+                break
+        for i, page in enumerate(self._keyed_pages(event, usable, state)):
             self._put(event.block_hashes[i], page, tier)
+        for i in range(usable, n):
+            self.counts["unkeyable"] += 1
+            self._put(event.block_hashes[i], _Page((), None, ()), tier)
+
+    def _keyed_pages(self, event: BlockStored, n: int, state: _State | None) -> list[_Page]:
+        """The first n pages of an event, chained from `state`."""
+        if state is None or not n:
+            return []
+        size, tokens, width = event.block_size, event.token_ids, self.block_tokens
+        base, tail = state
+        if not tail and size % width == 0:  # whole blocks per page (vLLM): one chain call
+            per = size // width
+            keys = chain_tokens(base, tokens[: n * size], width, n * per)
+            if per == 1:
+                return [_Page((k,), k, ()) for k in keys]
+            return [_Page(tuple(keys[i * per : (i + 1) * per]), keys[(i + 1) * per - 1], ())
+                    for i in range(n)]  # fmt: skip
+        pages = []
+        for i in range(n):
+            buf = (*tail, *tokens[i * size : (i + 1) * size])
+            whole = len(buf) // width
+            done = tuple(chain_tokens(base, buf, width, whole)) if whole else ()
+            base, tail = (done[-1] if done else base), buf[whole * width :]
+            pages.append(_Page(done, base, tail))
+        return pages
 
     def _start(self, event: BlockStored, n: int) -> tuple[bool, _State | None]:
         """Whether the parent is known, and where the event's chain starts (None: unkeyable)."""
@@ -181,21 +197,27 @@ class KvCacheView:
     def _put(self, engine_hash: BlockHash, page: _Page, tier: int) -> None:
         bit = 1 << tier
         old = self._pages.get(engine_hash)
-        if old is not None and (old.keys, old.base, old.tail) == (page.keys, page.base, page.tail):
+        if old is None:  # the common case, inline
+            page.tiers = bit
+            self._pages[engine_hash] = page
+            refs = self._refs[tier]
+            for key in page.keys:
+                refs[key] = refs.get(key, 0) + 1
+            self.counts["stored"] += 1
+            return
+        if (old.keys, old.base, old.tail) == (page.keys, page.base, page.tail):
             if old.tiers & bit:
                 return  # announced again (vLLM re-announces reused prefixes)
             old.tiers |= bit  # the same block, now in one more tier
             self._ref(old.keys, tier, 1)
             self.counts["stored"] += 1
             return
-        if old is not None:  # the hash names other tokens now
-            for t in range(len(TIERS)):
-                if old.tiers & (1 << t):
-                    self._ref(old.keys, t, -1)
-        page.tiers = bit
-        self._pages[engine_hash] = page
-        self._ref(page.keys, tier, 1)
-        self.counts["stored"] += 1
+        # The hash names other tokens now.
+        for t in range(len(TIERS)):
+            if old.tiers & (1 << t):
+                self._ref(old.keys, t, -1)
+        del self._pages[engine_hash]
+        self._put(engine_hash, page, tier)
 
     def _remove(self, event: BlockRemoved) -> None:
         if event.group_idx not in (None, 0):
