@@ -190,6 +190,7 @@ def run_command(args: argparse.Namespace) -> int:
         "api_key": api_key,
         "allow_remote": args.allow_remote,
         "affinity": args.direct_affinity,
+        "close_connections": args.close_connections,
     }
 
     try:

@@ -145,6 +145,7 @@ async def run_bench(
     api_key: str | None = None,
     allow_remote: bool = False,
     affinity: str = "round-robin",
+    close_connections: bool = False,
 ) -> RunResult:
     """Run `requests` requests of `workload` against `base_url` (several: spread by `affinity`,
     "round-robin" by conversation or index, or "system": system prompt i on target i mod N).
@@ -168,6 +169,7 @@ async def run_bench(
         api_key=api_key,
         allow_remote=allow_remote,
         affinity=affinity,
+        close_connections=close_connections,
     )
     return runs[0]
 
@@ -188,6 +190,7 @@ async def run_paired(
     api_key: str | None = None,
     allow_remote: bool = False,
     affinity: str = "round-robin",
+    close_connections: bool = False,
 ) -> list[RunResult]:
     """One run per (targets, label, role) group, their requests interleaved.
 
@@ -205,7 +208,12 @@ async def run_paired(
     # The token goes on the session so that /v1/models discovery is authorized too.
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
     pool = concurrency or 0  # 0: unbounded, an open loop must not queue inside the client
-    connector = aiohttp.TCPConnector(limit=pool * len(groups), limit_per_host=pool)
+    # close_connections: a connection per request, for servers that close theirs after a
+    # streamed response while announcing keep-alive (llama-server: every other request on a
+    # reused connection failed).
+    connector = aiohttp.TCPConnector(
+        limit=pool * len(groups), limit_per_host=pool, force_close=close_connections
+    )
     timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=10)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=auth) as session:
         # Every target is probed: an unreachable one fails here, before any load is sent.

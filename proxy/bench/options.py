@@ -153,6 +153,14 @@ def add_target_options(p: Any) -> None:
         "system (system prompt i on URL i mod N, the static-affinity bound; see below)",
     )
     g.add_argument(
+        "--close-connections",
+        action="store_true",
+        default=env_flag("close-connections"),
+        help="a new connection for every request: for servers that close a connection after a "
+        "streamed response although they announce keep-alive (llama-server), where a reused "
+        "connection fails the next request",
+    )
+    g.add_argument(
         "--api-key-env",
         default=env("api-key-env"),
         metavar="VAR",
