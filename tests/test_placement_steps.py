@@ -5,8 +5,10 @@ of engines gained a home at most requests."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import random
+import time
 from collections.abc import Sequence
 
 from proxy.routing.placement import REBALANCE_STEP, Placement
@@ -273,8 +275,6 @@ async def test_a_rebalance_moves_no_other_models_prompts_to_engines_that_cannot_
     by a request of one re-places that model's prompts only, among its engines. It re-placed
     every prompt among the engines of whichever model came when it was due: the other model's
     prompts moved to engines that cannot serve it, and back (368 moves in 2,000 requests)."""
-    import time
-
     from proxy.config import RoutingConfig
     from proxy.routing.index import MemoryPrefixIndex
     from proxy.routing.setup import build_router
@@ -306,6 +306,7 @@ async def test_a_rebalance_moves_no_other_models_prompts_to_engines_that_cannot_
         body = {"model": model, "messages": [system, {"role": "user", "content": f"q{i}"}]}
         ctx = RouteContext(f"r{i}", model, "chat", body, {}, time.monotonic())
         decision = await router.route(ctx, views)
+        await asyncio.sleep(0)  # the placement's upkeep, as between the proxy's requests
         assert decision.winner in engines[model]
         blocks = ctx.prefix_blocks
         model_of[blocks[min(len(blocks), router.head_blocks) - 1]] = model
@@ -315,3 +316,58 @@ async def test_a_rebalance_moves_no_other_models_prompts_to_engines_that_cannot_
     for head, p in placement.placed.items():
         assert set(p.homes) <= engines[model_of[head]] and p.model == model_of[head]
     assert placement.moves == 0
+
+
+async def test_a_router_leaves_new_homes_and_rebalance_steps_for_after_its_decision() -> None:
+    """A hot prefix that needs more homes, and a rebalance under way, are the placement's
+    upkeep: the request that finds them goes to the homes there are, and the work runs as the
+    event loop's next callback (while the request waits for its engine), not in route()."""
+    from proxy.config import RoutingConfig
+    from proxy.routing.index import MemoryPrefixIndex
+    from proxy.routing.setup import build_router
+    from proxy.routing.types import BackendView, EngineLoad, RouteContext
+
+    router = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    placement = router.placement
+    assert placement is not None and placement.later is not None
+    views = [
+        BackendView(
+            name=f"e{j}", url=f"http://10.0.1.{j}:8000", engine="vllm", role="mixed",
+            weight=1.0, healthy=True, inflight=4, load=EngineLoad(), models=frozenset({"m"}),
+            prefill_tokens_per_s=8000.0,
+        )
+        for j in range(40)
+    ]  # fmt: skip
+    rng = random.Random(3)
+    hot = "".join(rng.choices("abcdefgh ", k=8000))
+    grown = stepped = 0
+    for i in range(400):
+        # One prompt in two is the hot one; the rest are cold prompts of their own.
+        system = hot if i % 2 == 0 else "".join(rng.choices("abcdefgh ", k=2000))
+        body = {"model": "m", "messages": [{"role": "system", "content": system},
+                                           {"role": "user", "content": f"q{i}"}]}  # fmt: skip
+        ctx = RouteContext(f"r{i}", "m", "chat", body, {}, time.monotonic())
+        before = {k: v.homes for k, v in placement.placed.items()}
+        steps = placement._steps
+        await router.route(ctx, views)
+        head = ctx.prefix_blocks[min(len(ctx.prefix_blocks), router.head_blocks) - 1]
+        if placement._growing:
+            assert head in placement._growing and ctx.homes == before[head]
+            assert placement.placed[head].homes == before[head]  # not grown yet
+        rebalancing = placement._steps is not None and placement._steps is steps
+        await asyncio.sleep(0)
+        if head in before and len(placement.placed[head].homes) > len(before[head]):
+            grown += 1
+            assert not placement._growing
+        stepped += rebalancing
+    assert grown >= 1 and stepped >= 1 and router.upkeep_later >= grown + stepped
+
+
+def test_without_an_event_loop_the_upkeep_runs_at_once() -> None:
+    from proxy.config import RoutingConfig
+    from proxy.routing.setup import build_router
+
+    router = build_router(RoutingConfig(policy="prefix_aware"))
+    ran: list[int] = []
+    router._later(lambda: ran.append(1))
+    assert ran == [1] and router.upkeep_later == 0

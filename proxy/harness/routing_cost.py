@@ -3,7 +3,8 @@
 Each decision is the whole Router.route(): prompt rendering and hashing (4k-token prompts,
 16k chars), the index lookup, placement, scoring, picking and recording. Prints p50/p99/max
 per index store, backend count and seed (`--seeds 1 2 3`: each seed its own prompts and
-loads); `--json FILE` also writes them, for deploy/perf/decision_plot.py. Not a test: numbers
+loads), and the upkeep the router leaves for after a decision (a rebalance's step), timed
+apart; `--json FILE` also writes them, for deploy/perf/decision_plot.py. Not a test: numbers
 depend on the machine.
 """
 
@@ -73,15 +74,25 @@ def _requests(count: int, rng: random.Random) -> list[dict[str, Any]]:
 
 
 async def measure(
-    router: Router, n_backends: int, count: int, seed: int = 1, reuse_views: bool = False
+    router: Router,
+    n_backends: int,
+    count: int,
+    seed: int = 1,
+    reuse_views: bool = False,
+    upkeep: list[float] | None = None,
 ) -> list[float]:
     """`reuse_views`: keep the views from one decision to the next, remaking only those
     whose in-flight count moved (the winner's, and one random request's end), and read them
     as the proxy's ViewCache does (a ViewKeeper told which changed); otherwise every view is
-    new, with fresh random loads, handed over as a plain list."""
+    new, with fresh random loads, handed over as a plain list.
+
+    After each decision the loop is let run once, as the proxy's is while a request waits for
+    its engine: the placement's upkeep the router left for then (a rebalance's step) runs
+    there, timed into `upkeep` (one entry per decision), not into the decision."""
     rng = random.Random(seed)
     bodies = _requests(count, rng)
-    times = []
+    times: list[float] = []
+    between: list[float] = []
     fleet = _fleet(n_backends)
     backends = _backends(fleet, rng)
     position = {b.name: i for i, b in enumerate(backends)}
@@ -105,8 +116,11 @@ async def measure(
             if backends[k].inflight > 0:
                 backends[k] = dataclasses.replace(backends[k], inflight=backends[k].inflight - 1)
                 changed.append(k)
-        if i % 64 == 0:
-            await asyncio.sleep(0)  # let the batched Redis writes run, as between requests
+        start = time.perf_counter()
+        await asyncio.sleep(0)  # the deferred upkeep, and the batched Redis writes, run here
+        between.append(time.perf_counter() - start)
+    if upkeep is not None:
+        upkeep += between[count // 10 :]
     return times[count // 10 :]  # drop warm-up (script load, first connections, cold caches)
 
 
@@ -130,9 +144,16 @@ async def main(
     cfg = RoutingConfig(policy="prefix_aware")
     rows: list[dict[str, Any]] = []
 
-    def note(store: str, n: int, seed: int, times: list[float], extra: str = "") -> None:
+    def note(
+        store: str, n: int, seed: int, times: list[float], upkeep: list[float], extra: str = ""
+    ) -> None:
         label = f"{store}, {n} backends" + (f", seed {seed}" if len(seeds or [1]) > 1 else "")
-        print(_row(label, times) + extra, flush=True)
+        kept = sorted(upkeep)
+        after = (
+            f"  upkeep after: mean={sum(kept) / len(kept) * 1000:.3f} ms"
+            f" p99={percentile(kept, 0.99) * 1000:.3f} ms"
+        )
+        print(_row(label, times) + after + extra, flush=True)
         ordered = sorted(times)
         rows.append(
             {
@@ -142,13 +163,17 @@ async def main(
                 "p50_ms": percentile(ordered, 0.5) * 1000,
                 "p99_ms": percentile(ordered, 0.99) * 1000,
                 "max_ms": ordered[-1] * 1000,
+                "upkeep_mean_ms": sum(kept) / len(kept) * 1000,
+                "upkeep_p99_ms": percentile(kept, 0.99) * 1000,
             }
         )
 
     for seed in seeds or [1]:
         for n in backend_counts:
             router = build_router(cfg, index=MemoryPrefixIndex())
-            note("memory", n, seed, await measure(router, n, count, seed, reuse_views))
+            upkeep: list[float] = []
+            times = await measure(router, n, count, seed, reuse_views, upkeep)
+            note("memory", n, seed, times, upkeep)
             if redis_url:
                 prefix = f"wrbench-{uuid.uuid4().hex[:8]}"
                 client = open_redis(redis_url)
@@ -156,11 +181,12 @@ async def main(
                 await index.start()
                 try:
                     router = build_router(cfg, index=index)
-                    times = await measure(router, n, count, seed, reuse_views)
+                    upkeep = []
+                    times = await measure(router, n, count, seed, reuse_views, upkeep)
                     c = index.counters
                     asked = c["lookups"] + c["copy_lookups"] + c["fallback_lookups"]
                     note(
-                        "redis", n, seed, times,
+                        "redis", n, seed, times, upkeep,
                         f"  mode={index.mode}  from the copy {c['copy_lookups']}/{asked}",
                     )  # fmt: skip
                 finally:

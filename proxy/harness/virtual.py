@@ -205,12 +205,16 @@ class VirtualFleet:
             decided = await self.router.route(ctx, self.views(), record=False)
             i = system_id % len(self.names)
             self.router.record(decided, self.names[i])
+            self.router.run_upkeep()
             return i, ctx, decided
         views = self.views()
         if self.select is not None:
             await self.router.route(ctx, views, record=False)
             views = list(self.select(self, ctx, views)) or views
         decision = await self.router.route(ctx, views)
+        # The placement's upkeep runs once the request is on its way, as the proxy's event
+        # loop runs it (this loop never yields to it).
+        self.router.run_upkeep()
         winner = decision.winner
         assert winner is not None, decision.reason
         return self.names.index(winner), ctx, decision

@@ -129,6 +129,12 @@ class Placement:
     tallies: Tallies = field(default_factory=Tallies)
     _steps: Iterator[int] | None = field(default=None, repr=False)  # a rebalance under way
     _rebalance_room: MutableMapping[str, float] | None = field(default=None, repr=False)
+    # Runs a callable once the request being placed is on its way (the router's: the event
+    # loop's next callback). Set, a prefix that needs more homes gets them then, and this
+    # request goes to the homes it has: the growth is upkeep (at 1,024 backends a hot
+    # prefix growing by dozens of homes is a millisecond), not this request's decision.
+    later: Callable[[Callable[[], object]], None] | None = field(default=None, repr=False)
+    _growing: set[int] = field(default_factory=set, repr=False)  # growths waiting for later
 
     def attach(self, shares: Shares) -> None:
         """Keep the loads from `shares` (the share_of every call passes must be its current)."""
@@ -200,22 +206,16 @@ class Placement:
             n = len(backends)
             if len(homes) >= n or self._needed(share, n, len(homes)) <= len(homes):
                 return homes
-            # Its traffic grew past what its homes should carry: add homes now, not at the
-            # next rebalance (a hot prompt arriving in a burst would pile onto one backend).
-            p.share = share
-            tallies = self.tallies
-            tallies.current(self.placed)
-            tallies.uncount(p)
-            loads, room = self._accounting(backends, weights, capacity, share_of, skip=key)
-            p.homes, p.overflow = self._choose(
-                key, p, backends, weights, loads, room, [], order, homes, 1.0, busy
-            )
-            tallies.count(p)
-            for h in p.homes:
-                room[h] -= p.size
-            self.room = room
-            self.dirty.setdefault(key, False)
-            return p.homes
+            # Its traffic grew past what its homes should carry: add homes now (or right
+            # after this request, `later`), not at the next rebalance (a hot prompt arriving
+            # in a burst would pile onto one backend).
+            args = (key, backends, weights, capacity, share_of, order, busy)
+            if self.later is None:
+                return self._grow(*args)
+            if key not in self._growing:
+                self._growing.add(key)
+                self.later(lambda: self._grow(*args))
+            return homes
         first = p is None
         tallies = self.tallies
         tallies.current(self.placed)
@@ -249,6 +249,43 @@ class Placement:
             p.moves += 1
             self.moves += 1
         self.dirty[key] = self.dirty.get(key, first)
+        return p.homes
+
+    def _grow(
+        self,
+        key: int,
+        backends: Sequence[str],
+        weights: Mapping[str, float],
+        capacity: Callable[[str], float],
+        share_of: Callable[[int], float],
+        order: Callable[[int, Sequence[str]], list[str]],
+        busy: Callable[[str], float] | None,
+    ) -> tuple[str, ...]:
+        """More homes for the placed prefix `key`, whose share outgrew those it has among
+        `backends` (asked again: when run later, a rebalance may have placed it since)."""
+        self._growing.discard(key)
+        p = self.placed.get(key)
+        if p is None:
+            return ()
+        inside = fast_members(backends)
+        homes = tuple(filter(inside.__contains__, p.homes))
+        share = share_of(key)
+        n = len(backends)
+        if not homes or len(homes) >= n or self._needed(share, n, len(homes)) <= len(homes):
+            return homes
+        p.share = share
+        tallies = self.tallies
+        tallies.current(self.placed)
+        tallies.uncount(p)
+        loads, room = self._accounting(backends, weights, capacity, share_of, skip=key)
+        p.homes, p.overflow = self._choose(
+            key, p, backends, weights, loads, room, [], order, homes, 1.0, busy
+        )
+        tallies.count(p)
+        for h in p.homes:
+            room[h] -= p.size
+        self.room = room
+        self.dirty.setdefault(key, False)
         return p.homes
 
     def first_proposal(

@@ -15,9 +15,10 @@ the names, the load bound).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from pydantic import Field
@@ -45,6 +46,11 @@ from proxy.routing.types import (
 )
 
 log = logging.getLogger("warmroute.routing")
+
+# Decisions after which placement upkeep left for the event loop (Router._later) and not yet
+# run is run at the start of the next one: requests that arrive together are decided one
+# after another before the loop runs it, and a caller may never let the loop run.
+UPKEEP_OVERDUE = 8
 
 
 class FirstPlacements(Protocol):
@@ -111,7 +117,14 @@ class Router:
         if placement is not None:
             placement.attach(self.popularity)  # its loads follow the shares it is passed
             self.capacity.listener = placement.pin_room  # its room keeps the sizes it read
+        if placement is not None:
+            placement.later = self._later
         self.placement = placement
+        self.upkeep_later = 0  # times placement upkeep was left for after a decision (_later)
+        self.upkeep_overdue = 0  # times it ran at a later decision's start instead
+        self._upkeep: list[Callable[[], object]] = []
+        self._upkeep_since = 0  # the decision count when the oldest upkeep left was left
+        self._decisions = 0
         # Replicas placing together (proxy.routing.shared_placement): first placements claimed.
         self.claims: FirstPlacements | None = None
         self.fleets = FleetCache()
@@ -146,6 +159,10 @@ class Router:
     ) -> Decision:
         """Decide; `record=False` is a dry run (explain) that leaves the index untouched."""
         started = time.perf_counter()
+        self._decisions += 1
+        if self._upkeep and self._decisions - self._upkeep_since > UPKEEP_OVERDUE:
+            self.upkeep_overdue += 1
+            self.run_upkeep()  # the loop never ran it: the placement must not fall behind
         dropped: dict[str, str] = {}
         # A Views read is the request's own (made per read): kept whole, its fleet-wide facts
         # with it; any other sequence is copied, as a filter may hand back what it was given.
@@ -284,7 +301,8 @@ class Router:
                 placement.start_rebalance(
                     names, weights, self.capacity.capacity, share, order, ctx.model
                 )
-            placement.advance()  # (a rebalance under way, if any: REBALANCE_STEP of it)
+            if placement.rebalancing:
+                self._later(placement.advance)  # (REBALANCE_STEP of it)
         index = fleet.index
 
         def busy(name: str) -> float:
@@ -311,6 +329,32 @@ class Router:
         if placed is not None and placed.model is None:
             placed.model = ctx.model  # (its head is seeded by it: one model per head)
         ctx.shared_blocks = placed.size if placed is not None else 0.0
+
+    def _later(self, upkeep: Callable[[], object]) -> None:
+        """Run the placement's `upkeep` (a rebalance's step, a hot prefix's new homes) once
+        this request is on its way: it is not this request's decision (at 1,024 backends
+        either can be a millisecond), so it runs as the event loop's next callback, while the
+        request waits for its engine. Inline where no loop runs; and at the start of a
+        decision when UPKEEP_OVERDUE decisions came since without the loop running it (a
+        caller that never lets the loop run, such as a discrete-event simulation)."""
+        pending = self._upkeep
+        pending.append(upkeep)
+        if len(pending) > 1:
+            return  # (the callback that runs them is already scheduled)
+        self._upkeep_since = self._decisions
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.run_upkeep()
+            return
+        self.upkeep_later += 1
+        loop.call_soon(self.run_upkeep)
+
+    def run_upkeep(self) -> None:
+        """Run the placement upkeep left for after a decision (_later), in the order left."""
+        pending, self._upkeep = self._upkeep, []
+        for upkeep in pending:
+            upkeep()
 
     def record(self, decision: Decision, backend: str) -> None:
         """Note that `backend` is about to hold the decided prompt's prefix and prefill the rest
@@ -393,6 +437,7 @@ class Router:
         placed on it move to their next rendezvous choice among `remaining` (None: the other
         backends the placement knows). Returns how many placed prefixes moved. The KV-event
         view is only unregistered here: its owner closes it."""
+        self.run_upkeep()  # (left before the departure: it must not bring the backend back)
         if self.index is not None:
             self.index.forget(backend, departure)
         self.capacity.forget(backend)
@@ -408,6 +453,7 @@ class Router:
         index entries, the learned cache size and the KV-event view's contents go. What
         belongs to the address stays: the placed prefixes' homes (they warm again where every
         replica expects them) and the prefill rate (the same hardware and model)."""
+        self.run_upkeep()
         if self.index is not None:
             self.index.forget(backend, departure)
         self.capacity.forget(backend)
