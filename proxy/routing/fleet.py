@@ -84,9 +84,7 @@ class Rendezvous:
         order = self._plain.get(key)
         if order is None:
             hashes = self._hashes(key & 0xFFFFFFFFFFFFFFFF)
-            # sorted() is stable with reverse=True, as hrw_names's sort by hash is.
-            idx = sorted(range(len(hashes)), key=hashes.__getitem__, reverse=True)
-            order = list(map(self.names.__getitem__, idx))
+            order = list(map(self.names.__getitem__, _by(hashes, reverse=True)))
             self._keep(self._plain, key, order)
             self._ranks.pop(key, None)
             self.computed += 1
@@ -101,7 +99,7 @@ class Rendezvous:
         order = self(key, backends)
         found = self._ranks.get(key)
         if found is None:
-            found = self._ranks[key] = dict(zip(order, range(len(order)), strict=True))
+            found = self._ranks[key] = LazyRank(order)
         return found
 
     def weighted(self, key: int) -> list[int]:
@@ -113,7 +111,7 @@ class Rendezvous:
             u = map(mul, map(add, hashes, repeat(0.5, n)), repeat(SCALE, n))
             scores = list(map(truediv, self._weights, map(math.log, u)))
             # hrw_order sorts (score, index) pairs: a stable sort by score is the same order.
-            order = sorted(range(n), key=scores.__getitem__)
+            order = _by(scores)
             self._keep(self._weighted, key, order)
             self.computed += 1
         else:
@@ -126,6 +124,36 @@ class Rendezvous:
             gone, _ = cache.popitem(last=False)
             if cache is self._plain:
                 self._ranks.pop(gone, None)
+
+
+def _by(values: list[Any], reverse: bool = False) -> list[int]:
+    """The positions of `values` in the order a stable sort by value puts them: sorting the
+    values themselves and mapping each back to its position where no two are equal (a key
+    function costs a call per comparison: ~3x the sort of 1,024 plain numbers)."""
+    n = len(values)
+    where = dict(zip(values, range(n), strict=True))
+    if len(where) == n:
+        return list(map(where.__getitem__, sorted(values, reverse=reverse)))
+    return sorted(range(n), key=values.__getitem__, reverse=reverse)
+
+
+class LazyRank(dict[str, int]):
+    """Name -> position in a rendezvous order, made on the first lookup: a first placement
+    reads the order's head and seldom a rank, and 1,024 entries are ~40 us."""
+
+    __slots__ = ("_order",)
+
+    def __init__(self, order: list[str]) -> None:
+        super().__init__()
+        self._order: list[str] | None = order
+
+    def __missing__(self, name: str) -> int:
+        order = self._order
+        if order is None:
+            raise KeyError(name)
+        self._order = None
+        self.update(zip(order, range(len(order)), strict=True))
+        return self[name]
 
 
 class Fleet:

@@ -156,7 +156,7 @@ class Loads(Mapping[str, float]):
         # Every backend weighs the same: a backend's load grows with its tally alone.
         self.uniform = uniform
 
-    def within_all(self, within: Callable[[str], bool]) -> list[str] | None:
+    def within_all(self, within: Callable[[str], bool]) -> Collection[str] | None:
         """Every backend `within` accepts (None unless uniform: see within_by_value)."""
         return within_by_value(self._universe, self._tally, within) if self.uniform else None
 
@@ -188,7 +188,7 @@ class Accumulated(MutableMapping[str, float]):
         self._values: dict[str, float] = {}
         self.uniform = uniform
 
-    def within_all(self, within: Callable[[str], bool]) -> list[str] | None:
+    def within_all(self, within: Callable[[str], bool]) -> Collection[str] | None:
         """Every backend `within` accepts (None unless uniform: see within_by_value)."""
         return within_by_value(self._universe, self._values, within) if self.uniform else None
 
@@ -278,20 +278,50 @@ def kept_homes(
     return list(compress(inside, keep))[:need]
 
 
+class Within(Collection[str]):
+    """The backends of a fleet within the load bound, known by their load value: a backend
+    without one (load 0) is within when `zero` is, one with a value when it is at most `top`
+    (None: none is). Asked one by one (the spare walk asks a few dozen), never listed unless
+    iterated (within_by_value)."""
+
+    def __init__(
+        self, every: frozenset[str], values: Mapping[str, float], zero: bool, top: float | None
+    ) -> None:
+        self._every, self._values, self._zero, self._top = every, values, zero, top
+
+    def __contains__(self, backend: object) -> bool:
+        if backend not in self._every:
+            return False
+        value = self._values.get(backend)
+        if value is None:
+            return self._zero
+        return self._top is not None and value <= self._top
+
+    def __iter__(self) -> Iterator[str]:
+        values = self._values
+        if self._zero:
+            yield from self._every.difference(values)
+        if self._top is not None:
+            yield from compress(values, map(le, values.values(), repeat(self._top)))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 def within_by_value(
     universe: Collection[str], values: Mapping[str, float], within: Callable[[str], bool]
-) -> list[str]:
+) -> Collection[str]:
     """Every backend of `universe` that `within` accepts, where that depends only on the
     backend's `values` entry (0 when absent) and is lost as it grows (every backend weighs the
     same): a binary search over the distinct values, one `within` per step, instead of one per
-    backend."""
+    backend; answered as a Within, without listing them."""
     every = frozenset(universe)
     if not every.issuperset(values):
         values = {b: v for b, v in values.items() if b in every}
     some = dict(zip(values.values(), values, strict=True))  # a backend per value
-    empty = every.difference(values)  # 0: the least loaded there are
-    if empty and not within(next(iter(empty))):
-        return []
+    zero = len(values) < len(every)  # some hold no value: 0, the least loaded there are
+    if zero and not within(next(iter(every.difference(values)))):
+        return ()
     ordered = sorted(some)
     lo, hi = 0, len(ordered)  # ordered[:lo] are within, ordered[hi:] are not
     while lo < hi:
@@ -300,11 +330,7 @@ def within_by_value(
             lo = mid + 1
         else:
             hi = mid
-    out = list(empty)
-    if lo:
-        top = ordered[lo - 1]
-        out += compress(values, map(le, values.values(), repeat(top)))
-    return out
+    return Within(every, values, zero, ordered[lo - 1] if lo else None)
 
 
 def hosted_total(hosted: Mapping[str, int], backends: Sequence[str]) -> int:
@@ -326,7 +352,7 @@ def first_spares(
     hosted: Mapping[str, int],
     fair: float,
     rank: Mapping[str, int],
-    within_all: Callable[[], list[str] | None] | None = None,
+    within_all: Callable[[], Collection[str] | None] | None = None,
 ) -> list[str] | None:
     """The first `r` backends of the eager spare order, or None when it takes all of it.
 
@@ -386,7 +412,7 @@ def _from_within(
     hosted: Mapping[str, int],
     fair: float,
     rank: Mapping[str, int],
-    every: list[str],
+    every: Collection[str],
 ) -> list[str] | None:
     """first_spares, knowing `every` backend within the bound: those with room head the
     spare order; the others (over the bound) follow in rendezvous order, found by walking it.
@@ -395,7 +421,7 @@ def _from_within(
     (a hot prefix growing by a few dozen homes reads the room of those, not of the ~1,000
     backends within the bound); all of them only when fewer are found or the first is
     crowded (then the order is by how many prefixes each one hosts)."""
-    inside = frozenset(every)
+    inside = every if isinstance(every, Within | frozenset) else frozenset(every)
     first: list[str] = []
     for b in hrw:
         if b in inside and b not in chosen and fits(b):
@@ -409,6 +435,9 @@ def _from_within(
             first[0], first[1] = first[1], first[0]
         if hosted.get(first[0], 0) <= fair:
             return first[:r]
+        crowded = _least_hosted(hrw, chosen, r, fits, hosted, inside)
+        if crowded is not None:
+            return crowded
     fitting = [b for b in every if b not in chosen and fits(b)]
     fitting.sort(key=rank.__getitem__)
     over: list[str] = []
@@ -443,6 +472,30 @@ def _from_within(
     return fitting + rest
 
 
+def _least_hosted(
+    hrw: Sequence[str],
+    chosen: Collection[str],
+    r: int,
+    fits: Callable[[str], bool],
+    hosted: Mapping[str, int],
+    inside: Collection[str],
+) -> list[str] | None:
+    """The first `r` backends of `inside`, not `chosen` and with room, by how many prefixes
+    each hosts, then rendezvous order: the crowded sort of every such backend (by crowded,
+    then hosted, then rank: crowded follows from hosted), found by walking the order once
+    per count, fewest first, reading the room of the backends at that count only; None when
+    fewer than `r` are found (then every backend over the bound may come into it)."""
+    out: list[str] = []
+    get = hosted.get
+    for level in sorted(set(hosted.values()) | {0}):
+        for b in hrw:
+            if get(b, 0) == level and b in inside and b not in chosen and fits(b):
+                out.append(b)
+                if len(out) >= r:
+                    return out
+    return None
+
+
 def spare_homes(
     backends: Sequence[str],
     hrw: Sequence[str],
@@ -455,7 +508,7 @@ def spare_homes(
     fits: Callable[[str], bool],
     busy: Callable[[str], float] | None,
     tally: Mapping[str, int],
-    within_all: Callable[[Callable[[str], bool]], list[str] | None] | None = None,
+    within_all: Callable[[Callable[[str], bool]], Collection[str] | None] | None = None,
 ) -> list[str]:
     """Up to `count` new homes for a prefix (Placement._choose), none `taken`, in its
     rendezvous order `hrw`: those within the load bound and with room first; of the first two,

@@ -54,17 +54,20 @@ def key_of(text: str) -> int:
 
 def hrw_order(key: int, candidates: Sequence[BackendView]) -> list[BackendView]:
     """Candidates in rendezvous order for `key` (same order on every replica)."""
-    if len(candidates) < 2:
+    n = len(candidates)
+    if n < 2:
         return list(candidates)
     seed = key & 0xFFFFFFFFFFFFFFFF
-    scored = []
-    for i, b in enumerate(candidates):  # weight_for, inlined: this runs several times a pick
-        name = _NAMES.get(b.name) or _name_bytes(b.name)
-        w = b.weight
-        u = (_h64(name, seed) + 0.5) * _SCALE
-        scored.append(((w if w > 1e-9 else 1e-9) / _log(u), i))  # -weight: best first
-    scored.sort()
-    return [candidates[i] for _, i in scored]
+    # weight_for's arithmetic in C-level passes (this runs several times a pick): the same
+    # floats, sorted as (score, position) pairs are (a stable sort by score).
+    get = _NAMES.get
+    names = [get(b.name) or _name_bytes(b.name) for b in candidates]
+    weights = [b.weight for b in candidates]
+    if min(weights) <= 1e-9:
+        weights = [w if w > 1e-9 else 1e-9 for w in weights]
+    u = map(mul, map(add, map(_h64, names, repeat(seed, n)), repeat(0.5, n)), repeat(_SCALE, n))
+    scores = list(map(truediv, weights, map(_log, u)))  # -weight: best first
+    return list(map(candidates.__getitem__, sorted(range(n), key=scores.__getitem__)))
 
 
 def hrw_names(key: int, names: Sequence[str]) -> list[str]:

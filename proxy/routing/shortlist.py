@@ -41,8 +41,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import add, le, lt, mul, not_, truediv
+from itertools import compress, repeat
+from operator import add, eq, ge, le, lt, mul, not_, truediv
+from typing import Any
 
 from proxy.routing.fleet import Fleet
 from proxy.routing.rendezvous import LoadBound, Shortlist, hrw_order, key_of, load_bound
@@ -50,6 +51,7 @@ from proxy.routing.types import BackendView, PickerHints, RouteContext, Views
 
 HEAD = 10  # ranking entries kept exactly as over the whole fleet (retries.max_attempts <= 10)
 SHORTLIST_ABOVE = 32  # candidates; a fleet this small is handed whole (it costs less)
+_PACK = 1 << 40  # in-flight counts below this pack under _best_homes's two flag bits
 HOMES_KEPT = 1024  # placed prefixes whose homes a fleet keeps looked up (Placement.max_keys: 256)
 
 
@@ -129,15 +131,14 @@ def _placed(
     # A non-home holding this much counts as a home (the picker's rule, home_reach).
     shared = ctx.shared_blocks
     reach = (most if most > shared else shared) + warm
-    extra = sorted(
-        index[b] for b, m in held.items() if m >= reach and b not in homes_set and b in index
-    )
+    deep = compress(held, map(ge, held.values(), repeat(reach)))  # (most hold less)
+    extra = sorted([index[b] for b in deep if b not in homes_set and b in index])
     views = [candidates[i] for i in placed] + [candidates[i] for i in extra]
     ok = _within(views, bound, fleet.unit)
     if not any(ok):
         return None  # every home over the bound: the spill rule weighs the whole fleet
     own = ctx.shared_blocks + warm
-    top = _best_homes(ctx, views, ok, matched, own)
+    top = _best_homes(ctx, views, ok, matched, own, fleet.unit)
     top.append(views[got.index(most)])
     names = home_members if not extra else frozenset(b.name for b in views)
     others = _first_within(candidates, fleet, key, bound, names, HEAD)
@@ -190,21 +191,31 @@ def _best_homes(
     ok: list[bool],
     matched: Mapping[str, int],
     own: float,
+    unit: bool = False,
 ) -> list[BackendView]:
     """The HEAD first of `views` by the picker's sort of a placed prefix's homes: within the
-    bound, holding the request's own history, least loaded, then the request's tie-break."""
+    bound, holding the request's own history, least loaded, then the request's tie-break.
+    `unit`: every weight is 1.0, so a load is its in-flight count and the three keys pack
+    into one int that orders (and ties) as their tuple does."""
     if len(views) <= HEAD:
         return list(views)
     k = len(views)
-    weights = [b.weight for b in views]
-    if min(weights) <= 1e-9:
-        weights = [w if w > 1e-9 else 1e-9 for w in weights]
-    loads = map(truediv, [b.inflight for b in views], weights)
     short = map(lt, map(matched.get, [b.name for b in views], repeat(0, k)), repeat(own, k))
-    keys = list(zip(map(not_, ok), short, loads, strict=True))
+    inflight = [b.inflight for b in views]
+    keys: list[Any]
+    if unit and -_PACK < min(inflight) and max(inflight) < _PACK:
+        # (not within, short) as 2 bits above the count: 2 * (not ok) + short, then the load.
+        flags = map(add, map(mul, map(not_, ok), repeat(2, k)), short)
+        keys = list(map(add, map(mul, flags, repeat(2 * _PACK, k)), inflight))
+    else:
+        weights = [b.weight for b in views]
+        if min(weights) <= 1e-9:
+            weights = [w if w > 1e-9 else 1e-9 for w in weights]
+        loads = map(truediv, inflight, weights)
+        keys = list(zip(map(not_, ok), short, loads, strict=True))
     last = heapq.nsmallest(HEAD, keys)[-1]
-    best = [v for v, kk in zip(views, keys, strict=True) if kk < last]
-    tied = [v for v, kk in zip(views, keys, strict=True) if kk == last]
+    best = list(compress(views, map(lt, keys, repeat(last, k))))
+    tied = list(compress(views, map(eq, keys, repeat(last, k))))
     # Ties go by the request's rendezvous order over the homes (the picker's tie-break; the
     # order of a subset is that of the whole, restricted).
     return best + hrw_order(key_of(ctx.request_id), tied)[: HEAD - len(best)]
