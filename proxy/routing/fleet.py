@@ -20,6 +20,7 @@ from itertools import repeat
 from operator import add, mul, truediv
 from typing import Any
 
+from proxy.routing.orders import Order
 from proxy.routing.rendezvous import SCALE, h64, hrw_names, name_bytes
 from proxy.routing.types import BackendView, Epoch, Views
 
@@ -61,9 +62,9 @@ class Rendezvous:
         self.names = names
         self._bytes = [name_bytes(n) for n in names]
         self._weights = [w if w > 1e-9 else 1e-9 for w in weights]
-        self._plain: OrderedDict[int, list[str]] = OrderedDict()
+        self._plain: OrderedDict[int, Sequence[str]] = OrderedDict()
         self._ranks: dict[int, dict[str, int]] = {}
-        self._weighted: OrderedDict[int, list[int]] = OrderedDict()
+        self._weighted: OrderedDict[int, Sequence[int]] = OrderedDict()
         self._last: tuple[int, list[int]] = (-1, [])  # the last seed's hashes of the names
         self.computed = 0  # orders computed (each one hashes every name once)
 
@@ -78,13 +79,15 @@ class Rendezvous:
         self._last = (seed, hashes)
         return hashes
 
-    def __call__(self, key: int, backends: Sequence[str]) -> list[str]:
+    def __call__(self, key: int, backends: Sequence[str]) -> Sequence[str]:
         if backends is not self.names:
             return hrw_names(key, backends)
         order = self._plain.get(key)
         if order is None:
             hashes = self._hashes(key & 0xFFFFFFFFFFFFFFFF)
-            order = list(map(self.names.__getitem__, _by(hashes, reverse=True)))
+            # Sorted as read (orders.py): a stable sort by hash, largest first, as
+            # hrw_names's sorted(reverse=True) is.
+            order = Order(self.names, hashes, descending=True)
             self._keep(self._plain, key, order)
             self._ranks.pop(key, None)
             self.computed += 1
@@ -102,7 +105,7 @@ class Rendezvous:
             found = self._ranks[key] = LazyRank(order)
         return found
 
-    def weighted(self, key: int) -> list[int]:
+    def weighted(self, key: int) -> Sequence[int]:
         """Fleet indices in `hrw_order(key, fleet views)`'s order (same floats, same ties)."""
         order = self._weighted.get(key)
         if order is None:
@@ -110,8 +113,9 @@ class Rendezvous:
             n = len(hashes)
             u = map(mul, map(add, hashes, repeat(0.5, n)), repeat(SCALE, n))
             scores = list(map(truediv, self._weights, map(math.log, u)))
-            # hrw_order sorts (score, index) pairs: a stable sort by score is the same order.
-            order = _by(scores)
+            # hrw_order sorts (score, index) pairs: a stable sort by score is the same order
+            # (sorted as read: orders.py).
+            order = Order(range(n), scores, descending=False)
             self._keep(self._weighted, key, order)
             self.computed += 1
         else:
@@ -126,26 +130,15 @@ class Rendezvous:
                 self._ranks.pop(gone, None)
 
 
-def _by(values: list[Any], reverse: bool = False) -> list[int]:
-    """The positions of `values` in the order a stable sort by value puts them: sorting the
-    values themselves and mapping each back to its position where no two are equal (a key
-    function costs a call per comparison: ~3x the sort of 1,024 plain numbers)."""
-    n = len(values)
-    where = dict(zip(values, range(n), strict=True))
-    if len(where) == n:
-        return list(map(where.__getitem__, sorted(values, reverse=reverse)))
-    return sorted(range(n), key=values.__getitem__, reverse=reverse)
-
-
 class LazyRank(dict[str, int]):
     """Name -> position in a rendezvous order, made on the first lookup: a first placement
     reads the order's head and seldom a rank, and 1,024 entries are ~40 us."""
 
     __slots__ = ("_order",)
 
-    def __init__(self, order: list[str]) -> None:
+    def __init__(self, order: Sequence[str]) -> None:
         super().__init__()
-        self._order: list[str] | None = order
+        self._order: Sequence[str] | None = order
 
     def __missing__(self, name: str) -> int:
         order = self._order

@@ -186,7 +186,7 @@ class Placement:
         capacity: Callable[[str], float],
         share_of: Callable[[int], float],
         warm: Mapping[str, int],
-        order: Callable[[int, Sequence[str]], list[str]],
+        order: Callable[[int, Sequence[str]], Sequence[str]],
         warm_blocks: int = 4,
         busy: Callable[[str], float] | None = None,
     ) -> tuple[str, ...]:
@@ -258,7 +258,7 @@ class Placement:
         weights: Mapping[str, float],
         capacity: Callable[[str], float],
         share_of: Callable[[int], float],
-        order: Callable[[int, Sequence[str]], list[str]],
+        order: Callable[[int, Sequence[str]], Sequence[str]],
         busy: Callable[[str], float] | None,
     ) -> tuple[str, ...]:
         """More homes for the placed prefix `key`, whose share outgrew those it has among
@@ -297,7 +297,7 @@ class Placement:
         capacity: Callable[[str], float],
         share_of: Callable[[int], float],
         warm: Mapping[str, int],
-        order: Callable[[int, Sequence[str]], list[str]],
+        order: Callable[[int, Sequence[str]], Sequence[str]],
         warm_blocks: int = 4,
     ) -> tuple[int, float, int, list[str]] | None:
         """What a first placement of `key` could choose from, for replicas that place it
@@ -376,7 +376,7 @@ class Placement:
         weights: Mapping[str, float],
         capacity: Callable[[str], float],
         share_of: Callable[[int], float],
-        order: Callable[[int, Sequence[str]], list[str]],
+        order: Callable[[int, Sequence[str]], Sequence[str]],
     ) -> None:
         """Recompute every placed prefix's homes, hottest first, keeping homes that still fit."""
         self.start_rebalance(backends, weights, capacity, share_of, order)
@@ -388,7 +388,7 @@ class Placement:
         weights: Mapping[str, float],
         capacity: Callable[[str], float],
         share_of: Callable[[int], float],
-        order: Callable[[int, Sequence[str]], list[str]],
+        order: Callable[[int, Sequence[str]], Sequence[str]],
         model: str | None = None,
     ) -> None:
         """Begin a rebalance that `advance` carries out a few prefixes at a time (one left
@@ -436,7 +436,7 @@ class Placement:
         weights: Mapping[str, float],
         capacity: Callable[[str], float],
         share_of: Callable[[int], float],
-        order: Callable[[int, Sequence[str]], list[str]],
+        order: Callable[[int, Sequence[str]], Sequence[str]],
         model: str | None = None,
     ) -> Iterator[int]:
         """The rebalance, one prefix a step (yielding the step's units). Between steps the
@@ -530,7 +530,7 @@ class Placement:
     def forget(
         self,
         backend: str,
-        order: Callable[[int, Sequence[str]], list[str]],
+        order: Callable[[int, Sequence[str]], Sequence[str]],
         backends: Sequence[str] | None = None,
     ) -> int:
         """`backend` left the fleet: each prefix homed there takes, in its place, the next
@@ -680,7 +680,7 @@ class Placement:
         loads: Mapping[str, float],
         room: Mapping[str, float],
         holders: Sequence[str],
-        order: Callable[[int, Sequence[str]], list[str]],
+        order: Callable[[int, Sequence[str]], Sequence[str]],
         previous: Sequence[str],
         total: float,
         busy: Callable[[str], float] | None = None,
@@ -781,7 +781,7 @@ class Placement:
         backends: Sequence[str],
         room: Mapping[str, float],
         holders: Sequence[str],
-        order: Callable[[int, Sequence[str]], list[str]],
+        order: Callable[[int, Sequence[str]], Sequence[str]],
     ) -> tuple[tuple[str, ...], bool]:
         """A first placement that every replica sharing the placement makes alike, without
         talking: a burst of new prompts reaches all of them before their first exchange, and

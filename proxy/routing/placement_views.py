@@ -57,10 +57,10 @@ def total_weight(weights: Mapping[str, float], backends: Sequence[str]) -> float
 
 
 def rank_of(
-    order: Callable[[int, Sequence[str]], list[str]],
+    order: Callable[[int, Sequence[str]], Sequence[str]],
     key: int,
     backends: Sequence[str],
-    hrw: list[str],
+    hrw: Sequence[str],
 ) -> Mapping[str, int]:
     """Name -> position in `hrw` (the order's own, kept, when it keeps them)."""
     if isinstance(order, Rendezvous):

@@ -1,0 +1,50 @@
+"""A rendezvous order sorted as far as it is read (proxy.routing.orders): whatever is read of
+it, in whatever way, is what the whole stable sort gives, ties included."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from proxy.routing.orders import Order
+
+
+def values(rng: random.Random, n: int) -> list[float] | list[int]:
+    kind = rng.random()
+    if kind < 0.3:
+        return [rng.getrandbits(64) for _ in range(n)]  # hashes
+    if kind < 0.6:
+        return [rng.random() * -5 for _ in range(n)]  # weighted scores
+    return [rng.choice((1.0, 2.0, 2.5, 3.0)) for _ in range(n)]  # mostly ties
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_what_is_read_is_the_whole_sorts(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(150):
+        n = rng.choice((0, 1, 2, 3, 10, 100, 300, 1024))
+        vals, descending = values(rng, n), rng.random() < 0.5
+        items = [f"b{i}" for i in range(n)]
+        whole = [items[i] for i in sorted(range(n), key=vals.__getitem__, reverse=descending)]
+        order = Order(items, vals, descending)
+        k = rng.randint(0, n)
+        read = []
+        for name in order:  # read as a walk that stops
+            if len(read) >= k:
+                break
+            read.append(name)
+        assert read == whole[:k]
+        if n:
+            i = rng.randrange(n)
+            assert order[i] == whole[i] and order[-1] == whole[-1]
+        assert list(order[:5]) == whole[:5] and list(order) == whole and len(order) == n
+
+
+def test_a_walk_of_the_first_few_sorts_a_head_not_the_fleet() -> None:
+    rng = random.Random(1)
+    hashes = [rng.getrandbits(64) for _ in range(1024)]
+    order = Order(list(range(1024)), hashes, descending=True)
+    first = [b for _, b in zip(range(20), order, strict=False)]
+    assert first == sorted(range(1024), key=hashes.__getitem__, reverse=True)[:20]
+    assert order.sorts == 1 and not order._done and len(order._head) < 256
