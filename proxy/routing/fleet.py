@@ -20,7 +20,7 @@ from itertools import repeat
 from operator import add, mul, truediv
 from typing import Any
 
-from proxy.routing.orders import Order
+from proxy.routing.orders import Order, ScoredOrder
 from proxy.routing.rendezvous import SCALE, h64, hrw_names, name_bytes
 from proxy.routing.types import BackendView, Epoch, Views
 
@@ -62,6 +62,7 @@ class Rendezvous:
         self.names = names
         self._bytes = [name_bytes(n) for n in names]
         self._weights = [w if w > 1e-9 else 1e-9 for w in weights]
+        self._alike = bool(weights) and self._weights.count(self._weights[0]) == len(weights)
         self._plain: OrderedDict[int, Sequence[str]] = OrderedDict()
         self._ranks: dict[int, dict[str, int]] = {}
         self._weighted: OrderedDict[int, Sequence[int]] = OrderedDict()
@@ -111,6 +112,11 @@ class Rendezvous:
         if order is None:
             hashes = self._hashes(key & 0xFFFFFFFFFFFFFFFF)
             n = len(hashes)
+            if self._alike:  # (scored as read: the head's scores only)
+                order = ScoredOrder(hashes, self._weights[0], SCALE)
+                self._keep(self._weighted, key, order)
+                self.computed += 1
+                return order
             u = map(mul, map(add, hashes, repeat(0.5, n)), repeat(SCALE, n))
             scores = list(map(truediv, self._weights, map(math.log, u)))
             # hrw_order sorts (score, index) pairs: a stable sort by score is the same order

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from itertools import compress, repeat
-from operator import and_, ge, gt, le, lt
+from operator import add, and_, ge, gt, le, lt, mul, truediv
 from typing import Generic, TypeVar, overload
 
 T = TypeVar("T")
@@ -112,8 +112,61 @@ class Order(Sequence[T], Generic[T]):
                 inside = map(and_, inside, map(behind, values, repeat(before, n)))
             fresh = list(compress(range(n), inside))
             self._cut = cut
-        fresh.sort(key=values.__getitem__, reverse=self._descending)
-        self._head += fresh
+        self._head += self._sorted(fresh)
         self.sorts += 1
         if len(self._head) >= n:
             self._done = True
+        elif cut is not None and not self._apart(cut):
+            self._sort_all()
+
+    def _sorted(self, fresh: list[int]) -> list[int]:
+        """`fresh` positions (in position order) as the whole sort orders them."""
+        fresh.sort(key=self._values.__getitem__, reverse=self._descending)
+        return fresh
+
+    def _apart(self, cut: float | int) -> bool:
+        """Whether every entry behind `cut` sorts strictly after the head (the cut is on the
+        sort's own values here: always)."""
+        return True
+
+    def _sort_all(self) -> None:
+        self._head = self._sorted(list(range(len(self._values))))
+        self._done = True
+
+
+class ScoredOrder(Order[int]):
+    """hrw_order's order of a fleet whose backends weigh the same, as positions: by score
+    w / ln((hash + 0.5) / 2**64), lowest first, ties by position. The score falls as the hash
+    grows, so the head is cut on the hashes and only its scores are computed (a fleet's
+    scores are four C-level passes over every backend); where two hashes a cut parts give the
+    same float score, the whole order is scored and sorted instead."""
+
+    def __init__(self, hashes: list[int], weight: float, scale: float) -> None:
+        super().__init__(range(len(hashes)), hashes, descending=True)
+        self._weight = weight
+        self._scale = scale
+
+    def _scores(self, positions: list[int]) -> list[float]:
+        hashes, k = self._values, len(positions)
+        u = map(
+            mul,
+            map(add, map(hashes.__getitem__, positions), repeat(0.5, k)),
+            repeat(self._scale, k),
+        )
+        return list(map(truediv, repeat(self._weight, k), map(math.log, u)))
+
+    def _sorted(self, fresh: list[int]) -> list[int]:
+        scores = self._scores(fresh)
+        return [fresh[i] for i in sorted(range(len(fresh)), key=scores.__getitem__)]
+
+    def _apart(self, cut: float | int) -> bool:
+        values, n = self._values, len(self._values)
+        behind = max(compress(values, map(le, values, repeat(cut, n))), default=None)
+        if behind is None or not self._head:
+            return True
+        least_hash = min(map(values.__getitem__, self._head))
+        first_behind, last_in = self._scores_of(behind), self._scores_of(least_hash)
+        return first_behind > last_in
+
+    def _scores_of(self, h: float | int) -> float:
+        return self._weight / math.log((h + 0.5) * self._scale)

@@ -157,8 +157,14 @@ class Loads(Mapping[str, float]):
         self.uniform = uniform
 
     def within_all(self, within: Callable[[str], bool]) -> Collection[str] | None:
-        """Every backend `within` accepts (None unless uniform: see within_by_value)."""
-        return within_by_value(self._universe, self._tally, within) if self.uniform else None
+        """Every backend `within` accepts (None unless uniform: see within_by_value), by the
+        float each tally reads as: the load is a function of it alone, and floats sort and
+        hash several times faster than the tallies' 128-bit fixed point."""
+        if not self.uniform:
+            return None
+        tally = self._tally
+        floats = map(math.ldexp, tally.values(), repeat(-128, len(tally)))
+        return within_by_value(self._universe, dict(zip(tally, floats, strict=True)), within)
 
     def __getitem__(self, backend: str) -> float:
         if backend not in self._universe:
@@ -320,7 +326,7 @@ def within_by_value(
         values = {b: v for b, v in values.items() if b in every}
     some = dict(zip(values.values(), values, strict=True))  # a backend per value
     zero = len(values) < len(every)  # some hold no value: 0, the least loaded there are
-    if zero and not within(next(iter(every.difference(values)))):
+    if zero and not within(next(b for b in every if b not in values)):
         return ()
     ordered = sorted(some)
     lo, hi = 0, len(ordered)  # ordered[:lo] are within, ordered[hi:] are not
