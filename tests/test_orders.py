@@ -3,11 +3,16 @@ it, in whatever way, is what the whole stable sort gives, ties included."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
+from itertools import repeat
+from operator import add, mul, truediv
 
 import pytest
 
-from proxy.routing.orders import Order
+from proxy.routing.orders import Order, ScoredOrder
+from proxy.routing.rendezvous import SCALE
 
 
 def values(rng: random.Random, n: int) -> list[float] | list[int]:
@@ -48,3 +53,28 @@ def test_a_walk_of_the_first_few_sorts_a_head_not_the_fleet() -> None:
     first = [b for _, b in zip(range(20), order, strict=False)]
     assert first == sorted(range(1024), key=hashes.__getitem__, reverse=True)[:20]
     assert order.sorts == 1 and not order._done and len(order._head) < 256
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_fleet_of_alike_weights_scored_as_read_is_hrw_orders(seed: int) -> None:
+    """Scores computed for the head only, cut on the hashes; hashes so close to 2**64 that
+    they share a float score (a cut between them sorts the whole order)."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        n = rng.choice((1, 2, 5, 50, 300, 1024))
+        top = rng.getrandbits(64) | (1 << 63)
+        near = rng.random() < 0.3
+        hashes = [
+            min(top + rng.randint(0, 1 << 12), (1 << 64) - 1)
+            if near and rng.random() < 0.5
+            else rng.getrandbits(64)
+            for _ in range(n)
+        ]
+        w = rng.choice((1.0, 0.5, 2.0))
+        u = map(mul, map(add, hashes, repeat(0.5, n)), repeat(SCALE, n))
+        scores = list(map(truediv, repeat(w, n), map(math.log, u)))  # as Rendezvous does
+        whole = sorted(range(n), key=scores.__getitem__)
+        order = ScoredOrder(hashes, w, SCALE)
+        k = rng.randint(0, n)
+        assert list(itertools.islice(order, k)) == whole[:k]
+        assert list(order) == whole
