@@ -208,14 +208,8 @@ async def run_paired(
     # The token goes on the session so that /v1/models discovery is authorized too.
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
     pool = concurrency or 0  # 0: unbounded, an open loop must not queue inside the client
-    # close_connections: a connection per request, for servers that close theirs after a
-    # streamed response while announcing keep-alive (llama-server: every other request on a
-    # reused connection failed).
-    connector = aiohttp.TCPConnector(
-        limit=pool * len(groups), limit_per_host=pool, force_close=close_connections
-    )
-    timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=10)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=auth) as session:
+    session_for = _session(pool, len(groups), close_connections, request_timeout, auth)
+    async with session_for as session:
         # Every target is probed: an unreachable one fails here, before any load is sent.
         discovered = [await discover_model(session, t) for ts in group_targets for t in ts]
         model = model or discovered[0]
@@ -258,6 +252,17 @@ async def run_paired(
         duration, client_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
     _finish_runs(runs, states, requests, duration, client_cpu)
     return runs
+
+
+def _session(
+    pool: int, groups: int, close: bool, request_timeout: float, auth: dict[str, str] | None
+) -> aiohttp.ClientSession:
+    """The run's client session: `pool` connections per host (0: unbounded), `close`: a
+    connection per request, for servers that close theirs after a streamed response while
+    announcing keep-alive (llama-server: every other request on a reused connection failed)."""
+    connector = aiohttp.TCPConnector(limit=pool * groups, limit_per_host=pool, force_close=close)
+    timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=10)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, headers=auth)
 
 
 def _group_targets(base_url: str | Sequence[str], allow_remote: bool) -> list[str]:
