@@ -149,7 +149,11 @@ async def test_lookup_of_all_backends_is_one_round_trip(
     monkeypatch.setattr(Connection, "send_packed_command", counting)
     found = await shared.lookup(list(range(1, 300)), BACKENDS)
     assert found["b3"] == 299
-    assert len(sent) == 1
+    # (The feed's reader re-arms its blocking XREAD on a connection of its own whenever it
+    # wakes: under load one of those can fall in this window. It is not the lookup's.)
+    packed = [c if isinstance(c, bytes) else b"".join(c) for c in sent]  # type: ignore[call-overload]
+    lookups = [c for c in packed if b"XREAD" not in c]
+    assert len(lookups) == 1
 
 
 def test_all_keys_of_an_index_hash_to_one_cluster_slot() -> None:
