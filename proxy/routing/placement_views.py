@@ -162,9 +162,13 @@ class Loads(Mapping[str, float]):
         hash several times faster than the tallies' 128-bit fixed point."""
         if not self.uniform:
             return None
-        tally = self._tally
-        floats = map(math.ldexp, tally.values(), repeat(-128, len(tally)))
-        return within_by_value(self._universe, dict(zip(tally, floats, strict=True)), within)
+        universe, tally = self._universe, self._tally
+
+        def listed() -> Collection[str]:
+            floats = map(math.ldexp, tally.values(), repeat(-128, len(tally)))
+            return within_by_value(universe, dict(zip(tally, floats, strict=True)), within)
+
+        return WithinAsked(universe, within, listed)
 
     def __getitem__(self, backend: str) -> float:
         if backend not in self._universe:
@@ -196,7 +200,10 @@ class Accumulated(MutableMapping[str, float]):
 
     def within_all(self, within: Callable[[str], bool]) -> Collection[str] | None:
         """Every backend `within` accepts (None unless uniform: see within_by_value)."""
-        return within_by_value(self._universe, self._values, within) if self.uniform else None
+        if not self.uniform:
+            return None
+        universe, values = self._universe, self._values
+        return WithinAsked(universe, within, lambda: within_by_value(universe, values, within))
 
     def __getitem__(self, backend: str) -> float:
         value = self._values.get(backend)
@@ -282,6 +289,34 @@ def kept_homes(
         for b, ld, f in zip(inside, load, free, strict=True)
     ]
     return list(compress(inside, keep))[:need]
+
+
+class WithinAsked(Collection[str]):
+    """The backends of `universe` within the load bound: asked one by one (`within`: the
+    spare walk asks a few dozen), listed (`listed`, within_by_value) only when iterated."""
+
+    def __init__(
+        self,
+        universe: Collection[str],
+        within: Callable[[str], bool],
+        listed: Callable[[], Collection[str]],
+    ) -> None:
+        self._universe, self._within, self._listed = universe, within, listed
+        self._all: Collection[str] | None = None
+
+    def __contains__(self, backend: object) -> bool:
+        return backend in self._universe and self._within(backend)  # type: ignore[arg-type]
+
+    def _every(self) -> Collection[str]:
+        if self._all is None:
+            self._all = self._listed()
+        return self._all
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._every())
+
+    def __len__(self) -> int:
+        return len(self._every())
 
 
 class Within(Collection[str]):
@@ -427,7 +462,7 @@ def _from_within(
     (a hot prefix growing by a few dozen homes reads the room of those, not of the ~1,000
     backends within the bound); all of them only when fewer are found or the first is
     crowded (then the order is by how many prefixes each one hosts)."""
-    inside = every if isinstance(every, Within | frozenset) else frozenset(every)
+    inside = every if isinstance(every, WithinAsked | Within | frozenset) else frozenset(every)
     first: list[str] = []
     for b in hrw:
         if b in inside and b not in chosen and fits(b):
