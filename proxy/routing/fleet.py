@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import repeat
 from operator import add, mul, truediv
 from typing import Any
@@ -24,6 +24,7 @@ from proxy.routing.orders import Order, ScoredOrder
 from proxy.routing.rendezvous import SCALE, h64, hrw_names, name_bytes
 from proxy.routing.types import BackendView, Epoch, Views
 
+MASK = 0xFFFFFFFFFFFFFFFF
 ORDERS_KEPT = 512  # prompt heads whose rendezvous orders a fleet keeps (the placement's 256 fit)
 
 
@@ -64,7 +65,8 @@ class Rendezvous:
         self._weights = [w if w > 1e-9 else 1e-9 for w in weights]
         self._alike = bool(weights) and self._weights.count(self._weights[0]) == len(weights)
         self._plain: OrderedDict[int, Sequence[str]] = OrderedDict()
-        self._ranks: dict[int, dict[str, int]] = {}
+        self._ranks: dict[int, Mapping[str, Any]] = {}
+        self._pos: dict[str, int] | None = None  # name -> fleet position (made when asked)
         self._weighted: OrderedDict[int, Sequence[int]] = OrderedDict()
         self._last: tuple[int, list[int]] = (-1, [])  # the last seed's hashes of the names
         self.computed = 0  # orders computed (each one hashes every name once)
@@ -96,14 +98,18 @@ class Rendezvous:
             self._plain.move_to_end(key)
         return order
 
-    def rank(self, key: int, backends: Sequence[str]) -> dict[str, int]:
-        """Name -> position in `self(key, backends)`."""
+    def rank(self, key: int, backends: Sequence[str]) -> Mapping[str, Any]:
+        """Name -> its position in `self(key, backends)`, or for the fleet's own names a key
+        that sorts as the position does (RankKeys)."""
         if backends is not self.names:
             return {b: i for i, b in enumerate(self(key, backends))}
         order = self(key, backends)
         found = self._ranks.get(key)
         if found is None:
-            found = self._ranks[key] = LazyRank(order)
+            if self._pos is None:
+                self._pos = dict(zip(self.names, range(len(self.names)), strict=True))
+            hashes = order._values if isinstance(order, Order) else self._hashes(key & MASK)
+            found = self._ranks[key] = RankKeys(hashes, self._pos)
         return found
 
     def weighted(self, key: int) -> Sequence[int]:
@@ -136,23 +142,23 @@ class Rendezvous:
                 self._ranks.pop(gone, None)
 
 
-class LazyRank(dict[str, int]):
-    """Name -> position in a rendezvous order, made on the first lookup: a first placement
-    reads the order's head and seldom a rank, and 1,024 entries are ~40 us."""
+class RankKeys(dict[str, tuple[Any, int]]):
+    """Name -> a key that sorts as its position in a rendezvous order by hash does (minus
+    the hash, then the fleet position: the stable sort's tie-break), made per name when first
+    asked: the placement sorts a few backends by rank, and neither the whole order nor a rank
+    of all 1,024 names is needed for that."""
 
-    __slots__ = ("_order",)
+    __slots__ = ("_hashes", "_pos")
 
-    def __init__(self, order: Sequence[str]) -> None:
+    def __init__(self, hashes: Sequence[Any], pos: Mapping[str, int]) -> None:
         super().__init__()
-        self._order: Sequence[str] | None = order
+        self._hashes = hashes
+        self._pos = pos
 
-    def __missing__(self, name: str) -> int:
-        order = self._order
-        if order is None:
-            raise KeyError(name)
-        self._order = None
-        self.update(zip(order, range(len(order)), strict=True))
-        return self[name]
+    def __missing__(self, name: str) -> tuple[Any, int]:
+        p = self._pos[name]  # (KeyError: not in the fleet)
+        key = self[name] = (-self._hashes[p], p)
+        return key
 
 
 class Fleet:

@@ -29,6 +29,7 @@ from typing import Any
 from proxy.routing.fleet import FleetWeights, Names, Rendezvous
 
 EAGER_UP_TO = 64  # backends; below this the whole-fleet dicts cost less than reading lazily
+WALK = 64  # backends of a rendezvous order the spare walk reads before listing those within
 
 
 def fast_members(backends: Sequence[str]) -> Collection[str]:
@@ -61,8 +62,9 @@ def rank_of(
     key: int,
     backends: Sequence[str],
     hrw: Sequence[str],
-) -> Mapping[str, int]:
-    """Name -> position in `hrw` (the order's own, kept, when it keeps them)."""
+) -> Mapping[str, Any]:
+    """Name -> its position in `hrw`, or a key that sorts as that position does (the
+    order's own, kept, when it keeps them: fleet.RankKeys)."""
     if isinstance(order, Rendezvous):
         return order.rank(key, backends)
     return {b: i for i, b in enumerate(hrw)}
@@ -392,7 +394,7 @@ def first_spares(
     swap: Callable[[str, str], bool],
     hosted: Mapping[str, int],
     fair: float,
-    rank: Mapping[str, int],
+    rank: Mapping[str, Any],
     within_all: Callable[[], Collection[str] | None] | None = None,
 ) -> list[str] | None:
     """The first `r` backends of the eager spare order, or None when it takes all of it.
@@ -452,7 +454,7 @@ def _from_within(
     swap: Callable[[str, str], bool],
     hosted: Mapping[str, int],
     fair: float,
-    rank: Mapping[str, int],
+    rank: Mapping[str, Any],
     every: Collection[str],
 ) -> list[str] | None:
     """first_spares, knowing `every` backend within the bound: those with room head the
@@ -464,7 +466,15 @@ def _from_within(
     crowded (then the order is by how many prefixes each one hosts)."""
     inside = every if isinstance(every, WithinAsked | Within | frozenset) else frozenset(every)
     first: list[str] = []
-    for b in hrw:
+    fitting: list[str] | None = None
+    for walked, b in enumerate(hrw):
+        if walked >= WALK:
+            # Few of them lie at the head of the order (a prompt whose one copy is more than
+            # most backends' share of the load): the whole sorted list, from the set instead.
+            fitting = [b for b in every if b not in chosen and fits(b)]
+            fitting.sort(key=rank.__getitem__)
+            first = fitting[:want]
+            break
         if b in inside and b not in chosen and fits(b):
             first.append(b)
             if len(first) >= want:
@@ -476,11 +486,13 @@ def _from_within(
             first[0], first[1] = first[1], first[0]
         if hosted.get(first[0], 0) <= fair:
             return first[:r]
-        crowded = _least_hosted(hrw, chosen, r, fits, hosted, inside)
-        if crowded is not None:
-            return crowded
-    fitting = [b for b in every if b not in chosen and fits(b)]
-    fitting.sort(key=rank.__getitem__)
+        if fitting is None:
+            crowded = _least_hosted(hrw, chosen, r, fits, hosted, inside)
+            if crowded is not None:
+                return crowded
+    if fitting is None:
+        fitting = [b for b in every if b not in chosen and fits(b)]
+        fitting.sort(key=rank.__getitem__)
     over: list[str] = []
     complete = True
     if len(fitting) < want:
@@ -540,7 +552,7 @@ def _least_hosted(
 def spare_homes(
     backends: Sequence[str],
     hrw: Sequence[str],
-    rank: Mapping[str, int],
+    rank: Mapping[str, Any],
     taken: Collection[str],
     count: int,
     choices: int,
