@@ -200,10 +200,12 @@ def _best_homes(
     if len(views) <= HEAD:
         return list(views)
     k = len(views)
-    short = map(lt, map(matched.get, [b.name for b in views], repeat(0, k)), repeat(own, k))
+    short = list(map(lt, map(matched.get, [b.name for b in views], repeat(0, k)), repeat(own, k)))
     inflight = [b.inflight for b in views]
     keys: list[Any]
-    if unit and -_PACK < min(inflight) and max(inflight) < _PACK:
+    if unit and all(ok) and (all(short) or not any(short)):
+        keys = inflight  # (the flags alike for every home: the count alone orders them)
+    elif unit and -_PACK < min(inflight) and max(inflight) < _PACK:
         # (not within, short) as 2 bits above the count: 2 * (not ok) + short, then the load.
         flags = map(add, map(mul, map(not_, ok), repeat(2, k)), short)
         keys = list(map(add, map(mul, flags, repeat(2 * _PACK, k)), inflight))
