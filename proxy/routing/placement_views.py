@@ -30,6 +30,7 @@ from proxy.routing.fleet import FleetWeights, Names, Rendezvous
 
 EAGER_UP_TO = 64  # backends; below this the whole-fleet dicts cost less than reading lazily
 WALK = 64  # backends of a rendezvous order the spare walk reads before listing those within
+ASK_THEN_LIST = 64  # backends asked one by one whether within the bound before listing them
 
 
 def fast_members(backends: Sequence[str]) -> Collection[str]:
@@ -305,13 +306,21 @@ class WithinAsked(Collection[str]):
     ) -> None:
         self._universe, self._within, self._listed = universe, within, listed
         self._all: Collection[str] | None = None
+        self._asked = 0
 
     def __contains__(self, backend: object) -> bool:
+        every = self._all
+        if every is not None:
+            return backend in every
+        self._asked += 1
+        if self._asked > ASK_THEN_LIST:  # (a walk placing hundreds of homes: list them once)
+            return backend in self._every()
         return backend in self._universe and self._within(backend)  # type: ignore[arg-type]
 
     def _every(self) -> Collection[str]:
         if self._all is None:
-            self._all = self._listed()
+            listed = self._listed()
+            self._all = listed if isinstance(listed, Within) else frozenset(listed)
         return self._all
 
     def __iter__(self) -> Iterator[str]:
