@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import time
 import uuid
@@ -56,16 +57,24 @@ def _backends(fleet: list[tuple[str, str]], rng: random.Random) -> list[BackendV
     ]
 
 
-def _requests(count: int, rng: random.Random) -> list[dict[str, Any]]:
+def _requests(count: int, rng: random.Random, new: float = 0.0) -> list[dict[str, Any]]:
+    """Zipf-popular 4k-token system prompts; with `new`, that share of the requests (the
+    last ones) each bring a system prompt of their own (a first placement each)."""
     systems = [
         f"[system prompt {k}] " + "".join(rng.choices("abcdefgh ", k=15_000)) for k in range(32)
     ]
     weights = [1 / (k + 1) for k in range(32)]  # Zipf popularity
+    fresh = count - int(count * new)
     return [
         {
             "model": "m",
             "messages": [
-                {"role": "system", "content": rng.choices(systems, weights)[0]},
+                {
+                    "role": "system",
+                    "content": (
+                        rng.choices(systems, weights)[0] if i < fresh else f"[own {i}] {systems[0]}"
+                    ),
+                },
                 {"role": "user", "content": f"question {i}: " + "x" * rng.randint(200, 1000)},
             ],
         }
@@ -80,6 +89,8 @@ async def measure(
     seed: int = 1,
     reuse_views: bool = False,
     upkeep: list[float] | None = None,
+    new: float = 0.0,
+    markers: bool = False,
 ) -> list[float]:
     """`reuse_views`: keep the views from one decision to the next, remaking only those
     whose in-flight count moved (the winner's, and one random request's end), and read them
@@ -88,9 +99,13 @@ async def measure(
 
     After each decision the loop is let run once, as the proxy's is while a request waits for
     its engine: the placement's upkeep the router left for then (a rebalance's step) runs
-    there, timed into `upkeep` (one entry per decision), not into the decision."""
+    there, timed into `upkeep` (one entry per decision), not into the decision.
+
+    `markers`: a getppid() system call before and after each decision and after its upkeep,
+    where valgrind's `--dump-before=getppid` cuts its counts (deploy/perf/decision-tail.sh)."""
     rng = random.Random(seed)
-    bodies = _requests(count, rng)
+    bodies = _requests(count, rng, new)
+    mark = os.getppid if markers else _nothing
     times: list[float] = []
     between: list[float] = []
     fleet = _fleet(n_backends)
@@ -105,9 +120,11 @@ async def measure(
         else:
             views = backends = _backends(fleet, rng)
         ctx = RouteContext(f"r{i}", "m", "chat", body, {}, time.monotonic())
+        mark()
         start = time.perf_counter()
         decision = await router.route(ctx, views)
         times.append(time.perf_counter() - start)
+        mark()
         if reuse_views and decision.winner is not None:
             w = position[decision.winner]
             backends[w] = dataclasses.replace(backends[w], inflight=backends[w].inflight + 1)
@@ -119,9 +136,14 @@ async def measure(
         start = time.perf_counter()
         await asyncio.sleep(0)  # the deferred upkeep, and the batched Redis writes, run here
         between.append(time.perf_counter() - start)
+        mark()
     if upkeep is not None:
         upkeep += between[count // 10 :]
     return times[count // 10 :]  # drop warm-up (script load, first connections, cold caches)
+
+
+def _nothing() -> int:
+    return 0
 
 
 def _row(label: str, times: list[float]) -> str:
@@ -140,6 +162,8 @@ async def main(
     count: int,
     seeds: list[int] | None = None,
     reuse_views: bool = False,
+    new: float = 0.0,
+    markers: bool = False,
 ) -> list[dict[str, Any]]:
     cfg = RoutingConfig(policy="prefix_aware")
     rows: list[dict[str, Any]] = []
@@ -172,7 +196,7 @@ async def main(
         for n in backend_counts:
             router = build_router(cfg, index=MemoryPrefixIndex())
             upkeep: list[float] = []
-            times = await measure(router, n, count, seed, reuse_views, upkeep)
+            times = await measure(router, n, count, seed, reuse_views, upkeep, new, markers)
             note("memory", n, seed, times, upkeep)
             if redis_url:
                 prefix = f"wrbench-{uuid.uuid4().hex[:8]}"
@@ -182,7 +206,7 @@ async def main(
                 try:
                     router = build_router(cfg, index=index)
                     upkeep = []
-                    times = await measure(router, n, count, seed, reuse_views, upkeep)
+                    times = await measure(router, n, count, seed, reuse_views, upkeep, new)
                     c = index.counters
                     asked = c["lookups"] + c["copy_lookups"] + c["fallback_lookups"]
                     note(
@@ -214,7 +238,31 @@ if __name__ == "__main__":
         help="keep the views between decisions, remaking those whose in-flight count moved, "
         "as the proxy does (default: every view new each decision, with random loads)",
     )
+    parser.add_argument(
+        "--new-prompts",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="this share of the requests (the last ones) each bring a system prompt of their "
+        "own: a first placement each (default 0)",
+    )
+    parser.add_argument(
+        "--markers",
+        action="store_true",
+        help="a getppid() system call around each decision and after its upkeep, for "
+        "valgrind --dump-before=getppid (deploy/perf/decision-tail.sh); memory index only",
+    )
     args = parser.parse_args()
-    rows = asyncio.run(main(args.redis, args.backends, args.requests, args.seeds, args.reuse_views))
+    rows = asyncio.run(
+        main(
+            args.redis,
+            args.backends,
+            args.requests,
+            args.seeds,
+            args.reuse_views,
+            args.new_prompts,
+            args.markers,
+        )
+    )
     if args.json:
         write(rows, args.json)
