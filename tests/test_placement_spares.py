@@ -1,4 +1,4 @@
-"""The spare order on a large fleet (proxy.routing.placement_views.first_spares), found by
+"""The spare order on a large fleet (proxy.routing.spares.first_spares), found by
 walking the rendezvous order only as far as needed, against the whole-list rule it replaces:
 every backend within the bound with room sorted by rank, the pair swap, and the crowded sort
 by (over a fair count, hosted, rank)."""
@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 
-from proxy.routing.placement_views import first_spares
+from proxy.routing.spares import first_spares
 
 
 def whole_list(

@@ -62,10 +62,10 @@ from proxy.routing.placement_views import (
     fast_members,
     kept_homes,
     rank_of,
-    spare_homes,
     total_weight,
     uniform_over,
 )
+from proxy.routing.spares import spare_homes
 from proxy.routing.tallies import Placed, Shares, Tallies, unfixed
 
 __all__ = ["Placed", "Placement", "SharedHomes", "Shares"]
