@@ -44,7 +44,7 @@ for _, f in dumps:
                 break
 # The first dump is the start-up; then three per decision: the decision, its upkeep, the rest.
 seg = counts[1:]
-if len(seg) < 3 * decisions:
+if len(seg) < 3 * decisions - 1:  # (no dump after the last decision's rest)
     sys.exit(f"decision-tail: {len(seg)} dumps for {decisions} decisions: the markers did not run")
 route = sorted(seg[3 * i] for i in range(skip, decisions))
 upkeep = sorted(seg[3 * i + 1] for i in range(skip, decisions))
