@@ -24,7 +24,6 @@ from proxy.routing.orders import Order, ScoredOrder
 from proxy.routing.rendezvous import SCALE, h64, hrw_names, name_bytes
 from proxy.routing.types import BackendView, Epoch, Views
 
-MASK = 0xFFFFFFFFFFFFFFFF
 ORDERS_KEPT = 512  # prompt heads whose rendezvous orders a fleet keeps (the placement's 256 fit)
 
 
@@ -103,13 +102,15 @@ class Rendezvous:
         that sorts as the position does (RankKeys)."""
         if backends is not self.names:
             return {b: i for i, b in enumerate(self(key, backends))}
-        order = self(key, backends)
         found = self._ranks.get(key)
         if found is None:
+            order = self(key, backends)
+            assert isinstance(order, Order)  # (the fleet's own names: always kept as one)
             if self._pos is None:
                 self._pos = dict(zip(self.names, range(len(self.names)), strict=True))
-            hashes = order._values if isinstance(order, Order) else self._hashes(key & MASK)
-            found = self._ranks[key] = RankKeys(hashes, self._pos)
+            found = self._ranks[key] = RankKeys(order.values, self._pos)
+        else:
+            self._plain.move_to_end(key)  # (as asking for the order would)
         return found
 
     def weighted(self, key: int) -> Sequence[int]:

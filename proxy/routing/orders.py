@@ -40,6 +40,11 @@ class Order(Sequence[T], Generic[T]):
     def __len__(self) -> int:
         return len(self._values)
 
+    @property
+    def values(self) -> list[float] | list[int]:
+        """What the entries are sorted by, in the items' own order."""
+        return self._values
+
     @overload
     def __getitem__(self, i: int) -> T: ...
 
