@@ -9,9 +9,9 @@ import asyncio
 import copy
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from proxy.routing.placement import REBALANCE_STEP, Placement
+from proxy.routing.placement import FIRST_HOMES, REBALANCE_STEP, Placement
 from proxy.routing.rendezvous import hrw_names
 from proxy.routing.tallies import Tallies
 
@@ -352,8 +352,12 @@ async def test_a_router_leaves_new_homes_and_rebalance_steps_for_after_its_decis
         await router.route(ctx, views)
         head = ctx.prefix_blocks[min(len(ctx.prefix_blocks), router.head_blocks) - 1]
         if placement._growing:
-            assert head in placement._growing and ctx.homes == before[head]
-            assert placement.placed[head].homes == before[head]  # not grown yet
+            assert head in placement._growing
+            if head in before:
+                assert ctx.homes == before[head]
+                assert placement.placed[head].homes == before[head]  # not grown yet
+            else:  # a first placement: its first homes now, the rest after
+                assert 1 <= len(ctx.homes) <= FIRST_HOMES
         rebalancing = placement._steps is not None and placement._steps is steps
         await asyncio.sleep(0)
         if head in before and len(placement.placed[head].homes) > len(before[head]):
@@ -361,6 +365,42 @@ async def test_a_router_leaves_new_homes_and_rebalance_steps_for_after_its_decis
             assert not placement._growing
         stepped += rebalancing
     assert grown >= 1 and stepped >= 1 and router.upkeep_later >= grown + stepped
+
+
+def test_a_first_placement_chooses_its_first_homes_and_the_rest_after() -> None:
+    """A new prompt whose measured share needs many homes (one of the first seen) gets
+    FIRST_HOMES at its decision and the rest as upkeep: once that has run, every prefix has
+    the homes choosing them all at once gives, and the first homes are those homes' first."""
+    for seed in range(3):
+        placements, firsts = [], []
+        for deferred in (False, True):
+            rng = random.Random(seed)
+            p = Placement(inflight=600.0)
+            pending: list[Callable[[], object]] = []
+            if deferred:
+                p.later = pending.append
+            caps = {b: rng.choice((2_000.0, 6_000.0, 20_000.0)) for b in NAMES}
+            shares = {k: 1 / (k + 1) / 4.3 for k in range(40)}
+            first: dict[int, tuple[str, ...]] = {}
+            for key in shares:
+                blocks = list(range(key * 1000, key * 1000 + rng.randint(40, 400)))
+                p.observe(key, blocks)
+                first[key] = p.homes(
+                    key, blocks, NAMES, WEIGHTS, caps.__getitem__, shares.__getitem__, {}, order
+                )
+                if deferred:
+                    assert len(first[key]) <= FIRST_HOMES
+                    assert bool(pending) == (p._needed(shares[key], len(NAMES)) > FIRST_HOMES)
+                while pending:
+                    pending.pop(0)()
+                assert not p._growing
+            placements.append(homes_of(p))
+            firsts.append(first)
+        at_once, deferred_homes = placements
+        assert deferred_homes == at_once
+        assert max(len(h) for h in at_once.values()) > 10  # (some needed many)
+        for key, homes in firsts[1].items():
+            assert homes == at_once[key][: len(homes)]
 
 
 def test_without_an_event_loop_the_upkeep_runs_at_once() -> None:

@@ -85,11 +85,14 @@ class ReferencePlacement(Placement):
         previous: Sequence[str],
         total: float,
         busy: Callable[[str], float] | None = None,
+        most: int = 0,
+        whole: bool = False,
     ) -> tuple[tuple[str, ...], bool]:
         share = max(p.share, 0.0)
-        need = self._needed(share, len(backends), len(previous))
+        need = self._needed(share, len(backends), 0 if whole else len(previous))
         total_weight = sum(_w(weights, b) for b in backends)
         per_copy = share / need
+        need = min(need, most) if most else need
         hrw = hrw_names(key, list(backends))
         rank = {b: i for i, b in enumerate(hrw)}
 

@@ -79,6 +79,9 @@ GROW_BAND = 0.1  # a prefix gains homes only once it needs this share more than 
 MAX_WOBBLE = 0.5  # the most of its homes a measured share's noise may keep (see _needed)
 CLAIM_CHOICES = 8  # backends past the needed homes a shared first placement chooses among
 KEEP_IN_PASSES = 16  # previous homes past which _choose keeps them in passes (kept_homes)
+# Homes a first placement chooses at once, past the backends that hold the prefix already,
+# where the rest can be added after the request (`later`): see Placement.homes.
+FIRST_HOMES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,9 +215,7 @@ class Placement:
             args = (key, backends, weights, capacity, share_of, order, busy)
             if self.later is None:
                 return self._grow(*args)
-            if key not in self._growing:
-                self._growing.add(key)
-                self.later(lambda: self._grow(*args))
+            self._grow_later(args)
             return homes
         first = p is None
         tallies = self.tallies
@@ -238,9 +239,19 @@ class Placement:
         else:
             # At first sight the bound is a share of all traffic: the prefix goes to the first
             # backend in its rendezvous order that stays within it, as it would on any replica.
+            # A new prompt's measured share is large while few requests were seen (one of the
+            # first hundred: ten or more homes at 1,024 backends), and choosing them all was
+            # the slowest decision there is; where the rest can be added after this request
+            # (`later`, as a growth), the first FIRST_HOMES are chosen now.
+            most = FIRST_HOMES + len(holders) if first and self.later is not None else 0
             p.homes, p.overflow = self._choose(
-                key, p, backends, weights, loads, room, holders, order, (), 1.0, busy
+                key, p, backends, weights, loads, room, holders, order, (), 1.0, busy, most
             )
+            if most and not p.overflow and len(p.homes) >= most:
+                share = 0.0 if p.share < 0.0 else p.share
+                if self._needed(share, len(backends)) > len(p.homes):
+                    args = (key, backends, weights, capacity, share_of, order, busy)
+                    self._grow_later(args, whole=True)
         tallies.count(p)
         for h in p.homes:
             room[h] -= p.size
@@ -251,6 +262,14 @@ class Placement:
         self.dirty[key] = self.dirty.get(key, first)
         return p.homes
 
+    def _grow_later(self, args: tuple[Any, ...], whole: bool = False) -> None:
+        """Leave `key`'s growth (args: _grow's) for after this request, once."""
+        assert self.later is not None
+        key = args[0]
+        if key not in self._growing:
+            self._growing.add(key)
+            self.later(lambda: self._grow(*args, whole=whole))
+
     def _grow(
         self,
         key: int,
@@ -260,9 +279,11 @@ class Placement:
         share_of: Callable[[int], float],
         order: Callable[[int, Sequence[str]], Sequence[str]],
         busy: Callable[[str], float] | None,
+        whole: bool = False,
     ) -> tuple[str, ...]:
         """More homes for the placed prefix `key`, whose share outgrew those it has among
-        `backends` (asked again: when run later, a rebalance may have placed it since)."""
+        `backends` (asked again: when run later, a rebalance may have placed it since);
+        `whole`: up to its whole need, as a first placement choosing them all at once would."""
         self._growing.discard(key)
         p = self.placed.get(key)
         if p is None:
@@ -271,7 +292,8 @@ class Placement:
         homes = tuple(filter(inside.__contains__, p.homes))
         share = share_of(key)
         n = len(backends)
-        if not homes or len(homes) >= n or self._needed(share, n, len(homes)) <= len(homes):
+        need = self._needed(share, n, 0 if whole else len(homes))
+        if not homes or len(homes) >= n or need <= len(homes):
             return homes
         p.share = share
         tallies = self.tallies
@@ -279,7 +301,7 @@ class Placement:
         tallies.uncount(p)
         loads, room = self._accounting(backends, weights, capacity, share_of, skip=key)
         p.homes, p.overflow = self._choose(
-            key, p, backends, weights, loads, room, [], order, homes, 1.0, busy
+            key, p, backends, weights, loads, room, [], order, homes, 1.0, busy, whole=whole
         )
         tallies.count(p)
         for h in p.homes:
@@ -684,16 +706,22 @@ class Placement:
         previous: Sequence[str],
         total: float,
         busy: Callable[[str], float] | None = None,
+        most: int = 0,
+        whole: bool = False,
     ) -> tuple[tuple[str, ...], bool]:
         """Homes for one prefix against the loads and room placed so far; `total` is the
-        traffic share of every placed prefix (this one included), which sets the bound."""
+        traffic share of every placed prefix (this one included), which sets the bound.
+        `most`: at most that many homes (0: as many as it needs); `whole`: the whole need,
+        not held within a band of the `previous` homes (they were a first placement's first)."""
         n = len(backends)
         # Two-value max()/min() written out in this module's per-request paths: each call
         # parses its arguments in CPython 3.11 (~1,200 instructions).
         share = 0.0 if p.share < 0.0 else p.share
-        need = self._needed(share, n, len(previous))
+        need = self._needed(share, n, 0 if whole else len(previous))
         weight_sum = total_weight(weights, backends)
         per_copy = share / need
+        if most and need > most:
+            need = most  # (each copy still counted as carrying its part of the whole need)
         hrw = order(key, backends)
         rank = rank_of(order, key, backends, hrw)
 
