@@ -79,6 +79,16 @@ GROW_BAND = 0.1  # a prefix gains homes only once it needs this share more than 
 MAX_WOBBLE = 0.5  # the most of its homes a measured share's noise may keep (see _needed)
 CLAIM_CHOICES = 8  # backends past the needed homes a shared first placement chooses among
 KEEP_IN_PASSES = 16  # previous homes past which _choose keeps them in passes (kept_homes)
+# _grow's arguments but `whole`: key, backends, weights, capacity, share_of, order, busy.
+GrowArgs = tuple[
+    int,
+    Sequence[str],
+    Mapping[str, float],
+    Callable[[str], float],
+    Callable[[int], float],
+    Callable[[int, Sequence[str]], Sequence[str]],
+    Callable[[str], float] | None,
+]
 # Homes a first placement chooses at once, past the backends that hold the prefix already,
 # where the rest can be added after the request (`later`): see Placement.homes.
 FIRST_HOMES = 2
@@ -212,7 +222,7 @@ class Placement:
             # Its traffic grew past what its homes should carry: add homes now (or right
             # after this request, `later`), not at the next rebalance (a hot prompt arriving
             # in a burst would pile onto one backend).
-            args = (key, backends, weights, capacity, share_of, order, busy)
+            args: GrowArgs = (key, backends, weights, capacity, share_of, order, busy)
             if self.later is None:
                 return self._grow(*args)
             self._grow_later(args)
@@ -262,7 +272,7 @@ class Placement:
         self.dirty[key] = self.dirty.get(key, first)
         return p.homes
 
-    def _grow_later(self, args: tuple[Any, ...], whole: bool = False) -> None:
+    def _grow_later(self, args: GrowArgs, whole: bool = False) -> None:
         """Leave `key`'s growth (args: _grow's) for after this request, once."""
         assert self.later is not None
         key = args[0]
