@@ -30,6 +30,7 @@ __all__ = [
     "Receive",
     "Scope",
     "Send",
+    "body_writer",
     "end_stream",
     "header",
     "headers_of",
@@ -159,6 +160,51 @@ async def stream_chunk(send: Send, data: bytes) -> None:
 async def end_stream(send: Send, data: bytes = b"") -> None:
     """The last part of a streamed body."""
     await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+# The chunk-size lines of HTTP/1.1 chunked framing, made once for the sizes a streamed read has.
+_CHUNK_SIZE = [b"%x\r\n" % n for n in range(2048)]
+_UVICORN_HTTPTOOLS = "uvicorn.protocols.http.httptools_impl"
+
+
+def body_writer(send: Send) -> Callable[[bytes], bool] | None:
+    """A synchronous writer of a streamed body's next part, straight to the client's
+    connection, for `send` of a response whose head has gone out; None where there is none.
+
+    Per part, uvicorn's `send` is a coroutine that checks the response's state, formats the
+    chunk-size line and writes (~4,000 interpreter instructions); what it checks cannot change
+    between two parts of a chunked body, so the writer keeps only the checks that can: writing
+    paused (the client reads slowly) and the client gone. It returns False then, having written
+    nothing, and the caller sends the part through `send`, which waits or drops it as it
+    always does. The last part still goes through `send` (uvicorn ends the chunked body and
+    the response there). Only uvicorn's httptools protocol is known here: any other server's
+    `send` gets None, and every part goes through it.
+    """
+    cycle: Any = getattr(send, "__self__", None)
+    if (
+        type(cycle).__module__ != _UVICORN_HTTPTOOLS
+        or not getattr(cycle, "response_started", False)
+        or getattr(cycle, "response_complete", True)
+        or getattr(cycle, "chunked_encoding", None) is not True
+        or cycle.scope.get("method") == "HEAD"
+    ):
+        return None
+    transport = cycle.transport
+    # A wrapper that holds the head until its first body bytes (proxy/server/serve.py) says
+    # when they have gone out; then the connection's own transport writes the rest.
+    write = getattr(transport, "direct_write", None) or transport.write
+    flow = cycle.flow
+    sizes, join, crlf = _CHUNK_SIZE, b"".join, b"\r\n"
+
+    def write_part(body: bytes) -> bool:
+        if flow.write_paused or cycle.disconnected:
+            return False
+        n = len(body)
+        if n:
+            write(join((sizes[n] if n < 2048 else b"%x\r\n" % n, body, crlf)))
+        return True
+
+    return write_part
 
 
 # -- lifespan ---------------------------------------------------------------------------------

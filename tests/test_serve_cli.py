@@ -170,7 +170,9 @@ def test_response_head_goes_out_with_the_first_body_bytes_in_one_write():
         t = HeadWithBodyTransport(raw, asyncio.get_running_loop())
         t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
         assert raw.writes == []  # held for the body
+        assert t.direct_write is None  # nothing may pass it while it holds a head
         t.write(b"5\r\ndata:\r\n")
+        assert t.direct_write == raw.write
         assert raw.writes == [
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n5\r\ndata:\r\n"
         ]

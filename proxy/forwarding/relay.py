@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import orjson
@@ -290,6 +291,10 @@ class Relay:
         # (proxy/upstream/conn.py's docstring): the first read started the clock.
         progress, idle_s = upstream.set_read_timeout, self.idle_s
         first = True
+        # Parts after the first go straight to the client's connection where the server
+        # allows (asgi.body_writer: None until the first part is out, False-returning when
+        # the part must go through `send` after all).
+        write: Callable[[bytes], bool] | None = None
         # The start of an event whose end has not arrived: never longer than what the meter
         # holds of it, which the meter bounds (MAX_EVENT_BYTES).
         carry = b""
@@ -309,6 +314,7 @@ class Relay:
                     first = False
                     await send({"type": "http.response.body", "body": data, "more_body": True})
                     sent = perf()
+                    write = asgi.body_writer(send) or _through_send
                     meter.feed(data, received)
                     meter.mark_sent(sent)
                 else:
@@ -333,7 +339,11 @@ class Relay:
                         return INVALID_RESPONSE, reason, b""
                     if out:  # ends on an event's end: whole events, at least one
                         progress(idle_s)
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                        if write is None or not write(out):
+                            await send(
+                                {"type": "http.response.body", "body": out, "more_body": True}
+                            )
+                            write = write or asgi.body_writer(send) or _through_send
                         meter.mark_sent(perf())
                 try:
                     data = await upstream.readany()
@@ -444,6 +454,11 @@ class Relay:
             backend=backend.name,
         )
         return facts
+
+
+def _through_send(body: bytes) -> bool:
+    """The body writer where the server offers none: every part goes through `send`."""
+    return False
 
 
 def _broken(

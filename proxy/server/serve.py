@@ -103,6 +103,12 @@ class HeadWithBodyTransport:
             if not self._transport.is_closing():
                 self._transport.write(held)
 
+    @property
+    def direct_write(self) -> Any:
+        """The wrapped transport's `write` once no head is held (None while one is): what
+        proxy.asgi.body_writer writes a stream's later parts with, past this wrapper."""
+        return self._transport.write if self._held is None else None
+
     def close(self) -> None:
         self.flush()
         self._transport.close()
