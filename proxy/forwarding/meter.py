@@ -283,16 +283,22 @@ class StreamMeter:
         fast = self.api == "chat" and self._parsed_first
         # Searches over the whole read instead of one per event: no event that ends before
         # `clear` has a finish reason (every finish_reason key before it is null).
+        # The usual read has every finish_reason key null: two scans say so, and only a read
+        # that has one that is not looks for where it is.
+        n = len(buf)
         clear = -1
         if self.api == "chat":
-            clear = buf.find(FINISH_STRING)
-            if clear < 0:
-                clear = len(buf)
-            if buf.count(FINISH, 0, clear) != buf.count(FINISH_NULL, 0, clear):
-                clear = -1
+            if buf.count(FINISH) == buf.count(FINISH_NULL):
+                clear = n
+            else:
+                clear = buf.find(FINISH_STRING)
+                if clear < 0:
+                    clear = n
+                if buf.count(FINISH, 0, clear) != buf.count(FINISH_NULL, 0, clear):
+                    clear = -1
         events = chunks = 0
         strip = self.strip_usage
-        while True:
+        while search < n:  # a read that ends on an event's end takes no search past it
             end = buf.find(sep, search)
             if end < 0:
                 break
@@ -319,12 +325,12 @@ class StreamMeter:
             self._pending += chunks
             if self._upstream_first is None:
                 self._upstream_first = now
-        self._tail = buf[start:] if start < len(buf) else b""
+        self._tail = buf[start:] if start < n else b""
         if not self.strip_usage:
             return data
         # Strip mode holds back the incomplete trailing event: it may be the usage chunk.
         if cut is None:
-            return buf if start == len(buf) else buf[:start]
+            return buf if start == n else buf[:start]
         return _without(buf[:start], cut)
 
     def _learn_separator(self, data: bytes) -> bool:
