@@ -1,9 +1,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx._transports.default as httpx_transports
 import pytest
 
 from proxy.bench.mock import EngineSettings, MockBackend, MockEngine, prompt_directives
@@ -11,6 +15,32 @@ from proxy.config import load_config
 from proxy.server.app import create_app
 from proxy.server.serve import NoDelayHttpToolsProtocol
 from tests.support import ServerThread, free_port
+
+_create_ssl_context: Callable[..., ssl.SSLContext] = getattr(
+    httpx_transports, "create_ssl_context", ssl.create_default_context
+)
+
+
+@functools.cache
+def _default_ssl_context(kwargs: tuple[tuple[str, Any], ...], env: object) -> ssl.SSLContext:
+    return _create_ssl_context(**dict(kwargs))
+
+
+def _shared_default_ssl_context(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+    """httpx builds a new SSL context for every client, so for every `httpx.get(...)`: certifi's
+    bundle parsed again, ~40 ms of CPU with the GIL held, which also stalls the servers that
+    tests run in threads. The tests make hundreds of such calls, nearly all plain HTTP to
+    loopback: the default context (verify=True, no client certificate) is built once per set
+    of arguments and trust settings, and shared. Any other (a test's own context, verify=False)
+    is built for its client, as before."""
+    if args or kwargs.get("verify", True) is not True or kwargs.get("cert") is not None:
+        return _create_ssl_context(*args, **kwargs)
+    env = tuple(os.environ.get(k) for k in ("SSL_CERT_FILE", "SSL_CERT_DIR", "SSLKEYLOGFILE"))
+    return _default_ssl_context(tuple(sorted(kwargs.items())), env)
+
+
+if hasattr(httpx_transports, "create_ssl_context"):  # httpx's own module: no error if it moves
+    httpx_transports.create_ssl_context = _shared_default_ssl_context
 
 
 @pytest.fixture
