@@ -480,6 +480,7 @@ def test_a_real_serve_process_never_prints_the_credentials_in_its_urls(tmp_path:
         "PATH": "/usr/bin:/bin",
         "WARMROUTE_HEALTH__INTERVAL_S": "0.1",
         "WARMROUTE_HEALTH__IDLE_INTERVAL_S": "0.1",  # no traffic yet: checked as often
+        "WARMROUTE_HEALTH__IDLE_CHECKS_PER_S": "100",  # ... not stretched to one a second
         "WARMROUTE_HEALTH__METRICS_SCRAPE_S": "0.1",
     }
     proc = subprocess.Popen(
