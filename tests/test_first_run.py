@@ -104,6 +104,7 @@ def test_serve_says_ready_only_when_a_backend_is_and_keeps_health_checks_out_of_
         **os.environ,
         "WARMROUTE_HEALTH__INTERVAL_S": "0.1",
         "WARMROUTE_HEALTH__IDLE_INTERVAL_S": "0.1",  # idle engines: checked as often
+        "WARMROUTE_HEALTH__IDLE_CHECKS_PER_S": "100",  # ... not stretched to one a second
         "WARMROUTE_HEALTH__METRICS_SCRAPE_S": "0.1",
     }
     procs: list[subprocess.Popen[str]] = []
