@@ -41,6 +41,11 @@ class Order(Sequence[T], Generic[T]):
         return len(self._values)
 
     @property
+    def items(self) -> Sequence[T]:
+        """The entries in their own order (not sorted)."""
+        return self._items
+
+    @property
     def values(self) -> list[float] | list[int]:
         """What the entries are sorted by, in the items' own order."""
         return self._values

@@ -12,8 +12,10 @@ set within the bound, placement_views.WithinAsked), one hosted count at a time w
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
+from itertools import repeat
 from typing import Any
 
+from proxy.routing.orders import Order
 from proxy.routing.placement_views import EAGER_UP_TO, Within, WithinAsked, fast_members
 
 WALK = 64  # backends of a rendezvous order the spare walk reads before listing those within
@@ -158,8 +160,7 @@ def _from_within(
     if len(fitting) >= r:
         return fitting[:r]
     rest: list[str] = []
-    levels = sorted(set(hosted.values()) | {0})
-    for level in levels:
+    for level in _levels(hrw, hosted):
         for b in hrw:
             if hosted.get(b, 0) == level and b not in chosen and b not in inside and fits(b):
                 rest.append(b)
@@ -183,13 +184,21 @@ def _least_hosted(
     fewer than `r` are found (then every backend over the bound may come into it)."""
     out: list[str] = []
     get = hosted.get
-    for level in sorted(set(hosted.values()) | {0}):
+    for level in _levels(hrw, hosted):
         for b in hrw:
             if get(b, 0) == level and b in inside and b not in chosen and fits(b):
                 out.append(b)
                 if len(out) >= r:
                     return out
     return None
+
+
+def _levels(hrw: Sequence[str], hosted: Mapping[str, int]) -> list[int]:
+    """The counts of placed prefixes the backends of `hrw` host (0: none), fewest first, read
+    in one C-level pass: a walk of the order per count walks only for counts some backend
+    has (once every backend hosts one, a walk for 0 read the whole order for nothing)."""
+    names = hrw.items if isinstance(hrw, Order) else hrw
+    return sorted(set(map(hosted.get, names, repeat(0))))
 
 
 def spare_homes(
