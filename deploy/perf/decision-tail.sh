@@ -13,7 +13,9 @@
 # over the decisions after the first SKIP (default: a tenth, the warm-up). NEW=0.4 makes the
 # last 40% of the requests bring system prompts of their own (a first placement each); with
 # SKIP set to the rest, the figures are a new prompt's. BACKENDS defaults to 1024, DECISIONS
-# to 1000; PYTHON picks the interpreter. For another build, run it from that checkout (see
+# to 1000; PYTHON picks the interpreter. The winner's prefix record is counted with the
+# upkeep, after the decision, where the proxy makes it (once the request is on the wire);
+# RECORD_IN_DECISION=1 counts it in the decision (the figures before December 2026). For another build, run it from that checkout (see
 # decision-instructions.sh). ~5 minutes for 1,000 decisions at 1,024 backends.
 set -euo pipefail
 label=${1:?usage: decision-tail.sh LABEL [BACKENDS] [DECISIONS]}
@@ -26,6 +28,7 @@ trap 'rm -rf "$work"' EXIT
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" valgrind --tool=callgrind --dump-before=getppid \
   --callgrind-out-file="$work/cg" "$PY" -m proxy.harness.routing_cost --markers \
   --backends "$backends" --requests "$decisions" --reuse-views --new-prompts "${NEW:-0}" \
+  ${RECORD_IN_DECISION:+--record-in-decision} \
   >/dev/null 2>"$work/log" || { tail -5 "$work/log" >&2; exit 1; }
 "$PY" - "$work" "$label" "$backends" "$decisions" "${SKIP:-}" <<'PY'
 import glob, sys

@@ -1,11 +1,14 @@
 """Routing decision time: `python -m proxy.harness.routing_cost [--redis URL] [--backends 4 8]`.
 
-Each decision is the whole Router.route(): prompt rendering and hashing (4k-token prompts,
-16k chars), the index lookup, placement, scoring, picking and recording. Prints p50/p99/max
-per index store, backend count and seed (`--seeds 1 2 3`: each seed its own prompts and
-loads), and the upkeep the router leaves for after a decision (a rebalance's step), timed
-apart; `--json FILE` also writes them, for deploy/perf/decision_plot.py. Not a test: numbers
-depend on the machine.
+Each decision is Router.route() as the proxy calls it, everything before the request is
+sent: prompt rendering and hashing (4k-token prompts, 16k chars), the index lookup,
+placement, scoring and picking. Prints p50/p99/max per index store, backend count and seed
+(`--seeds 1 2 3`: each seed its own prompts and loads), and what follows the decision timed
+apart ("after"): the winner's prefix recorded in the index (the proxy records it once the
+request is on the wire; `--record-in-decision` times it into the decision, as the figures
+before December 2026 did) and the upkeep the router leaves for then (a rebalance's step, a
+prefix's new homes). `--json FILE` also writes them, for deploy/perf/decision_plot.py. Not
+a test: numbers depend on the machine.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ async def measure(
     upkeep: list[float] | None = None,
     new: float = 0.0,
     markers: bool = False,
+    record_in_decision: bool = False,
 ) -> list[float]:
     """`reuse_views`: keep the views from one decision to the next, remaking only those
     whose in-flight count moved (the winner's, and one random request's end), and read them
@@ -101,8 +105,14 @@ async def measure(
     its engine: the placement's upkeep the router left for then (a rebalance's step) runs
     there, timed into `upkeep` (one entry per decision), not into the decision.
 
+    The winner's prefix is recorded in the index after the decision, timed into `upkeep`
+    with it, as the proxy records it once the request is on the wire to its backend
+    (`record_on_route` off); `record_in_decision` times it into the decision instead, as
+    Router.route() records it by default.
+
     `markers`: a getppid() system call before and after each decision and after its upkeep,
     where valgrind's `--dump-before=getppid` cuts its counts (deploy/perf/decision-tail.sh)."""
+    router.record_on_route = record_in_decision
     rng = random.Random(seed)
     bodies = _requests(count, rng, new)
     mark = os.getppid if markers else _nothing
@@ -134,6 +144,8 @@ async def measure(
                 backends[k] = dataclasses.replace(backends[k], inflight=backends[k].inflight - 1)
                 changed.append(k)
         start = time.perf_counter()
+        if not record_in_decision and decision.winner is not None:
+            router.record(decision, decision.winner)  # (the proxy: once the request is sent)
         await asyncio.sleep(0)  # the deferred upkeep, and the batched Redis writes, run here
         between.append(time.perf_counter() - start)
         mark()
@@ -164,6 +176,7 @@ async def main(
     reuse_views: bool = False,
     new: float = 0.0,
     markers: bool = False,
+    record_in_decision: bool = False,
 ) -> list[dict[str, Any]]:
     cfg = RoutingConfig(policy="prefix_aware")
     rows: list[dict[str, Any]] = []
@@ -174,7 +187,7 @@ async def main(
         label = f"{store}, {n} backends" + (f", seed {seed}" if len(seeds or [1]) > 1 else "")
         kept = sorted(upkeep)
         after = (
-            f"  upkeep after: mean={sum(kept) / len(kept) * 1000:.3f} ms"
+            f"  after (record, upkeep): mean={sum(kept) / len(kept) * 1000:.3f} ms"
             f" p99={percentile(kept, 0.99) * 1000:.3f} ms"
         )
         print(_row(label, times) + after + extra, flush=True)
@@ -196,7 +209,9 @@ async def main(
         for n in backend_counts:
             router = build_router(cfg, index=MemoryPrefixIndex())
             upkeep: list[float] = []
-            times = await measure(router, n, count, seed, reuse_views, upkeep, new, markers)
+            times = await measure(
+                router, n, count, seed, reuse_views, upkeep, new, markers, record_in_decision
+            )
             note("memory", n, seed, times, upkeep)
             if redis_url:
                 prefix = f"wrbench-{uuid.uuid4().hex[:8]}"
@@ -206,7 +221,10 @@ async def main(
                 try:
                     router = build_router(cfg, index=index)
                     upkeep = []
-                    times = await measure(router, n, count, seed, reuse_views, upkeep, new)
+                    times = await measure(
+                        router, n, count, seed, reuse_views, upkeep, new,
+                        record_in_decision=record_in_decision,
+                    )  # fmt: skip
                     c = index.counters
                     asked = c["lookups"] + c["copy_lookups"] + c["fallback_lookups"]
                     note(
@@ -252,6 +270,12 @@ if __name__ == "__main__":
         help="a getppid() system call around each decision and after its upkeep, for "
         "valgrind --dump-before=getppid (deploy/perf/decision-tail.sh); memory index only",
     )
+    parser.add_argument(
+        "--record-in-decision",
+        action="store_true",
+        help="time the winner's prefix record into the decision (Router.route()'s default) "
+        "instead of after it, where the proxy makes it: once the request is on the wire",
+    )
     args = parser.parse_args()
     rows = asyncio.run(
         main(
@@ -262,6 +286,7 @@ if __name__ == "__main__":
             args.reuse_views,
             args.new_prompts,
             args.markers,
+            args.record_in_decision,
         )
     )
     if args.json:
