@@ -220,6 +220,11 @@ class StreamMeter:
         return self._chunks
 
     @property
+    def separator(self) -> bytes:
+        """The stream's event separator, b"\n\n" or b"\r\n\r\n" (b"": no line seen yet)."""
+        return self._sep
+
+    @property
     def completed(self) -> bool:
         """The stream's end was seen: [DONE], a finish reason, or response.completed."""
         return self._completed
@@ -265,9 +270,8 @@ class StreamMeter:
         seplen = len(sep)
         if self._tail:
             # Resume the separator search where the last read left off (an event can span
-            # many reads; rescanning it from the start each time would be quadratic). Only
-            # here, with an event pending, is its size checked: reads that end on an event
-            # boundary pay nothing for the bound.
+            # many reads: no quadratic rescan). Only here, with an event pending, is its size
+            # checked: reads that end on an event boundary pay nothing for the bound.
             if len(self._tail) > MAX_EVENT_BYTES:
                 raise EventTooLarge(len(self._tail))
             buf = self._tail + data
@@ -283,9 +287,7 @@ class StreamMeter:
         fast = self.api == "chat" and self._parsed_first
         # Searches over the whole read instead of one per event: no event that ends before
         # `clear` has a finish reason (every finish_reason key before it is null).
-        # The usual read has every finish_reason key null: two scans say so, and only a read
-        # that has one that is not looks for where it is.
-        n = len(buf)
+        n = len(buf)  # every finish_reason key null (the usual read): two scans say so
         clear = -1
         if self.api == "chat":
             if buf.count(FINISH) == buf.count(FINISH_NULL):

@@ -34,10 +34,11 @@ from typing import TYPE_CHECKING
 import orjson
 
 from proxy import asgi
-from proxy.asgi import Send
+from proxy.asgi import Message, Send
 from proxy.errors import error_body, sse_error_event
 from proxy.forwarding.exchange import Exchange
 from proxy.forwarding.meter import MAX_EVENT_BYTES, EventTooLarge, StreamMeter, meter_json
+from proxy.forwarding.push import direct
 from proxy.forwarding.retry import Retry, describe
 from proxy.sse import event_boundary
 from proxy.types import FailureKind, StreamFacts
@@ -291,12 +292,10 @@ class Relay:
         # (proxy/upstream/conn.py's docstring): the first read started the clock.
         progress, idle_s = upstream.set_read_timeout, self.idle_s
         first = True
-        # Parts after the first go straight to the client's connection where the server
-        # allows (asgi.body_writer: None until the first part is out, False-returning when
-        # the part must go through `send` after all).
+        # Later parts' writer, and the step relaying reads without the task (push.py)
         write: Callable[[bytes], bool] | None = None
-        # The start of an event whose end has not arrived: never longer than what the meter
-        # holds of it, which the meter bounds (MAX_EVENT_BYTES).
+        push: Callable[[bytes], bool] | None = None
+        # The start of an event whose end has not arrived (the meter bounds it).
         carry = b""
         try:
             while data:
@@ -309,14 +308,13 @@ class Relay:
                 ):
                     # The first read goes out before it is metered when metering cannot change
                     # it (the usual case): the meter's parse of the first event stays off the
-                    # client's TTFT. Later reads are metered first: the check costs more CPU
-                    # per read than the order saves.
+                    # client's TTFT. Later reads are metered first (the check costs more).
                     first = False
                     await send({"type": "http.response.body", "body": data, "more_body": True})
                     sent = perf()
-                    write = asgi.body_writer(send) or _through_send
                     meter.feed(data, received)
                     meter.mark_sent(sent)
+                    write, push = direct(send, meter, upstream, idle_s)
                 else:
                     first = False
                     out = meter.feed(data, received)
@@ -331,20 +329,18 @@ class Relay:
                     if out and not out.isascii() and (cut := _utf8_events(out)) < len(out):
                         reason = _not_utf8(backend, ex, out, cut)
                         if cut:
-                            out = out[:cut]
-                            await send(
-                                {"type": "http.response.body", "body": out, "more_body": True}
-                            )
+                            await send(_more(out[:cut]))
                             meter.mark_sent(perf())
                         return INVALID_RESPONSE, reason, b""
                     if out:  # ends on an event's end: whole events, at least one
                         progress(idle_s)
                         if write is None or not write(out):
-                            await send(
-                                {"type": "http.response.body", "body": out, "more_body": True}
-                            )
-                            write = write or asgi.body_writer(send) or _through_send
+                            await send(_more(out))
                         meter.mark_sent(perf())
+                        if write is None:
+                            write, push = direct(send, meter, upstream, idle_s)
+                if push is not None:  # reads go to it while the task waits (push.py)
+                    upstream.push_to(None if carry else push)
                 try:
                     data = await upstream.readany()
                 except READ_ERRORS as e:
@@ -353,11 +349,10 @@ class Relay:
                     error, reason = stream_break(e, backend.name, idle_s)
                     return _broken(ex, error, reason, carry, " after the first byte")
         except EventTooLarge as e:
-            reason = (
-                f"{backend.name} sent {describe(e)} (the most this proxy holds of one event is "
-                f"{MAX_EVENT_BYTES} bytes)"
-            )
-            return _broken(ex, TOO_LARGE, reason, b"")
+            return _broken(ex, TOO_LARGE, _too_large(backend, e), b"")
+        finally:
+            if push is not None:
+                upstream.push_to(None)
         return None, "", carry
 
     async def _cut(
@@ -456,9 +451,16 @@ class Relay:
         return facts
 
 
-def _through_send(body: bytes) -> bool:
-    """The body writer where the server offers none: every part goes through `send`."""
-    return False
+def _more(body: bytes) -> Message:
+    """A part of a streamed body that more parts follow."""
+    return {"type": "http.response.body", "body": body, "more_body": True}
+
+
+def _too_large(backend: Backend, e: EventTooLarge) -> str:
+    return (
+        f"{backend.name} sent {describe(e)} (the most this proxy holds of one event is "
+        f"{MAX_EVENT_BYTES} bytes)"
+    )
 
 
 def _broken(

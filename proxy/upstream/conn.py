@@ -75,6 +75,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Callable
 from typing import Protocol
 
 import httptools
@@ -215,6 +216,7 @@ class Connection(asyncio.Protocol):
         "_length",
         "_paused",
         "_received",
+        "_sink",
         "_timer",
         "_until_eof",
         "_waiter",
@@ -257,6 +259,8 @@ class Connection(asyncio.Protocol):
         # What the read deadline means: the first-byte budget until the reader switches.
         self.timeout_error: type[UpstreamTimeout] = UpstreamFirstByteTimeout
         self._waiter: asyncio.Future[None] | None = None
+        # The reader's synchronous step for a read while it waits (UpstreamResponse.push_to)
+        self._sink: Callable[[bytes], bool] | None = None
         self._received = False
         self._until_eof = False
         self._keep_alive = False
@@ -284,6 +288,35 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._fail(UpstreamProtocolError(f"invalid HTTP response: {e}"))
             self.abort()
+            return
+        if self._sink is not None and self._buffer:
+            self._push(self._sink)
+
+    def _push(self, sink: Callable[[bytes], bool]) -> None:
+        """Body bytes arrived while a sink is set: handed to it here, in this callback, while
+        the reader waits for them and nothing else has happened to the response (its waiter
+        neither woken nor cancelled: no end, no error, no cut). What it declines is buffered
+        and the reader woken, as without a sink."""
+        w = self._waiter
+        if w is None or w.done():
+            return  # the reader is busy, or already woken: it reads them, in order
+        buf = self._buffer
+        data = buf[0] if len(buf) == 1 else b"".join(buf)
+        self._buffer = []
+        self._buffered = 0
+        try:
+            taken = sink(data)
+        except Exception as e:  # the reader's own error, raised where it reads
+            self._sink = None
+            self._fail(e)
+            return
+        if not taken:
+            self._buffer = [data]
+            self._buffered = len(data)
+            self._wake()
+        elif self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
 
     def _head_received(self, data: bytes) -> None:
         """A read while the head is incomplete (off the per-chunk path): bounded here, since
@@ -393,7 +426,7 @@ class Connection(asyncio.Protocol):
             self._paused = True
             self.transport.pause_reading()
         w = self._waiter  # _wake(), written out: this runs once per body piece
-        if w is not None:
+        if w is not None and self._sink is None:  # with a sink: data_received hands it over
             self._waiter = None
             if not w.done():
                 w.set_result(None)
@@ -654,6 +687,15 @@ class UpstreamResponse:
         c._deadline = deadline = c.loop.time() + seconds
         if c._timer is None or c._due > deadline:
             c._schedule(deadline)
+
+    def push_to(self, sink: Callable[[bytes], bool] | None) -> None:
+        """While readany() waits, hand each read to `sink(data)` in the connection's own
+        callback instead of waking the reader: True, it took the bytes (the reader goes on
+        waiting); False, it took nothing, and readany() returns them. The end of the body, an
+        error, a timeout and a cancelled read reach the reader as without a sink. None: no
+        sink. The relay's per-read step for paced streams (proxy/forwarding/push.py): no
+        future, wake-up and task step per read."""
+        self._conn._sink = sink
 
     def close(self) -> None:
         """Drop the connection now (the client left): a pending read fails at once."""
