@@ -3,12 +3,14 @@
 Each decision is Router.route() as the proxy calls it, everything before the request is
 sent: prompt rendering and hashing (4k-token prompts, 16k chars), the index lookup,
 placement, scoring and picking. Prints p50/p99/max per index store, backend count and seed
-(`--seeds 1 2 3`: each seed its own prompts and loads), and what follows the decision timed
-apart ("after"): the winner's prefix recorded in the index (the proxy records it once the
-request is on the wire; `--record-in-decision` times it into the decision, as the figures
-before December 2026 did) and the upkeep the router leaves for then (a rebalance's step, a
-prefix's new homes). `--json FILE` also writes them, for deploy/perf/decision_plot.py. Not
-a test: numbers depend on the machine.
+(`--seeds 1 2 3`: each seed its own prompts and loads), in wall time and in the thread's CPU
+time (on a shared machine the wall time's tail is mostly waits for a core; a Redis round
+trip's wait is not CPU), and what follows the decision, timed apart ("after"): the winner's
+prefix recorded in the index (the proxy records it once the request is on the wire;
+`--record-in-decision` times it into the decision, as the figures before December 2026 did)
+and the upkeep the router leaves for then (a rebalance's step, a prefix's new homes).
+`--json FILE` also writes them, for deploy/perf/decision_plot.py. Not a test: numbers depend
+on the machine.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ async def measure(
     new: float = 0.0,
     markers: bool = False,
     record_in_decision: bool = False,
+    cpu: list[float] | None = None,
 ) -> list[float]:
     """`reuse_views`: keep the views from one decision to the next, remaking only those
     whose in-flight count moved (the winner's, and one random request's end), and read them
@@ -111,12 +114,15 @@ async def measure(
     Router.route() records it by default.
 
     `markers`: a getppid() system call before and after each decision and after its upkeep,
-    where valgrind's `--dump-before=getppid` cuts its counts (deploy/perf/decision-tail.sh)."""
+    where valgrind's `--dump-before=getppid` cuts its counts (deploy/perf/decision-tail.sh).
+    `cpu`: each decision's thread CPU time, appended (what the wall time is, less the time
+    the process waited for a core: on a shared machine the wall time's tail is mostly that)."""
     router.record_on_route = record_in_decision
     rng = random.Random(seed)
     bodies = _requests(count, rng, new)
     mark = os.getppid if markers else _nothing
     times: list[float] = []
+    spent: list[float] = []
     between: list[float] = []
     fleet = _fleet(n_backends)
     backends = _backends(fleet, rng)
@@ -131,9 +137,10 @@ async def measure(
             views = backends = _backends(fleet, rng)
         ctx = RouteContext(f"r{i}", "m", "chat", body, {}, time.monotonic())
         mark()
-        start = time.perf_counter()
+        start, used = time.perf_counter(), time.thread_time()
         decision = await router.route(ctx, views)
         times.append(time.perf_counter() - start)
+        spent.append(time.thread_time() - used)
         mark()
         if reuse_views and decision.winner is not None:
             w = position[decision.winner]
@@ -151,6 +158,8 @@ async def measure(
         mark()
     if upkeep is not None:
         upkeep += between[count // 10 :]
+    if cpu is not None:
+        cpu += spent[count // 10 :]
     return times[count // 10 :]  # drop warm-up (script load, first connections, cold caches)
 
 
@@ -182,11 +191,19 @@ async def main(
     rows: list[dict[str, Any]] = []
 
     def note(
-        store: str, n: int, seed: int, times: list[float], upkeep: list[float], extra: str = ""
+        store: str,
+        n: int,
+        seed: int,
+        times: list[float],
+        upkeep: list[float],
+        cpu: list[float],
+        extra: str = "",
     ) -> None:
         label = f"{store}, {n} backends" + (f", seed {seed}" if len(seeds or [1]) > 1 else "")
-        kept = sorted(upkeep)
+        kept, used = sorted(upkeep), sorted(cpu)
         after = (
+            f"  cpu p50={percentile(used, 0.5) * 1000:.3f} ms p99="
+            f"{percentile(used, 0.99) * 1000:.3f} ms"
             f"  after (record, upkeep): mean={sum(kept) / len(kept) * 1000:.3f} ms"
             f" p99={percentile(kept, 0.99) * 1000:.3f} ms"
         )
@@ -200,6 +217,8 @@ async def main(
                 "p50_ms": percentile(ordered, 0.5) * 1000,
                 "p99_ms": percentile(ordered, 0.99) * 1000,
                 "max_ms": ordered[-1] * 1000,
+                "cpu_p50_ms": percentile(used, 0.5) * 1000,
+                "cpu_p99_ms": percentile(used, 0.99) * 1000,
                 "upkeep_mean_ms": sum(kept) / len(kept) * 1000,
                 "upkeep_p99_ms": percentile(kept, 0.99) * 1000,
             }
@@ -209,10 +228,11 @@ async def main(
         for n in backend_counts:
             router = build_router(cfg, index=MemoryPrefixIndex())
             upkeep: list[float] = []
+            cpu: list[float] = []
             times = await measure(
-                router, n, count, seed, reuse_views, upkeep, new, markers, record_in_decision
+                router, n, count, seed, reuse_views, upkeep, new, markers, record_in_decision, cpu
             )
-            note("memory", n, seed, times, upkeep)
+            note("memory", n, seed, times, upkeep, cpu)
             if redis_url:
                 prefix = f"wrbench-{uuid.uuid4().hex[:8]}"
                 client = open_redis(redis_url)
@@ -220,15 +240,15 @@ async def main(
                 await index.start()
                 try:
                     router = build_router(cfg, index=index)
-                    upkeep = []
+                    upkeep, cpu = [], []
                     times = await measure(
                         router, n, count, seed, reuse_views, upkeep, new,
-                        record_in_decision=record_in_decision,
+                        record_in_decision=record_in_decision, cpu=cpu,
                     )  # fmt: skip
                     c = index.counters
                     asked = c["lookups"] + c["copy_lookups"] + c["fallback_lookups"]
                     note(
-                        "redis", n, seed, times, upkeep,
+                        "redis", n, seed, times, upkeep, cpu,
                         f"  mode={index.mode}  from the copy {c['copy_lookups']}/{asked}",
                     )  # fmt: skip
                 finally:
