@@ -92,6 +92,7 @@ GrowArgs = tuple[
 # Homes a first placement chooses at once, past the backends that hold the prefix already,
 # where the rest can be added after the request (`later`): see Placement.homes.
 FIRST_HOMES = 2
+DEFER_PAST = 4  # ... when it needs more than this many (past those holders)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,16 +253,20 @@ class Placement:
             # A new prompt's measured share is large while few requests were seen (one of the
             # first hundred: ten or more homes at 1,024 backends), and choosing them all was
             # the slowest decision there is; where the rest can be added after this request
-            # (`later`, as a growth), the first FIRST_HOMES are chosen now.
-            most = FIRST_HOMES + len(holders) if first and self.later is not None else 0
+            # (`later`, as a growth), a prompt needing more than DEFER_PAST gets FIRST_HOMES
+            # now. (One needing a few gets them all now: growing by one or two would walk its
+            # order a second time.)
+            most = 0
+            if first and self.later is not None:
+                need = self._needed(0.0 if p.share < 0.0 else p.share, len(backends))
+                if need > DEFER_PAST + len(holders):
+                    most = FIRST_HOMES + len(holders)
             p.homes, p.overflow = self._choose(
                 key, p, backends, weights, loads, room, holders, order, (), 1.0, busy, most
             )
             if most and not p.overflow and len(p.homes) >= most:
-                share = 0.0 if p.share < 0.0 else p.share
-                if self._needed(share, len(backends)) > len(p.homes):
-                    args = (key, backends, weights, capacity, share_of, order, busy)
-                    self._grow_later(args, whole=True)
+                args = (key, backends, weights, capacity, share_of, order, busy)
+                self._grow_later(args, whole=True)
         tallies.count(p)
         for h in p.homes:
             room[h] -= p.size
