@@ -250,17 +250,7 @@ class Placement:
         else:
             # At first sight the bound is a share of all traffic: the prefix goes to the first
             # backend in its rendezvous order that stays within it, as it would on any replica.
-            # A new prompt's measured share is large while few requests were seen (one of the
-            # first hundred: ten or more homes at 1,024 backends), and choosing them all was
-            # the slowest decision there is; where the rest can be added after this request
-            # (`later`, as a growth), a prompt needing more than DEFER_PAST gets FIRST_HOMES
-            # now. (One needing a few gets them all now: growing by one or two would walk its
-            # order a second time.)
-            most = 0
-            if first and self.later is not None:
-                need = self._needed(0.0 if p.share < 0.0 else p.share, len(backends))
-                if need > DEFER_PAST + len(holders):
-                    most = FIRST_HOMES + len(holders)
+            most = self._first_now(p, len(backends), len(holders)) if first else 0
             p.homes, p.overflow = self._choose(
                 key, p, backends, weights, loads, room, holders, order, (), 1.0, busy, most
             )
@@ -276,6 +266,20 @@ class Placement:
             self.moves += 1
         self.dirty[key] = self.dirty.get(key, first)
         return p.homes
+
+    def _first_now(self, p: Placed, backends: int, holders: int) -> int:
+        """The homes a first placement chooses in its decision; 0: all it needs.
+
+        A new prompt's measured share is large while few requests were seen (one of the first
+        hundred: ten or more homes at 1,024 backends), and choosing them all was the slowest
+        decision there is; where the rest can be added after this request (`later`, as a
+        growth), a prompt needing more than DEFER_PAST gets FIRST_HOMES now (past the
+        `holders`, which come first). One needing a few gets them all now: growing by one or
+        two would walk its rendezvous order a second time."""
+        if self.later is None:
+            return 0
+        need = self._needed(0.0 if p.share < 0.0 else p.share, backends)
+        return FIRST_HOMES + holders if need > DEFER_PAST + holders else 0
 
     def _grow_later(self, args: GrowArgs, whole: bool = False) -> None:
         """Leave `key`'s growth (args: _grow's) for after this request, once."""
