@@ -24,6 +24,9 @@ class FakeView:
             n += 1
         return n
 
+    def match_tiers(self, blocks: Sequence[int]) -> tuple[int, ...]:
+        return (self.match(blocks),) * 4  # (no slower tier)
+
 
 def _keyed(r: Router, i: int):  # type: ignore[no-untyped-def]
     """A request keyed as exact mode (or a token-id prompt) would be: blocks of token ids."""

@@ -191,6 +191,9 @@ class FakeView:
     def match(self, blocks: Sequence[int]) -> int:
         return len(blocks)
 
+    def match_tiers(self, blocks: Sequence[int]) -> tuple[int, ...]:
+        return (len(blocks),) * 4
+
     def _reset(self) -> None:
         self.resets += 1
 

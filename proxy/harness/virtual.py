@@ -53,6 +53,9 @@ class _LiveView:
     def match(self, blocks: Sequence[int]) -> int:
         return self.view.match(blocks)
 
+    def match_tiers(self, blocks: Sequence[int]) -> tuple[int, ...]:
+        return self.view.match_tiers(blocks)
+
 
 @dataclass
 class _Open:

@@ -73,6 +73,12 @@ class ExactCache(Protocol):
         """Longest prefix of `blocks` the engine holds."""
         ...
 
+    def match_tiers(self, blocks: Sequence[int]) -> tuple[int, ...]:
+        """Leading blocks of `blocks` the engine reaches through each of its cache tiers, the
+        GPU first, then CPU, disk and a remote pool (proxy.kvevents.view.TIERS), each counting
+        the faster ones: (gpu,) * 4 for an engine that offloads nothing."""
+        ...
+
 
 PREFIX_BLOCK = "prefix"  # RoutingConfig.plugins key for hashing settings (shared with the scorer)
 
@@ -238,10 +244,9 @@ class Router:
                         # Blocks sent there moments ago are being prefilled: the engine will
                         # hold them before a request sent now gets its turn.
                         n = max(n, fresh(name, blocks, since))
-                    tiers = getattr(view, "match_tiers", None)  # views that know tiers
-                    if tiers is not None and n < len(blocks):
+                    if n < len(blocks):
                         # Past the GPU's blocks, what the engine loads from a slower tier.
-                        reach = tiers(blocks)  # GPU, CPU, disk, remote (view.TIERS)
+                        reach = view.match_tiers(blocks)  # GPU, CPU, disk, remote
                         if reach[-1] > n:
                             slower = zip(("CPU", "DISK", "REMOTE"), reach[1:], strict=False)
                             ctx.tier_blocks[name] = {tier: max(r, n) for tier, r in slower}
