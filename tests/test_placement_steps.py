@@ -405,6 +405,29 @@ def test_a_first_placement_chooses_its_first_homes_and_the_rest_after() -> None:
             assert homes == at_once[key][: len(homes)]
 
 
+def test_a_growth_left_for_later_runs_at_its_prefix_next_decision_if_still_pending() -> None:
+    """Requests of a hot prompt arriving in a burst are decided before the event loop runs
+    the growth the first of them left: the next one runs it, instead of piling onto the
+    homes the prefix outgrew; the growth left for later then finds nothing to do."""
+    p = Placement(inflight=600.0)
+    pending: list[Callable[[], object]] = []
+    p.later = pending.append
+    caps = dict.fromkeys(NAMES, 20_000.0)
+    shares = {1: 0.002}
+    blocks = list(range(100))
+    p.observe(1, blocks)
+    args = (NAMES, WEIGHTS, caps.__getitem__, shares.__getitem__, {}, order)
+    first = p.homes(1, blocks, *args)
+    assert not pending and len(first) == p._needed(0.002, len(NAMES))
+    shares[1] = 0.05  # (a burst: its share jumps)
+    assert p.homes(1, blocks, *args) == first and len(pending) == 1  # left for later
+    grown = p.homes(1, blocks, *args)  # the next request, before the loop ran it
+    assert len(grown) == p._needed(0.05, len(NAMES), len(first)) > len(first)
+    assert grown[: len(first)] == first and not p._growing
+    pending.pop()()
+    assert p.placed[1].homes == grown
+
+
 def test_without_an_event_loop_the_upkeep_runs_at_once() -> None:
     from proxy.config import RoutingConfig
     from proxy.routing.setup import build_router

@@ -148,7 +148,8 @@ class Placement:
     # request goes to the homes it has: the growth is upkeep (at 1,024 backends a hot
     # prefix growing by dozens of homes is a millisecond), not this request's decision.
     later: Callable[[Callable[[], object]], None] | None = field(default=None, repr=False)
-    _growing: set[int] = field(default_factory=set, repr=False)  # growths waiting for later
+    # Growths left for later and not yet run: prefix -> up to its whole need (see _grow)
+    _growing: dict[int, bool] = field(default_factory=dict, repr=False)
 
     def attach(self, shares: Shares) -> None:
         """Keep the loads from `shares` (the share_of every call passes must be its current)."""
@@ -216,6 +217,12 @@ class Placement:
                 p.inside = seen if isinstance(backends, tuple) else None
             homes = seen[2]
         if p is not None and homes:
+            args: GrowArgs = (key, backends, weights, capacity, share_of, order, busy)
+            whole = self._growing.get(key)
+            if whole is not None:
+                # Its growth, left for after an earlier request, has not run yet (requests
+                # arriving in a burst): this one would pile onto the homes it outgrew.
+                return self._grow(*args, whole=whole)
             share = share_of(key)
             n = len(backends)
             if len(homes) >= n or self._needed(share, n, len(homes)) <= len(homes):
@@ -223,7 +230,6 @@ class Placement:
             # Its traffic grew past what its homes should carry: add homes now (or right
             # after this request, `later`), not at the next rebalance (a hot prompt arriving
             # in a burst would pile onto one backend).
-            args: GrowArgs = (key, backends, weights, capacity, share_of, order, busy)
             if self.later is None:
                 return self._grow(*args)
             self._grow_later(args)
@@ -286,7 +292,7 @@ class Placement:
         assert self.later is not None
         key = args[0]
         if key not in self._growing:
-            self._growing.add(key)
+            self._growing[key] = whole
             self.later(lambda: self._grow(*args, whole=whole))
 
     def _grow(
@@ -303,7 +309,7 @@ class Placement:
         """More homes for the placed prefix `key`, whose share outgrew those it has among
         `backends` (asked again: when run later, a rebalance may have placed it since);
         `whole`: up to its whole need, as a first placement choosing them all at once would."""
-        self._growing.discard(key)
+        self._growing.pop(key, None)
         p = self.placed.get(key)
         if p is None:
             return ()
