@@ -217,19 +217,19 @@ class Placement:
                 p.inside = seen if isinstance(backends, tuple) else None
             homes = seen[2]
         if p is not None and homes:
-            args: GrowArgs = (key, backends, weights, capacity, share_of, order, busy)
             whole = self._growing.get(key)
             if whole is not None:
-                # Its growth, left for after an earlier request, has not run yet (requests
-                # arriving in a burst): this one would pile onto the homes it outgrew.
-                return self._grow(*args, whole=whole)
+                # Its growth left for later has not run yet (a burst): run it, not pile on.
+                return self._grow(
+                    key, backends, weights, capacity, share_of, order, busy, whole=whole
+                )
             share = share_of(key)
             n = len(backends)
             if len(homes) >= n or self._needed(share, n, len(homes)) <= len(homes):
                 return homes
-            # Its traffic grew past what its homes should carry: add homes now (or right
-            # after this request, `later`), not at the next rebalance (a hot prompt arriving
-            # in a burst would pile onto one backend).
+            # Its traffic grew past what its homes should carry: add homes now (or right after
+            # this request, `later`), not at the next rebalance (a burst would pile onto one).
+            args: GrowArgs = (key, backends, weights, capacity, share_of, order, busy)
             if self.later is None:
                 return self._grow(*args)
             self._grow_later(args)
