@@ -23,6 +23,31 @@ def test_the_summary_counts_statuses_and_percentiles() -> None:
     assert found["ttft_p50_ms"] == pytest.approx(300) and found["requests"] == 4
 
 
+@pytest.mark.parametrize(
+    ("argv", "flags"),
+    [
+        ([], []),
+        (["--engine-priority"], ["--priority-scheduling", "--prefill-chunk-tokens", "2048"]),
+        (["--engine-priority", "--engine-chunk-tokens", "0"], ["--priority-scheduling"]),
+        (
+            ["--engine-preempt", "--engine-chunk-tokens", "512"],
+            ["--priority-scheduling", "--prefill-chunk-tokens", "512", "--preempt-prefill"],
+        ),
+    ],
+)
+def test_engine_priority_is_vllms_order_and_chunked_prefill(
+    argv: list[str], flags: list[str]
+) -> None:
+    engines = NN.engines_from(NN.build_parser().parse_args(argv))
+    assert engines.flags() == flags
+
+
+def test_preemption_needs_steps() -> None:
+    args = NN.build_parser().parse_args(["--engine-preempt", "--engine-chunk-tokens", "0"])
+    with pytest.raises(ValueError, match="> 0 with --engine-preempt"):
+        NN.engines_from(args)
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_short_run_refuses_none_of_the_quiet_tenant() -> None:

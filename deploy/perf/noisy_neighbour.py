@@ -13,7 +13,11 @@ the fair queue, for comparison). `--reserve 0 2` runs each seed with `tenants.re
 0, then 2 (slots kept for the tenant below its share), one after the other. `--bound
 backends` holds the 8 slots in the engines (`max_inflight: 2` each) instead of the proxy.
 `--engine-priority` has the engines order their prefill queue by the request's `priority`
-(vLLM's `--scheduling-policy priority`), which the proxy sets from the tenant's standing.
+(vLLM's `--scheduling-policy priority`), which the proxy sets from the tenant's standing, and
+prefill in steps of `--engine-chunk-tokens` tokens (default 2048, what `vllm serve` takes by
+default; 0: whole prompts, serially, the engine model before steps), the prompts begun first,
+as vLLM's chunked prefill. `--engine-preempt` adds what vLLM does not do: between steps a
+higher-priority prompt passes a begun one (the mock's `--preempt-prefill`).
 `--goodput TARGET_S` instead sends one tenant at 1.5x the capacity, without a TTFT target
 and then with `tenants.ttft_targets_s: {standard: TARGET_S}`, and prints the requests a
 second that got their first token within the target. Not a test: numbers depend on the
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from proxy.bench.client import exponential_offsets, paced  # noqa: E402
+from proxy.bench.mock.engine import VLLM_BATCHED_TOKENS  # noqa: E402
 from proxy.demo.stack import Stack, free_ports  # noqa: E402
 
 ENGINES = 4
@@ -51,6 +57,31 @@ CAPACITY = SLOTS / SERVICE_S  # requests a second
 PROMPT_CHARS = 6000  # 2,000 of the mock's 3-character tokens
 CONTENT = re.compile(rb'"content":"[^"]')  # the first token (the role chunk's content is "")
 GOODPUT = ("no target", "target")  # the two runs of --goodput
+
+
+@dataclass(frozen=True)
+class Engines:
+    """How the mock engines schedule prefill: by `priority` or not, in steps of `chunk_tokens`
+    (0: whole prompts, serially), a begun prompt passed by a higher-priority one or not."""
+
+    priority: bool = False
+    chunk_tokens: int = 0
+    preempt: bool = False
+
+    def flags(self) -> list[str]:
+        return [
+            *(["--priority-scheduling"] if self.priority else []),
+            *(["--prefill-chunk-tokens", str(self.chunk_tokens)] if self.chunk_tokens else []),
+            *(["--preempt-prefill"] if self.preempt else []),
+        ]
+
+    def label(self) -> str:
+        parts = ["by priority"] if self.priority else []
+        if self.chunk_tokens:
+            parts.append(f"steps of {self.chunk_tokens}")
+        if self.preempt:
+            parts.append("preempting")
+        return ", ".join(parts)
 
 
 async def tenant(
@@ -128,13 +159,13 @@ def serving(
     proxy_dir: Path,
     tenants: dict[str, Any] | None = None,
     bound: str = "proxy",
-    engine_priority: bool = False,
+    engines: Engines = Engines(),
     slots: int = SLOTS,
 ) -> Iterator[str]:
     """Four engines and the proxy (of `proxy_dir`'s checkout) in front of them; yields the
     chat completions URL. `bound`: where the fleet's 8 slots are held: `proxy`
-    (server.max_inflight) or `backends` (each engine's max_inflight, 2). `engine_priority`:
-    the engines order their prefill queue by the request's `priority`, which the proxy sets.
+    (server.max_inflight) or `backends` (each engine's max_inflight, 2). `engines`: how they
+    schedule prefill; by priority, the proxy sets each request's.
     `slots`: requests the fleet is let hold (the load stays sized for 8)."""
     *mock_ports, port = free_ports(ENGINES + 1)  # the engines', then the proxy's
     mock_port = mock_ports[0]
@@ -152,7 +183,7 @@ def serving(
         "backends": [
             {"url": f"http://127.0.0.1:{mock_port + i}"}
             | ({"max_inflight": slots // ENGINES} if bound == "backends" else {})
-            | ({"engine_priority": "lower_first"} if engine_priority else {})
+            | ({"engine_priority": "lower_first"} if engines.priority else {})
             for i in range(ENGINES)
         ],
         "telemetry": {"enabled": False},
@@ -168,8 +199,7 @@ def serving(
             "mock",
             ["--port", str(mock_port), "--instances", str(ENGINES), "--chunks", "16",
              "--chunk-interval-ms", "20", "--cache-tokens", "3000",
-             "--prefill-tokens-per-s", "20000",
-             *(["--priority-scheduling"] if engine_priority else [])],
+             "--prefill-tokens-per-s", "20000", *engines.flags()],
             module="proxy.bench.mock",
         )  # fmt: skip
         stack.wait_http(f"http://127.0.0.1:{mock_port}/health", mock)
@@ -184,11 +214,11 @@ def run(
     proxy_dir: Path,
     reserve: int = 0,
     bound: str = "proxy",
-    engine_priority: bool = False,
+    engines: Engines = Engines(),
     slots: int = SLOTS,
 ) -> dict[str, Any]:
     tenants = {"reserve_slots": reserve} if reserve else None
-    with serving(proxy_dir, tenants, bound, engine_priority, slots) as url:
+    with serving(proxy_dir, tenants, bound, engines, slots) as url:
         alone = asyncio.run(load(url, seed, duration, flood=False))
         both = asyncio.run(load(url, seed, duration, flood=True))
     return {"seed": seed, "alone": alone["quiet"], "quiet": both["quiet"], "flood": both["flood"]}
@@ -216,7 +246,18 @@ async def one_tenant(url: str, seed: int, duration: float) -> list[dict[str, Any
         return await tenant(client, url, "flood", 1.5 * CAPACITY, duration, seed)
 
 
-def main() -> None:
+def engines_from(args: argparse.Namespace) -> Engines:
+    """--engine-priority: vLLM's priority order and chunked prefill, steps of 2048 tokens
+    unless --engine-chunk-tokens says otherwise; --engine-preempt: and preemption between."""
+    by_priority = args.engine_priority or args.engine_preempt
+    default_chunk = VLLM_BATCHED_TOKENS if by_priority else 0
+    chunk = default_chunk if args.engine_chunk_tokens is None else args.engine_chunk_tokens
+    if chunk < 0 or (args.engine_preempt and not chunk):
+        raise ValueError("--engine-chunk-tokens must be >= 0, and > 0 with --engine-preempt")
+    return Engines(by_priority, chunk, args.engine_preempt)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -244,7 +285,24 @@ def main() -> None:
         "--engine-priority",
         action="store_true",
         help="the engines order their prefill queue by priority (vLLM's --scheduling-policy "
-        "priority), and the proxy sends each request's (engine_priority: lower_first)",
+        "priority), and the proxy sends each request's (engine_priority: lower_first); they "
+        f"prefill in steps of --engine-chunk-tokens (default {VLLM_BATCHED_TOKENS}), the "
+        "prompts begun first, as vLLM's chunked prefill",
+    )
+    parser.add_argument(
+        "--engine-chunk-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"prompt tokens per engine step (vLLM's --max-num-batched-tokens; default "
+        f"{VLLM_BATCHED_TOKENS} with --engine-priority or --engine-preempt, else 0); 0: whole "
+        "prompts, serially (the engine model before steps)",
+    )
+    parser.add_argument(
+        "--engine-preempt",
+        action="store_true",
+        help="--engine-priority, and between steps a higher-priority prompt passes a begun "
+        "one (the mock's --preempt-prefill; vLLM does not do this)",
     )
     parser.add_argument(
         "--slots",
@@ -259,7 +317,16 @@ def main() -> None:
         metavar="TARGET_S",
         help="instead: one tenant at 1.5x the capacity, with and without this TTFT target",
     )
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
+    try:
+        engines = engines_from(args)
+    except ValueError as e:
+        parser.error(str(e))
     rows = []
     proxy_dir = args.proxy_dir.resolve()
     for seed in args.seeds:
@@ -271,13 +338,14 @@ def main() -> None:
             continue
         for reserve in args.reserve:
             label = f"{args.label}, reserve {reserve}" if reserve else args.label
+            label += f", engines {engines.label()}" if engines.label() else ""
             found = run(
                 seed,
                 args.duration,
                 proxy_dir,
                 reserve,
                 args.bound,
-                args.engine_priority,
+                engines,
                 args.slots,
             )
             row = {**found, "label": label, "bound": args.bound}

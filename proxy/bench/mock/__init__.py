@@ -1,15 +1,13 @@
 """The mock OpenAI backend of the bench and the tests (`python -m proxy.bench.mock --help`).
 
 cache.py    what the mock engine reads of a prompt, and the prefix cache it keeps (pure)
+engine.py   MockEngine: the cache an instance keeps and its prefill, serial or in steps
 backend.py  MockBackend: the one fake OpenAI server; engine mode, scripted replies, a recorder
 serve.py    the zero-latency app, instances on consecutive ports, the command line
 """
 
 from proxy.bench.mock.backend import (
-    DEFAULT_PREFILL_TOKENS_PER_S,
-    EngineSettings,
     MockBackend,
-    MockEngine,
     Recorder,
     Reply,
     Request,
@@ -26,12 +24,20 @@ from proxy.bench.mock.cache import (
     render_prompt,
     tokenize,
 )
+from proxy.bench.mock.engine import (
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    VLLM_BATCHED_TOKENS,
+    EngineSettings,
+    MockEngine,
+    StepScheduler,
+)
 from proxy.bench.mock.serve import build_parser, main, make_app, resize_on_schedule, serve
 
 __all__ = [
     "CHARS_PER_TOKEN",
     "DEFAULT_BLOCK_TOKENS",
     "DEFAULT_PREFILL_TOKENS_PER_S",
+    "VLLM_BATCHED_TOKENS",
     "CacheStats",
     "EngineSettings",
     "MockBackend",
@@ -41,6 +47,7 @@ __all__ = [
     "Reply",
     "Request",
     "Script",
+    "StepScheduler",
     "build_parser",
     "main",
     "make_app",

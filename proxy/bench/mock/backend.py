@@ -3,9 +3,9 @@
 MockBackend answers chat and text completions (streamed or whole), embeddings, /v1/models,
 /health and /metrics. What it does per request comes from three optional parts:
 
-  engine   a MockEngine: the prefix cache it keeps to itself and serial prefill (cache.py),
-           plus /mock/cache to read or resize that cache. Without one, prompts cost nothing
-           and nothing is cached.
+  engine   a MockEngine (engine.py): the prefix cache it keeps to itself (cache.py) and its
+           prefill, serial or in steps, plus /mock/cache to read or resize that cache.
+           Without one, prompts cost nothing and nothing is cached.
   script   a function from the request to a Reply: an HTTP error before any byte, a slow
            start, the first token's delay, the gap between chunks, a dropped connection, an
            error event or a stall mid-stream, the chunk count, the cached tokens.
@@ -18,12 +18,10 @@ MockBackend answers chat and text completions (streamed or whole), embeddings, /
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import re
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,9 +43,9 @@ from proxy.asgi import (
     stream_chunk,
     watch_disconnect,
 )
-from proxy.bench.mock.cache import DEFAULT_BLOCK_TOKENS, PrefixCache, render_prompt, tokenize
+from proxy.bench.mock.cache import render_prompt, tokenize
+from proxy.bench.mock.engine import MockEngine
 
-DEFAULT_PREFILL_TOKENS_PER_S = 20_000.0
 # /v1/responses is answered in the text-completion shape: enough for a proxy that forwards
 # bytes, not a model of the Responses API's events.
 COMPLETIONS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -60,93 +58,6 @@ MID_STREAM_ERROR = sse(
         }
     }
 )
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSettings:
-    """The knobs of one engine-mode instance (the CLI's --cache-* and timing flags)."""
-
-    cache_tokens: int
-    block_tokens: int = DEFAULT_BLOCK_TOKENS
-    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
-    chunk_interval_s: float = 0.0
-    # Queued prefills go by the request's `priority` (lower first, then arrival), as vLLM's
-    # --scheduling-policy priority orders its waiting queue; off, a priority other than 0 is
-    # refused with vLLM's 400.
-    priority_scheduling: bool = False
-
-    def __post_init__(self) -> None:
-        if self.cache_tokens < 0 or self.block_tokens < 1:
-            raise ValueError("cache_tokens must be >= 0 and block_tokens >= 1")
-        if self.prefill_tokens_per_s <= 0 or self.chunk_interval_s < 0:
-            raise ValueError("prefill_tokens_per_s must be > 0 and chunk_interval_s >= 0")
-
-
-class MockEngine:
-    """One instance: its prefix cache and the lock that makes prefill serial."""
-
-    def __init__(self, settings: EngineSettings) -> None:
-        self.settings = settings
-        self.cache = PrefixCache(settings.cache_tokens, settings.block_tokens)
-        self._busy = False  # a prefill holds the instance
-        self._queue: list[tuple[int, int, asyncio.Future[None]]] = []  # heap: priority, arrival
-        self._arrivals = itertools.count()
-        self.waiting = 0  # requests queued for prefill
-        self.running = 0  # requests streaming their answer
-        self.generation_tokens = 0
-
-    async def prefill(self, tokens: Sequence[Hashable], priority: int = 0) -> int:
-        """Wait for the engine (first come first served, or by `priority` with priority
-        scheduling), then hold it while the uncached tokens are computed; returns the cached
-        tokens. The cache is looked up when the request's turn comes, as an engine's scheduler
-        does, so a queued request finds what the one before it left."""
-        if self._busy or self._queue:
-            rank = priority if self.settings.priority_scheduling else 0
-            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._queue, (rank, next(self._arrivals), turn))
-            self.waiting += 1
-            try:
-                await turn  # handed the instance by the prefill before it
-            except asyncio.CancelledError:
-                if turn.done() and not turn.cancelled():
-                    self._next()  # it was its turn: the next one's now (else _next skips it)
-                raise
-            finally:
-                self.waiting -= 1
-        else:
-            self._busy = True
-        try:
-            cached = self.cache.admit(tokens)
-            await asyncio.sleep((len(tokens) - cached) / self.settings.prefill_tokens_per_s)
-        finally:
-            self._next()
-        return cached
-
-    def _next(self) -> None:
-        """Hand the instance to the next queued prefill, or free it."""
-        while self._queue:
-            turn = heapq.heappop(self._queue)[2]
-            if not turn.done():
-                turn.set_result(None)
-                return
-        self._busy = False
-
-    def metrics_text(self) -> str:
-        """Generic counters only: nothing here names or implies the cache's size."""
-        s = self.cache.stats()
-        rows = (
-            ("mock_requests", "counter", "Requests prefilled.", s.requests),
-            ("mock_prompt_tokens", "counter", "Prompt tokens received.", s.prompt_tokens),
-            ("mock_cached_tokens", "counter", "Prompt tokens served from cache.", s.cached_tokens),
-            ("mock_generation_tokens", "counter", "Tokens streamed.", self.generation_tokens),
-            ("mock_requests_waiting", "gauge", "Requests queued for prefill.", self.waiting),
-            ("mock_requests_running", "gauge", "Requests streaming.", self.running),
-        )
-        lines = []
-        for name, kind, help_, value in rows:
-            sample = f"{name}_total" if kind == "counter" else name
-            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{sample} {value}"]
-        return "\n".join(lines) + "\n"
 
 
 # -- scripting and recording ------------------------------------------------------------------

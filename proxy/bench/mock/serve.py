@@ -22,7 +22,13 @@ cache-aware router is judged on an engine it has no model of:
            uncached tokens / --prefill-tokens-per-s seconds (queued requests wait for it, in
            arrival order; with --priority-scheduling by the request's `priority`, lower
            first, as vLLM's --scheduling-policy priority; without it a `priority` other than 0
-           is refused with vLLM's 400)
+           is refused with vLLM's 400). With --prefill-chunk-tokens N, in steps as vLLM's V1
+           scheduler runs chunked prefill: each step computes at most N prompt tokens
+           (vLLM's --max-num-batched-tokens; `vllm serve` defaults to 2048, 8192 on GPUs of
+           70 GiB or more but the A100) and lasts their time; the prompts begun continue
+           first, the budget left goes to waiting ones by arrival or `priority`. vLLM does not
+           preempt a begun prompt for a higher-priority arrival; --preempt-prefill models an
+           engine that does, between steps (every unfinished prompt by priority, then arrival)
   decode   free and parallel: min(--chunks, max_tokens) content chunks, --chunk-interval-ms
            apart, after a role chunk
   usage    prompt_tokens (its own tokens), completion_tokens and
@@ -61,13 +67,14 @@ from proxy.asgi import (
     start_stream,
     stream_chunk,
 )
-from proxy.bench.mock.backend import (
+from proxy.bench.mock.backend import MockBackend
+from proxy.bench.mock.cache import DEFAULT_BLOCK_TOKENS, parse_schedule
+from proxy.bench.mock.engine import (
     DEFAULT_PREFILL_TOKENS_PER_S,
+    VLLM_BATCHED_TOKENS,
     EngineSettings,
-    MockBackend,
     MockEngine,
 )
-from proxy.bench.mock.cache import DEFAULT_BLOCK_TOKENS, parse_schedule
 
 EPILOG = """\
 examples:
@@ -221,10 +228,17 @@ async def _announce(servers: Sequence[_Server], engine: EngineSettings, port: in
     print(
         f"mock: {len(servers)} engine(s) on http://127.0.0.1:{port}..{last}, "
         f"{engine.cache_tokens}-token prefix cache each ({engine.block_tokens}-token blocks), "
-        f"prefill {engine.prefill_tokens_per_s:g} tokens/s; GET/POST /mock/cache",
+        f"prefill {engine.prefill_tokens_per_s:g} tokens/s{_steps(engine)}; GET/POST /mock/cache",
         file=sys.stderr,
         flush=True,
     )
+
+
+def _steps(engine: EngineSettings) -> str:
+    if not engine.prefill_chunk_tokens:
+        return ""
+    preempt = ", preempting by priority" if engine.preempt_prefill else ""
+    return f" in steps of {engine.prefill_chunk_tokens} tokens{preempt}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,6 +290,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--scheduling-policy priority)",
     )
     g.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prefill in steps of at most N prompt tokens, the prompts begun first, as vLLM's "
+        f"chunked prefill (its --max-num-batched-tokens: {VLLM_BATCHED_TOKENS} by default, "
+        "8192 on GPUs of 70 GiB or more but the A100); default 0: whole prompts, serially",
+    )
+    g.add_argument(
+        "--preempt-prefill",
+        action="store_true",
+        help="with --prefill-chunk-tokens and --priority-scheduling: between steps a "
+        "higher-priority prompt passes a begun one, which keeps its tokens (vLLM does not)",
+    )
+    g.add_argument(
         "--cache-tokens-schedule",
         default=None,
         metavar="S:N,...",
@@ -301,6 +330,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--prefill-tokens-per-s": args.prefill_tokens_per_s,
         "--cache-tokens-schedule": args.cache_tokens_schedule,
         "--priority-scheduling": args.priority_scheduling or None,
+        "--prefill-chunk-tokens": args.prefill_chunk_tokens,
+        "--preempt-prefill": args.preempt_prefill or None,
     }
     given = [flag for flag, value in engine_flags.items() if value is not None]
     engine: EngineSettings | None = None
@@ -311,6 +342,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error("--cache-block-tokens must be >= 1")
     if args.prefill_tokens_per_s is not None and args.prefill_tokens_per_s <= 0:
         p.error("--prefill-tokens-per-s must be > 0")
+    if args.preempt_prefill and not (args.prefill_chunk_tokens and args.priority_scheduling):
+        p.error("--preempt-prefill needs --prefill-chunk-tokens N > 0 and --priority-scheduling")
     if args.chunk_interval_ms is not None and args.chunk_interval_ms < 0:
         p.error("--chunk-interval-ms must be >= 0")
     if args.cache_tokens > 0:
@@ -321,6 +354,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 prefill_tokens_per_s=_or(args.prefill_tokens_per_s, DEFAULT_PREFILL_TOKENS_PER_S),
                 chunk_interval_s=_or(args.chunk_interval_ms, 0.0) / 1000,
                 priority_scheduling=args.priority_scheduling,
+                prefill_chunk_tokens=_or(args.prefill_chunk_tokens, 0),
+                preempt_prefill=args.preempt_prefill,
             )
             if args.cache_tokens_schedule:
                 schedule = parse_schedule(args.cache_tokens_schedule)
