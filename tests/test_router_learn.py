@@ -40,8 +40,35 @@ def test_queueing_spikes_do_not_drag_the_rate_down() -> None:
 def test_equal_sized_prompts_still_give_a_rate() -> None:
     est = PrefillRate()
     for _ in range(10):
-        est.observe(2000, 0.5)
-    assert est.rate is not None and abs(est.rate - 4000) < 1
+        est.observe(2000, 0.1)  # faster than the prior: tokens over time
+    assert est.rate is not None and abs(est.rate - 20000) < 1
+    assert est.overhead_s == 0.0
+
+
+def test_small_prompts_alike_do_not_make_the_rate_slower_than_the_prior() -> None:
+    # A replica that only ever sent cached prompts (the user's turn uncached): their TTFT is
+    # overhead. Through the origin it read 88 tokens in 0.1 s as 880 tokens/s.
+    est = PrefillRate()
+    for _ in range(50):
+        est.observe(88, 0.1)
+    assert est.rate == est.prior_rate
+    prediction = est.predict(88)
+    assert prediction is not None and abs(prediction - 0.1) < 1e-9  # the TTFT still predicted
+
+
+def test_the_slope_identified_is_kept_while_prompt_sizes_stop_varying() -> None:
+    rng = random.Random(4)
+    est = PrefillRate()
+    for _ in range(100):  # cold and cached prompts: the slope is identified
+        tokens = rng.choice((60.0, 2700.0))
+        est.observe(tokens, 0.02 + tokens / 20000 + rng.uniform(0, 0.004))
+    assert est.rate is not None and abs(est.rate - 20000) / 20000 < 0.1
+    for _ in range(2000):  # then only cached ones, their TTFT mostly queueing
+        est.observe(rng.gauss(60, 6), 0.02 + rng.expovariate(1 / 0.04))
+    # Through the origin these read ~1,000 tokens/s. (While the cold samples fade, the mean
+    # TTFT rising with the queueing flattens the fit a little: within 1.5x.)
+    assert est.rate is not None and 20000 / 1.5 < est.rate < 20000 * 1.5
+    assert est.overhead_s > 0.04  # the queueing went to the overhead, not the rate
 
 
 def test_the_estimate_follows_a_backend_that_slows_down() -> None:
@@ -70,8 +97,9 @@ def test_unknown_backend_has_no_rate_until_enough_samples() -> None:
     assert learner.rate("a") is None
     for _ in range(3):
         learner.observe("a", 1000, 0.25)
-    assert learner.rate("a") == 4000
+    assert learner.rate("a") == 5000  # (the prior, the rest overhead: sizes never varied)
     assert learner.mean_prefill_s("a") == 0.25
+    assert learner.snapshot()["a"]["identified"] is False
     assert learner.snapshot()["a"]["samples"] == 3
 
 

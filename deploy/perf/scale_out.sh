@@ -180,6 +180,15 @@ agreement() {  # proxy count: where the hot prompts live; do the replicas' views
   python - "${urls[@]}" <<'EOF'
 import json, sys, urllib.request
 infos = [json.load(urllib.request.urlopen(u, timeout=5)) for u in sys.argv[1:]]
+# Requests sent away from their prompt's homes because every home was over the load bound
+# (each a cold prefill, and an eviction where that engine's cache is full): the decisions
+# counted by reason on each replica's /metrics.
+spills = 0
+for u in sys.argv[1:]:
+    text = urllib.request.urlopen(u.replace("/admin/routing", "/metrics"), timeout=5).read()
+    for line in text.decode().splitlines():
+        if line.startswith("warmroute_route_decisions") and "load over affinity" in line:
+            spills += int(float(line.rsplit(" ", 1)[1]))
 views = [{h["prefix"]: tuple(sorted(h["homes"])) for h in i["cache"]["placement"]["hottest"][:8]}
          for i in infos]
 per = {}
@@ -192,7 +201,7 @@ copy = sum(x.get("copy_lookups", 0) for x in idx)
 asked = copy + sum(x.get("lookups", 0) + x.get("fallback_lookups", 0) for x in idx)
 answered = f"  from the copy {copy / asked:4.0%}" if "copy_lookups" in idx[0] and asked else ""
 if len(infos) < 2:
-    print(f"  prompts per engine {layout}{answered}")
+    print(f"  prompts per engine {layout}  spills {spills}{answered}")
     sys.exit()
 hot = set(views[0])
 same = sum(1 for k in hot if all(v.get(k) == views[0][k] for v in views[1:]))
@@ -201,7 +210,8 @@ for i in infos:
     for b, est in i["cache"]["backends"].items():
         caps.setdefault(b, []).append(est["capacity_blocks"])
 spread = max(max(v) / max(min(v), 1) for v in caps.values()) if caps else 1.0
-print(f"  prompts per engine {layout}  homes agree {same}/{len(hot)}  capacity spread x{spread:.1f}"
+print(f"  prompts per engine {layout}  spills {spills}  homes agree {same}/{len(hot)}"
+      f"  capacity spread x{spread:.1f}"
       f"{answered}")
 EOF
 }

@@ -5,7 +5,16 @@ ttft against uncached tokens gives the slope (1/rate) and the intercept (overhea
 scheduling, first decode step). Queueing inflates single samples far above the line, so once
 the fit is warm a sample is clipped to a few times its prediction before it is used (a cheap
 Huber-style guard). When the prompts seen so far are all about the same size, the slope is
-not identifiable; the estimate then falls back to tokens over time through the origin.
+not identifiable: the slope last identified is kept and only the overhead follows the samples.
+Before any slope was identified, the estimate is tokens over time through the origin, but no
+slower than DEFAULT_PREFILL_TOKENS_PER_S, the rest counted as overhead.
+
+Why keep the slope: behind a prefix-cache router most requests find their prompt cached, so
+their uncached tokens are all about the same (the user's turn, tens of tokens) and their TTFT is
+overhead and queueing. Through the origin those samples said a 20,000 tokens/s engine prefills
+~900-2,000 tokens/s (a replica that never sent it a cold prompt: docs/routing.md), and what
+reads the rate (the prefill backlog, predicted TTFTs, the spill test) took each cached request
+for ~0.1 s of serial prefill.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ class PrefillRate:
     min_samples: int = 4
     clip: float = 3.0  # a warm sample may count at most clip * its prediction (+ 50 ms)
     min_rate: float = 50.0  # tokens/s bounds keep one odd sample from breaking routing
+    # the slowest rate assumed before prompts of varied sizes identified one
+    prior_rate: float = DEFAULT_PREFILL_TOKENS_PER_S
     max_rate: float = 1e7
     n: int = 0
     sw: float = 0.0
@@ -32,7 +43,10 @@ class PrefillRate:
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
+    syy: float = 0.0
     tokens_ewma: float = 0.0  # mean uncached tokens per request (for queue-wait estimates)
+    # seconds per token as last identified (prompt sizes varied), kept while they do not
+    identified: float | None = None
     # The last fit, until the next sample: routing reads the rate several times per request.
     _fit_cache: tuple[float, float] | None = None
     _fit_valid: bool = False
@@ -56,6 +70,7 @@ class PrefillRate:
         self.sy = self.sy * decay + y
         self.sxx = self.sxx * decay + x * x
         self.sxy = self.sxy * decay + x * y
+        self.syy = self.syy * decay + y * y
         self.n += 1
         self._fit_valid = False
         alpha = 1.0 - decay
@@ -74,16 +89,33 @@ class PrefillRate:
         mx, my = self.sx / self.sw, self.sy / self.sw
         var = self.sxx / self.sw - mx * mx
         cov = self.sxy / self.sw - mx * my
-        # Identifiable only when prompt sizes vary (relative spread above ~10%).
-        if var > (0.1 * mx) ** 2 and cov > 0:
-            slope = cov / var
-            intercept = my - slope * mx
-            intercept = 0.0 if intercept < 0.0 else intercept
-        else:
-            slope, intercept = my / mx, 0.0
+        # Identifiable only when prompt sizes vary (relative spread above 25%).
         lo, hi = 1.0 / self.max_rate, 1.0 / self.min_rate
-        slope = lo if slope < lo else slope
-        return (hi if hi < slope else slope), intercept
+        if var > (0.25 * mx) ** 2 and cov > 0 and self._significant(var, cov, my):
+            slope = cov / var
+            slope = lo if slope < lo else (hi if hi < slope else slope)
+            self.identified = slope
+        elif self.identified is not None:
+            slope = self.identified  # sizes alike now: the overhead alone follows them
+        else:
+            # Never identified: through the origin where that is faster than the prior (large
+            # prompts alike), else the prior with the rest as overhead (small ones: the TTFT
+            # of a cached prompt says nothing of the rate).
+            slope = my / mx
+            slope = lo if slope < lo else slope
+            prior = 1.0 / self.prior_rate
+            slope = prior if prior < slope else slope
+        intercept = my - slope * mx
+        return slope, (0.0 if intercept < 0.0 else intercept)
+
+    def _significant(self, var: float, cov: float, my: float) -> bool:
+        """Is the fitted slope at least three times its standard error? Cached requests differ
+        in size by their users' turns alone, and their TTFTs by queueing: a slope fitted to
+        those is mostly noise, and the one identified before is the better guess. (Tested at
+        every read: twice its error would pass by chance every few hundred reads.)"""
+        resid = self.syy / self.sw - my * my - cov * cov / var
+        slope = cov / var
+        return slope * slope * var * self.sw > 9.0 * (resid if resid > 0.0 else 0.0)
 
     @property
     def rate(self) -> float | None:
@@ -159,8 +191,14 @@ class PrefillLearner:
         self._known.pop(backend, None)
         self.changed.add(backend)
 
-    def snapshot(self) -> dict[str, dict[str, float | None]]:
+    def snapshot(self) -> dict[str, dict[str, float | bool | None]]:
         return {
-            b: {"tokens_per_s": e.rate, "overhead_s": e.overhead_s, "samples": float(e.n)}
+            b: {
+                "tokens_per_s": e.rate,
+                "overhead_s": e.overhead_s,
+                "samples": float(e.n),
+                # the rate from prompts of varied sizes (else tokens over time)
+                "identified": e.identified is not None,
+            }
             for b, e in self.rates.items()
         }
