@@ -17,7 +17,10 @@
 #   BALANCER=nginx deploy/perf/scale_out.sh        # nginx round robin in front (apt: nginx)
 #   RESTART_AT=3 BALANCER=nginx deploy/perf/scale_out.sh   # replica 1 restarted 3 s into a run
 #
-# Prints one line per run (hit ratio, of the first 50 requests too, TTFT p50/p99; with several replicas, on how many of the
+# Prints one line per run (hit ratio, of the first 50 requests too and, in runs of 2,000 or
+# more, of the worst 1,000 in a row after the first 1,000; TTFT p50/p99; the replicas' CPU per
+# request, all replicas together, during the load, not counting a restarted replica's CPU
+# before its stop; requests sent away from their homes (spills); with several replicas, on how many of the
 # hot prompts their placements agree at the end, and the spread of their learned capacities;
 # the share of prefix lookups the replicas answered from their own copy of the shared index)
 # and writes results JSON under $OUT. BASE=DIR runs the proxies from another checkout of the
@@ -132,6 +135,17 @@ CONF
 
 stop_all() { cleanup; pids=(); }
 
+proxy_cpu() {  # count: CPU ticks the replicas have used so far (utime + stime)
+  local total=0 r stat
+  for ((r = 0; r < $1; r++)); do
+    stat=$(cat "/proc/${replica_pids[r]}/stat" 2>/dev/null) || continue
+    stat=${stat##*) }  # the fields after the command name
+    read -r -a f <<<"$stat"
+    total=$((total + f[11] + f[12]))
+  done
+  echo "$total"
+}
+
 bench() {  # label, proxy count
   local label=$1 count=$2 targets=()
   if [[ $BALANCER == nginx ]]; then
@@ -145,6 +159,7 @@ bench() {  # label, proxy count
     restart_replica "$RESTART_AT" "$redis_now" &
     restarter=$!
   fi
+  local cpu0; cpu0=$(proxy_cpu "$count")
   warmroute bench --workload shared-prefix --prefixes 8 --system-chars 8000 --zipf 0 \
     --requests "$REQUESTS" --concurrency "$CONCURRENCY" --max-tokens 16 --seed "$seed" \
     --no-progress --label "$label" --out "$OUT/$label-s$seed-r$pass.json" "${targets[@]}" \
@@ -155,7 +170,8 @@ bench() {  # label, proxy count
     pids+=("${replica_pids[1]}")
     rm -f "$OUT/restarted.pid"
   fi
-  python - "$OUT/$label-s$seed-r$pass.json" "$label" "$seed" "$pass" <<'EOF'
+  local cpu_s; cpu_s=$(( $(proxy_cpu "$count") - cpu0 ))
+  python - "$OUT/$label-s$seed-r$pass.json" "$label" "$seed" "$pass" "$cpu_s" "$(getconf CLK_TCK)" <<'EOF'
 import json, sys
 run = json.load(open(sys.argv[1]))
 r = run.get("runs", [run])[0]
@@ -167,9 +183,15 @@ p50 = sum(q.get("prompt_tokens") or 0 for q in early)
 c50 = sum(q.get("cached_tokens") or 0 for q in early)
 t = sorted(q["ttft"] for q in ok if q.get("ttft") is not None)
 pct = lambda f: t[min(len(t) - 1, int(f * len(t)))] * 1000
+# The worst 1,000 requests in a row after the first 1,000 (a restarted replica's dip shows here).
+hits = [((q.get("cached_tokens") or 0), (q.get("prompt_tokens") or 0)) for q in ok[1000:]]
+worst = min((sum(h[0] for h in hits[i:i + 1000]) / max(sum(h[1] for h in hits[i:i + 1000]), 1)
+             for i in range(0, max(len(hits) - 999, 1), 100)), default=0.0)
+cpu_ms = int(sys.argv[5]) / int(sys.argv[6]) * 1000 / max(len(r["requests"]), 1)
 print(f"seed {sys.argv[3]} run {sys.argv[4]}  {sys.argv[2]:<18} ok {len(ok)}/{len(r['requests'])}"
-      f"  hit {c / max(p, 1):6.1%} (first 50 {c50 / max(p50, 1):5.1%})"
-      f"  TTFT p50 {pct(0.5):6.0f} ms  p99 {pct(0.99):6.0f} ms", end="")
+      f"  hit {c / max(p, 1):6.1%} (first 50 {c50 / max(p50, 1):5.1%}"
+      f"{f', worst 1k {worst:5.1%}' if len(ok) >= 2000 else ''})"
+      f"  TTFT p50 {pct(0.5):6.0f} ms  p99 {pct(0.99):6.0f} ms  proxy CPU {cpu_ms:.2f} ms/req", end="")
 EOF
   agreement "$count"
 }
