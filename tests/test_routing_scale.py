@@ -229,12 +229,24 @@ def fleet(
     return views
 
 
-def body(rng: random.Random, systems: list[str], turn: int) -> dict[str, Any]:
+def body(
+    rng: random.Random, systems: list[str], turn: int, earlier: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     if rng.random() < 0.08:  # short: ranked by score over every candidate
         return {"model": "m", "messages": [{"role": "user", "content": f"hi {turn}"}]}
-    system = rng.choices(systems, [1 / (k + 1) for k in range(len(systems))])[0]
-    question = f"question {turn}: " + "y" * rng.randint(10, 300)
-    return chat(system, question)
+    if earlier and rng.random() < 0.25:
+        # A conversation's next turn: the home its earlier turn went to holds more of it
+        # than the prefix its requests share (the picker puts such a home first).
+        last = rng.choice(earlier)
+        answer = {"role": "assistant", "content": "z" * rng.randint(300, 900)}
+        more = {"role": "user", "content": f"and then {turn}? " + "w" * rng.randint(10, 200)}
+        req = {"model": "m", "messages": [*last["messages"], answer, more]}
+    else:
+        system = rng.choices(systems, [1 / (k + 1) for k in range(len(systems))])[0]
+        req = chat(system, f"question {turn}: " + "y" * rng.randint(10, 300))
+    if earlier is not None:
+        earlier.append(req)
+    return req
 
 
 def chat(system: str, question: str) -> dict[str, Any]:
@@ -267,6 +279,7 @@ async def test_decisions_are_those_of_the_per_candidate_path(seed: int, kept: bo
         for k in range(12)
     ]
     shortlisted = whole = 0
+    earlier: list[dict[str, Any]] = []
     for turn in range(160):
         clock.now += rng.random() * 2
         hot = set(rng.sample(names, rng.randint(0, n // 2))) if rng.random() < 0.3 else set()
@@ -281,7 +294,7 @@ async def test_decisions_are_those_of_the_per_candidate_path(seed: int, kept: bo
             else:
                 current = list(views)
             handed, views = keeper.read(current, changed), list(current)
-        req = body(rng, systems, turn)
+        req = body(rng, systems, turn, earlier)
         decisions = []
         for router, seen in ((new, handed), (old, views)):
             ctx = RouteContext(f"r{seed}-{turn}", "m", "chat", req, {}, clock.now)

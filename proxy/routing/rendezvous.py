@@ -70,6 +70,27 @@ def hrw_order(key: int, candidates: Sequence[BackendView]) -> list[BackendView]:
     return list(map(candidates.__getitem__, sorted(range(n), key=scores.__getitem__)))
 
 
+def hrw_first(
+    key: int, candidates: Sequence[BackendView], r: int, weight: float
+) -> list[BackendView]:
+    """`hrw_order(key, candidates)[:r]` where every candidate's weight is `weight`: the score
+    falls as the hash grows, so the first r are the r largest hashes, scored and ordered
+    alone, when the r-th and the next score apart (else the whole order decides)."""
+    n = len(candidates)
+    if n <= r + 1 or r < 1:
+        return hrw_order(key, candidates)[:r]
+    get = _NAMES.get
+    names = [get(b.name) or _name_bytes(b.name) for b in candidates]
+    hashes = list(map(_h64, names, repeat(key & 0xFFFFFFFFFFFFFFFF, n)))
+    head = sorted(range(n), key=hashes.__getitem__, reverse=True)[: r + 1]
+    w = weight if weight > 1e-9 else 1e-9
+    scores = [w / _log((hashes[i] + 0.5) * _SCALE) for i in head]
+    if not scores[r - 1] < scores[r]:
+        return hrw_order(key, candidates)[:r]
+    first = sorted(range(r), key=lambda j: (scores[j], head[j]))  # (ties: by position)
+    return [candidates[head[j]] for j in first]
+
+
 def hrw_names(key: int, names: Sequence[str]) -> list[str]:
     """Backend names in unweighted rendezvous order for `key` (placement's tie-break)."""
     seed = key & 0xFFFFFFFFFFFFFFFF

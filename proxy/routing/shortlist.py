@@ -12,13 +12,16 @@ policy's) makes several passes over it, hashing every backend for its rendezvous
 
 So the router hands it a `Shortlist`: the HEAD best homes by the picker's own sort key (its
 load, its match, the request's tie-break), the home holding the most of the prompt (it sets
-how much a non-home must hold to count as one), every non-home that holds that much, and the
-first HEAD backends within the bound in the prefix's rendezvous order. A Shortlist carries
-the whole fleet's load bound (proxy.routing.rendezvous.split_by_load uses it), so "within the
-bound" means there what it means over the fleet. The picker then returns the winner it would
-have returned over every candidate, and the first HEAD entries of its ranking too (HEAD is
-retries.max_attempts' upper bound, so every backend a retry can reach is the fleet-wide
-choice); the counts in its reason are restated for the fleet.
+how much a non-home must hold to count as one), every non-home that holds that much, and,
+for a prefix with fewer than HEAD homes, the first HEAD backends within the bound in its
+rendezvous order (the picker ranks every home before them). With weights alike, a hot prefix's
+hundreds of homes are read for their in-flight counts only: the homes the HEAD best can be
+among are the least loaded and those holding the request's own history (`_contenders`).
+A Shortlist carries the whole fleet's load bound (proxy.routing.rendezvous.split_by_load uses
+it), so "within the bound" means there what it means over the fleet. The picker then returns
+the winner it would have returned over every candidate, and the first HEAD entries of its
+ranking too (HEAD is retries.max_attempts' upper bound, so every backend a retry can reach is
+the fleet-wide choice); the counts in its reason are restated for the fleet.
 
 What the list cannot carry, it does not try: the router hands the whole fleet (the old cost,
 the same answer) whenever the picker's decision could read more than these backends:
@@ -38,7 +41,6 @@ over the whole fleet.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
@@ -46,7 +48,14 @@ from operator import add, eq, ge, le, lt, mul, not_, truediv
 from typing import Any
 
 from proxy.routing.fleet import Fleet
-from proxy.routing.rendezvous import LoadBound, Shortlist, hrw_order, key_of, load_bound
+from proxy.routing.rendezvous import (
+    LoadBound,
+    Shortlist,
+    hrw_first,
+    hrw_order,
+    key_of,
+    load_bound,
+)
 from proxy.routing.types import BackendView, PickerHints, RouteContext, Views
 
 HEAD = 10  # ranking entries kept exactly as over the whole fleet (retries.max_attempts <= 10)
@@ -104,7 +113,7 @@ def shortlist(
     key = blocks[(len(blocks) if len(blocks) < affinity else affinity) - 1]
     if ctx.homes:
         bound = load_bound(candidates, epsilon, slack, inflight=inflight, unit=fleet.unit)
-        return _placed(ctx, candidates, fleet, held, key, warm, bound)
+        return _placed(ctx, candidates, fleet, held, key, warm, bound, inflight)
     if max(held.values(), default=0) >= warm:
         return None  # a warm prefix, not placed: its copies are ranked by total score
     bound = load_bound(candidates, epsilon, slack, True, inflight, fleet.unit)
@@ -120,30 +129,61 @@ def _placed(
     key: int,
     warm: int,
     bound: LoadBound,
+    inflight: Sequence[int],
 ) -> Plan | None:
     index = fleet.index
-    placed, home_names, homes_set, home_members = _homes_in(fleet, ctx.homes)
+    placed, _, homes_set, home_members = _homes_in(fleet, ctx.homes)
     if not placed:
         return None
     matched = ctx.matched_blocks
-    got = list(map(matched.get, home_names, repeat(0)))
-    most = max(got)
+    # The homes that match any of the prompt are among its holders (the rest match none).
+    holding = [(index[b], n) for b, n in held.items() if b in home_members]
+    most = max([n for _, n in holding], default=0)
+    deepest = min([i for i, n in holding if n == most]) if most else placed[0]
     # A non-home holding this much counts as a home (the picker's rule, home_reach).
     shared = ctx.shared_blocks
     reach = (most if most > shared else shared) + warm
     deep = compress(held, map(ge, held.values(), repeat(reach)))  # (most hold less)
     extra = sorted([index[b] for b in deep if b not in homes_set and b in index])
-    views = [candidates[i] for i in placed] + [candidates[i] for i in extra]
+    own = ctx.shared_blocks + warm
+    first = _contenders(placed, holding, own, inflight) if fleet.unit else placed
+    views = [candidates[i] for i in first] + [candidates[i] for i in extra]
     ok = _within(views, bound, fleet.unit)
     if not any(ok):
         return None  # every home over the bound: the spill rule weighs the whole fleet
-    own = ctx.shared_blocks + warm
     top = _best_homes(ctx, views, ok, matched, own, fleet.unit)
-    top.append(views[got.index(most)])
-    names = home_members if not extra else frozenset(b.name for b in views)
-    others = _first_within(candidates, fleet, key, bound, names, HEAD)
-    listed = _listed(top + views[len(placed) :] + others, fleet, bound, len(candidates))
-    return Plan(listed, homes=len(views), home_names=names)
+    top.append(candidates[deepest])
+    extras = views[len(first) :]
+    names = home_members.union([b.name for b in extras]) if extras else home_members
+    # The picker ranks every home before any other backend, and some home is within the
+    # bound: with HEAD homes or more, no backend but a home is among the first HEAD.
+    homes = len(placed) + len(extras)
+    others = _first_within(candidates, fleet, key, bound, names, HEAD) if homes < HEAD else []
+    listed = _listed(top + extras + others, fleet, bound, len(candidates))
+    return Plan(listed, homes=homes, home_names=names)
+
+
+def _contenders(
+    placed: list[int], holding: list[tuple[int, int]], own: float, inflight: Sequence[int]
+) -> list[int]:
+    """The homes (fleet positions, in fleet order) among which the picker's HEAD first lie,
+    where every weight is 1.0: those holding the request's own history (`own` blocks), and
+    every other home at most as loaded as the HEAD-th least loaded of them.
+
+    The picker sorts homes by (over the bound, short of its own history, load, tie-break);
+    with weights alike "over the bound" follows the load, so a home short of it behind HEAD
+    others short of it and less loaded can never be among the first HEAD. A hot prefix's
+    hundreds of homes are read for their counts only (one C-level pass), not sorted."""
+    long = [i for i, n in holding if n >= own]
+    k = HEAD + len(long)
+    if len(placed) <= k:
+        return placed
+    loads = list(map(inflight.__getitem__, placed))
+    most = sorted(loads)[k - 1]
+    if long:
+        first = set(compress(placed, map(le, loads, repeat(most))))
+        return sorted(first.union(long))
+    return list(compress(placed, map(le, loads, repeat(most))))
 
 
 def _homes_in(
@@ -215,12 +255,15 @@ def _best_homes(
             weights = [w if w > 1e-9 else 1e-9 for w in weights]
         loads = map(truediv, inflight, weights)
         keys = list(zip(map(not_, ok), short, loads, strict=True))
-    last = heapq.nsmallest(HEAD, keys)[-1]
+    last = sorted(keys)[HEAD - 1]
     best = list(compress(views, map(lt, keys, repeat(last, k))))
     tied = list(compress(views, map(eq, keys, repeat(last, k))))
     # Ties go by the request's rendezvous order over the homes (the picker's tie-break; the
     # order of a subset is that of the whole, restricted).
-    return best + hrw_order(key_of(ctx.request_id), tied)[: HEAD - len(best)]
+    rid = key_of(ctx.request_id)
+    if unit:
+        return best + hrw_first(rid, tied, HEAD - len(best), 1.0)
+    return best + hrw_order(rid, tied)[: HEAD - len(best)]
 
 
 def _first_within(
