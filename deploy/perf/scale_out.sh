@@ -193,20 +193,23 @@ print(f"seed {sys.argv[3]} run {sys.argv[4]}  {sys.argv[2]:<18} ok {len(ok)}/{le
       f"{f', worst 1k {worst:5.1%}' if len(ok) >= 2000 else ''})"
       f"  TTFT p50 {pct(0.5):6.0f} ms  p99 {pct(0.99):6.0f} ms  proxy CPU {cpu_ms:.2f} ms/req", end="")
 EOF
-  agreement "$count"
+  agreement "$count" "$OUT/$label-s$seed-r$pass-admin.json"
 }
 
-agreement() {  # proxy count: where the hot prompts live; do the replicas' views agree?
-  local count=$1 urls=()
+agreement() {  # proxy count, file: where the hot prompts live; do the replicas' views agree?
+  # (every replica's /admin/routing at the end of the run goes to the file, for a post-mortem)
+  local count=$1 save=$2 urls=()
   for ((r = 0; r < count; r++)); do urls+=("http://127.0.0.1:$((ADMIN_PORT + r))/admin/routing"); done
-  python - "${urls[@]}" <<'EOF'
+  python - "$save" "${urls[@]}" <<'EOF'
 import json, sys, urllib.request
-infos = [json.load(urllib.request.urlopen(u, timeout=5)) for u in sys.argv[1:]]
+save, urls = sys.argv[1], sys.argv[2:]
+infos = [json.load(urllib.request.urlopen(u, timeout=5)) for u in urls]
+json.dump(infos, open(save, "w"), indent=1)
 # Requests sent away from their prompt's homes because every home was over the load bound
 # (each a cold prefill, and an eviction where that engine's cache is full): the decisions
 # counted by reason on each replica's /metrics.
 spills = 0
-for u in sys.argv[1:]:
+for u in urls:
     text = urllib.request.urlopen(u.replace("/admin/routing", "/metrics"), timeout=5).read()
     for line in text.decode().splitlines():
         if line.startswith("warmroute_route_decisions") and "load over affinity" in line:
