@@ -11,7 +11,7 @@ from operator import add, mul, truediv
 
 import pytest
 
-from proxy.routing.orders import Order, ScoredOrder
+from proxy.routing.orders import HashLed, Order, ScoredOrder
 from proxy.routing.rendezvous import SCALE
 
 
@@ -78,3 +78,34 @@ def test_a_fleet_of_alike_weights_scored_as_read_is_hrw_orders(seed: int) -> Non
         k = rng.randint(0, n)
         assert list(itertools.islice(order, k)) == whole[:k]
         assert list(order) == whole
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_order_read_off_the_hashes_is_the_scored_one(seed: int) -> None:
+    """HashLed gives ScoredOrder's order, read in parts or whole, twice, with hashes so close
+    to 2**64 that some share a float score (the ScoredOrder then reads on)."""
+    rng = random.Random(seed)
+    for _ in range(150):
+        n = rng.choice((1, 2, 5, 50, 300))
+        top = rng.getrandbits(64) | (1 << 63)
+        near = rng.random() < 0.4
+        hashes = [
+            min(top + rng.randint(0, 1 << 12), (1 << 64) - 1)
+            if near and rng.random() < 0.5
+            else rng.getrandbits(64)
+            for _ in range(n)
+        ]
+        names = [f"b{i}" for i in range(n)]
+        w = rng.choice((1.0, 0.5, 2.0))
+        whole = list(ScoredOrder(hashes, w, SCALE))
+        led = HashLed(
+            Order(names, hashes, descending=True),
+            {b: i for i, b in enumerate(names)},
+            ScoredOrder(hashes, w, SCALE),
+            w,
+            SCALE,
+        )
+        k = rng.randint(0, n)
+        assert list(itertools.islice(led, k)) == whole[:k]
+        assert list(led) == whole
+        assert list(led) == whole

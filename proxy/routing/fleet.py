@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat
 from operator import add, mul, truediv
 from typing import Any
 
-from proxy.routing.orders import Order, ScoredOrder
+from proxy.routing.orders import HashLed, Order, ScoredOrder
 from proxy.routing.rendezvous import SCALE, h64, hrw_names, name_bytes
 from proxy.routing.types import BackendView, Epoch, Views
 
@@ -66,7 +66,7 @@ class Rendezvous:
         self._plain: OrderedDict[int, Sequence[str]] = OrderedDict()
         self._ranks: dict[int, Mapping[str, Any]] = {}
         self._pos: dict[str, int] | None = None  # name -> fleet position (made when asked)
-        self._weighted: OrderedDict[int, Sequence[int]] = OrderedDict()
+        self._weighted: OrderedDict[int, Iterable[int]] = OrderedDict()
         self._last: tuple[int, list[int]] = (-1, [])  # the last seed's hashes of the names
         self.computed = 0  # orders computed (each one hashes every name once)
 
@@ -106,24 +106,30 @@ class Rendezvous:
         if found is None:
             order = self(key, backends)
             assert isinstance(order, Order)  # (the fleet's own names: always kept as one)
-            if self._pos is None:
-                self._pos = dict(zip(self.names, range(len(self.names)), strict=True))
-            found = self._ranks[key] = RankKeys(order.values, self._pos)
+            found = self._ranks[key] = RankKeys(order.values, self._positions())
         else:
             self._plain.move_to_end(key)  # (as asking for the order would)
         return found
 
-    def weighted(self, key: int) -> Sequence[int]:
+    def _positions(self) -> dict[str, int]:
+        if self._pos is None:
+            self._pos = dict(zip(self.names, range(len(self.names)), strict=True))
+        return self._pos
+
+    def weighted(self, key: int) -> Iterable[int]:
         """Fleet indices in `hrw_order(key, fleet views)`'s order (same floats, same ties)."""
         order = self._weighted.get(key)
         if order is None:
             hashes = self._hashes(key & 0xFFFFFFFFFFFFFFFF)
             n = len(hashes)
-            if self._alike:  # (scored as read: the head's scores only)
-                order = ScoredOrder(hashes, self._weights[0], SCALE)
-                self._keep(self._weighted, key, order)
+            if self._alike:  # (read off the order by hash, scoring what is read: orders.py)
+                w = self._weights[0]
+                by_hash = self(key, self.names)
+                assert isinstance(by_hash, Order)  # (the fleet's own names: always kept as one)
+                led = HashLed(by_hash, self._positions(), ScoredOrder(hashes, w, SCALE), w, SCALE)
+                self._keep(self._weighted, key, led)
                 self.computed += 1
-                return order
+                return led
             u = map(mul, map(add, hashes, repeat(0.5, n)), repeat(SCALE, n))
             scores = list(map(truediv, self._weights, map(math.log, u)))
             # hrw_order sorts (score, index) pairs: a stable sort by score is the same order

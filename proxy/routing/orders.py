@@ -12,6 +12,7 @@ sort's first entries, ties included (a stable sort, by position).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from itertools import compress, repeat
@@ -179,4 +180,61 @@ class ScoredOrder(Order[int]):
         return first_behind > last_in
 
     def _scores_of(self, h: float | int) -> float:
+        return self._weight / math.log((h + 0.5) * self._scale)
+
+
+class HashLed:
+    """A ScoredOrder's order (positions), read off the order by hash of the same values while
+    each entry scores strictly below the next: the score falls as the hash grows, so the two
+    agree up to the first two entries whose scores are equal (hashes closer than a float tells
+    apart), and from there on the ScoredOrder itself is read. A prompt head seen for the first
+    time has its order by hash sorted as far as placement walked it: reading the pickers'
+    order off it costs a score per entry read, not a second cut and sort of the fleet."""
+
+    def __init__(
+        self,
+        by_hash: Order[str],
+        position: dict[str, int],
+        scored: ScoredOrder,
+        weight: float,
+        scale: float,
+    ) -> None:
+        self._by_hash = by_hash
+        self._position = position
+        self._scored = scored
+        self._weight = weight
+        self._scale = scale
+        self._head: list[int] = []  # positions read off the order by hash, checked
+        self._next: float | None = None  # the score of the entry after the head
+        self._tied = False  # two entries scored alike: the rest is the ScoredOrder's
+
+    def __len__(self) -> int:
+        return len(self._scored)
+
+    def __iter__(self) -> Iterator[int]:
+        head, i = self._head, 0
+        while True:
+            if i >= len(head) and not self._check_next():
+                if self._tied:
+                    yield from itertools.islice(self._scored, i, None)
+                return
+            yield head[i]
+            i += 1
+
+    def _check_next(self) -> bool:
+        """Add the next entry by hash to the head if it scores below the one after it."""
+        k, n = len(self._head), len(self._by_hash)
+        if self._tied or k >= n:
+            return False
+        score = self._score(k) if self._next is None else self._next
+        if k + 1 < n:
+            self._next = self._score(k + 1)
+            if not score < self._next:
+                self._tied = True
+                return False
+        self._head.append(self._position[self._by_hash[k]])
+        return True
+
+    def _score(self, k: int) -> float:
+        h = self._by_hash.values[self._position[self._by_hash[k]]]
         return self._weight / math.log((h + 0.5) * self._scale)
