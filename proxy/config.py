@@ -500,7 +500,7 @@ class BudgetLimits(_Model):
     input_tokens_per_minute: int | None = Field(None, ge=1)  # the prompt's tokens
     output_tokens_per_minute: int | None = Field(None, ge=1)  # the generated tokens
     tokens_per_minute: int | None = Field(None, ge=1)  # input + output, as OpenAI counts TPM
-    max_concurrent: int | None = Field(None, ge=1)  # requests in flight, per replica
+    max_concurrent: int | None = Field(None, ge=1)  # requests in flight, over the replicas
 
     @property
     def limited(self) -> bool:

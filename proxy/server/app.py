@@ -300,6 +300,8 @@ def _lifespan(
                 charging.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await charging
+            if budgets is not None:
+                await budgets.release_all()  # (before the Redis client closes)
             if reloader is not None:
                 await reloader.close()
             await fleet.close()

@@ -7,6 +7,9 @@ limits ask only that one unit be left. While it streams, its output is charged e
 front); at its end the engine's own usage settles both counts (the prompt's exact tokens
 replace the estimate; without usage the estimate and the counted events stand).
 
+A tenant's `max_concurrent` counts its requests on every replica through Redis, one lease per
+request (leases.py); without Redis, this replica's.
+
 Redis holds the budgets for every replica. When a call fails or takes longer than
 redis.timeout_s, this replica enforces its share (each limit divided by the replicas live at
 the last call that reached Redis) in memory, logs it once, reports it on /admin/tenants and as
@@ -36,6 +39,7 @@ from proxy.tenants.gcra import (
     Outcome,
     headers,
 )
+from proxy.tenants.leases import LEASE_S, RedisLeases
 from proxy.tenants.store import LocalBuckets, RedisBuckets
 
 if TYPE_CHECKING:
@@ -63,6 +67,7 @@ class Grant:
     input_estimate: int
     headers: list[tuple[bytes, bytes]]
     concurrent: bool  # holds one of its tenant's max_concurrent slots
+    lease: tuple[str, str] | None = None  # (the cap's key, its lease) in Redis, to release
     output_charged: int = 0
     output_seen: Callable[[], int] | None = None  # the live stream's output events so far
 
@@ -105,6 +110,10 @@ class Budgets:
         self.config = config
         self.tenants = tenants  # the API keys' names, or the one default tenant
         self.redis = None if redis is None else RedisBuckets(redis, key_prefix, replica)
+        self.leases = None if redis is None else RedisLeases(redis, key_prefix, replica)
+        self.held: dict[str, set[str]] = {}  # this replica's leases in Redis, by cap key
+        self.lease_s = LEASE_S
+        self._renew_at = 0.0
         self.local = LocalBuckets()
         self.timeout_s = timeout_s
         self.clock = clock
@@ -141,18 +150,29 @@ class Budgets:
         limits, cap = self.limits_for(tenant, model)
         stats = self.stats.setdefault(tenant, TenantStats())
         estimate = estimate_tokens(len(raw))
-        if cap is not None and stats.inflight >= cap:
-            return self._refuse(
-                stats,
-                Refusal(
-                    tenant,
-                    f"Too many requests in flight for `{tenant}`: its limit is {cap} at once "
-                    "(tenants: max_concurrent, per replica). Retry when one has finished.",
-                    "concurrency",
-                    1.0,
-                    [],
-                ),
-            )
+        lease = None
+        if cap is not None:
+            slot = await self._take_slot(tenant, cap, stats)
+            if isinstance(slot, Refusal):
+                return self._refuse(stats, slot)
+            lease = slot
+        refusal = await self._charge_admission(tenant, limits, estimate, stats)
+        if refusal is not None:
+            if lease is not None:
+                await self._release(lease)
+            return self._refuse(stats, refusal)
+        stats.admitted += 1
+        concurrent = cap is not None
+        if concurrent:
+            stats.inflight += 1
+        last = stats.last if limits else None
+        found = headers(last.readings) if last is not None else []
+        return Grant(tenant, limits, estimate, found, concurrent, lease)
+
+    async def _charge_admission(
+        self, tenant: str, limits: tuple[Limit, ...], estimate: int, stats: TenantStats
+    ) -> Refusal | None:
+        """Charge the request's admission to its limits (one call), or say why not."""
         costs = [_admission_cost(lim.kind, estimate) for lim in limits]
         too_big = [lim for lim, c in zip(limits, costs, strict=True) if c > lim.per_minute]
         if too_big:
@@ -161,27 +181,86 @@ class Budgets:
                 f"Request too large for `{tenant}` on {lim.named()}: limit {lim.per_minute}, "
                 f"requested about {estimate}. Send a smaller prompt."
             )
-            return self._refuse(stats, Refusal(tenant, message, "tokens", None, []))
-        outcome = await self._call(limits, costs, ADMIT) if limits else None
-        if outcome is not None:
-            stats.last = outcome
-            if not outcome.ok:
-                by = outcome.refused_by
-                assert by is not None
-                message = (
-                    f"Rate limit reached for `{tenant}` on {by.named()}: limit "
-                    f"{by.per_minute}. Please try again in {outcome.wait_s:.3g}s."
-                )
-                kind = "requests" if by.kind == REQUESTS else "tokens"
-                refusal = Refusal(tenant, message, kind, outcome.wait_s, headers(outcome.readings))
-                return self._refuse(stats, refusal)
-            stats.input_tokens += estimate
-        stats.admitted += 1
-        concurrent = cap is not None
-        if concurrent:
-            stats.inflight += 1
-        found = headers(outcome.readings) if outcome is not None else []
-        return Grant(tenant, limits, estimate, found, concurrent)
+            return Refusal(tenant, message, "tokens", None, [])
+        if not limits:
+            return None
+        outcome = await self._call(limits, costs, ADMIT)
+        stats.last = outcome
+        if not outcome.ok:
+            by = outcome.refused_by
+            assert by is not None
+            message = (
+                f"Rate limit reached for `{tenant}` on {by.named()}: limit "
+                f"{by.per_minute}. Please try again in {outcome.wait_s:.3g}s."
+            )
+            kind = "requests" if by.kind == REQUESTS else "tokens"
+            return Refusal(tenant, message, kind, outcome.wait_s, headers(outcome.readings))
+        stats.input_tokens += estimate
+        return None
+
+    async def _take_slot(
+        self, tenant: str, cap: int, stats: TenantStats
+    ) -> tuple[str, str] | Refusal | None:
+        """One of `tenant`'s `cap` slots: a lease in Redis, counted over every replica (its key
+        and name), or this replica's count while Redis is away or not configured (None)."""
+        now = self.clock()
+        if self.leases is not None and now >= self.redis_down_until:
+            key, member = self.leases.key(tenant), self.leases.member()
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    taken, held, live = await self.leases.take(key, cap, member, self.lease_s)
+            except Exception as e:  # away, frozen, refusing: this replica's share
+                self._redis_failed(now, e)
+            else:
+                self.live_replicas = live
+                if taken:
+                    self.held.setdefault(key, set()).add(member)
+                    return key, member
+                return _too_many(tenant, cap, f"{held} in flight across the replicas")
+        if self.leases is None:
+            limit, where = cap, "in flight here"
+        else:
+            limit = max(1, cap // max(1, self.live_replicas))
+            where = f"this replica's share while Redis is away: {limit}"
+        if stats.inflight >= limit:
+            return _too_many(tenant, cap, f"{stats.inflight} {where}")
+        return None
+
+    async def _release(self, lease: tuple[str, str]) -> None:
+        """Give the slot back (a release that fails leaves the lease to expire)."""
+        key, member = lease
+        members = self.held.get(key)
+        if members is not None:
+            members.discard(member)
+            if not members:
+                del self.held[key]
+        if self.leases is None or self.clock() < self.redis_down_until:
+            return
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.leases.release(key, member)
+        except Exception as e:
+            self._redis_failed(self.clock(), e)
+
+    async def renew_leases(self) -> None:
+        """Renew this replica's leases (due every lease_s / 3): one call for all of them."""
+        now = self.clock()
+        if self.leases is None or not self.held or now < self._renew_at:
+            return
+        self._renew_at = now + self.lease_s / 3
+        if now < self.redis_down_until:
+            return
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.leases.renew(self.held, self.lease_s)
+        except Exception as e:
+            self._redis_failed(now, e)
+
+    async def release_all(self) -> None:
+        """At shutdown: this replica's slots back to the others at once, not in lease_s."""
+        for key, members in list(self.held.items()):
+            for member in list(members):
+                await self._release((key, member))
 
     def streaming(self, grant: Grant, output_seen: Callable[[], int]) -> None:
         """`grant`'s response streams: its output is charged as it goes (charge_live)."""
@@ -197,6 +276,9 @@ class Budgets:
         stats = self.stats.setdefault(grant.tenant, TenantStats())
         if grant.concurrent:
             stats.inflight -= 1
+        if grant.lease is not None:
+            await self._release(grant.lease)
+            grant.lease = None
         if output_tokens is None:
             output_tokens = grant.output_seen() if grant.output_seen is not None else 0
         more_in = 0 if input_tokens is None else input_tokens - grant.input_estimate
@@ -227,6 +309,7 @@ class Budgets:
             await asyncio.sleep(self.config.charge_every_s)
             try:
                 await self.charge_live()
+                await self.renew_leases()
                 self.local.forget_idle(self.clock())  # buckets full again hold nothing
             except Exception:  # never let the charger die: budgets would stop counting
                 log.exception("charging running streams failed")
@@ -281,8 +364,19 @@ class Budgets:
             "budgets": "redis" if self.shared else ("local share" if self.redis else "local"),
             "live_replicas": self.live_replicas,
             "redis_failures": self.redis_failures,
+            # max_concurrent: counted over every replica (leases in Redis), or here
+            "concurrency": "redis" if self.leases is not None and self.shared else "local",
+            "leases_held_here": sum(len(m) for m in self.held.values()),
             "window_s": WINDOW_S,
         }
+
+
+def _too_many(tenant: str, cap: int, now_held: str) -> Refusal:
+    message = (
+        f"Too many requests in flight for `{tenant}`: its limit is {cap} at once "
+        f"(tenants: max_concurrent; {now_held}). Retry when one has finished."
+    )
+    return Refusal(tenant, message, "concurrency", 1.0, [])
 
 
 def _limits(tenant: str, model: str, cfg: BudgetLimits) -> list[Limit]:
