@@ -321,3 +321,22 @@ async def test_a_step_begun_late_ends_when_it_was_due() -> None:
     await engine.prefill(prompt("a", 2000))
     # 0.2 s late: the next step is shortened by as much; 0.7 s: by one step's length at most.
     assert clock.sleeps == pytest.approx([0.5, 0.5, 0.3, 0.0])
+
+
+def test_with_a_reserve_a_tenant_active_lately_keeps_the_flood_behind_it_at_the_engine() -> None:
+    # The quiet tenant's request has ended; the flood's next, let in before the quiet one's
+    # next arrives, must not share its level: it could still be queued at the engine then.
+    admission = Admission(limit=8, queue=0, wait_s=1.0, reserve=2)
+    flood = [Ticket("flood") for _ in range(3)]
+    quiet = Ticket("quiet")
+    for t in (*flood, quiet):
+        assert admission.admit_now(t)
+    admission.leave(quiet)
+    later = Ticket("flood")
+    assert admission.admit_now(later) and later.level == 1  # quiet sent within ACTIVE_S
+    alone = Admission(limit=8, queue=0, wait_s=1.0)  # no reserve: only what runs counts
+    for t in (Ticket("flood"), q := Ticket("quiet")):
+        assert alone.admit_now(t)
+    alone.leave(q)
+    nxt = Ticket("flood")
+    assert alone.admit_now(nxt) and nxt.level == 0

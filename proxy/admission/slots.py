@@ -288,10 +288,15 @@ class Admission:
         running = self.running
         mine = running[ticket.tenant] = running.get(ticket.tenant, 0) + 1
         ticket.level = 2 * (ticket.rank - STANDARD)
-        if len(running) > 1:  # over its share of what runs: after the others' at the engine
-            weights = self.weights
-            share = sum(running.values()) * ticket.weight
-            if mine * sum(weights.get(t, 1.0) for t in running) > share:
+        if len(running) > 1 or self.seen:  # over its share of what runs: after the others'
+            weights = self.weights  # at the engine
+            active = sum(weights.get(t, 1.0) for t in running)
+            if self.seen:  # with a reserve, a tenant active lately counts, as for the slots
+                horizon = time.monotonic() - ACTIVE_S
+                for tenant, at in self.seen.items():
+                    if at >= horizon and tenant not in running:
+                        active += weights.get(tenant, 1.0)
+            if active > ticket.weight and mine * active > sum(running.values()) * ticket.weight:
                 ticket.level += 1
         if self.targets:
             ticket.admitted_at = asyncio.get_running_loop().time()
