@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -168,3 +169,41 @@ async def test_the_router_adds_each_decisions_uncached_tokens_to_the_backlog() -
     assert second.winner == home
     added = r.backlog_tokens(home) - first.prompt_chars / 4
     assert 0 < added < 64  # only the part after the cached prefix
+
+
+def test_the_backlog_never_exceeds_what_is_outstanding() -> None:
+    """A drain rate learned far too slow (1 token/s here) must not let cached requests'
+    few uncached tokens pile up: the level is at most what unfinished requests sent."""
+    now = [0.0]
+    backlog = PrefillBacklog(clock=lambda: now[0])
+    for i in range(10):
+        now[0] = i * 0.01
+        backlog.add("home", 54, tokens_per_s=1.0)
+    assert backlog.level("home", 1.0) == pytest.approx(540, abs=0.5)  # (drained 0.09)
+    for _ in range(6):
+        backlog.finished("home", 54)
+    assert backlog.level("home", 1.0) == pytest.approx(216)
+    assert backlog.levels({"home": 0}, [1.0], 5000.0) == [pytest.approx(216)]
+    for _ in range(4):
+        backlog.finished("home", 54)
+    assert backlog.level("home", 1.0) == 0.0
+    backlog.finished("home", 54)  # (one too many: nothing goes below zero)
+    backlog.add("home", 100, tokens_per_s=1.0)
+    assert backlog.level("home", 1.0) == pytest.approx(100)
+
+
+async def test_a_request_that_ends_or_moves_takes_its_tokens_off_the_backlog() -> None:
+    r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    now = [0.0]
+    r.backlog = PrefillBacklog(clock=lambda: now[0])
+    decision = await r.route(chat(SYSTEM * 4, "q1", 1), views())
+    home = decision.winner
+    assert home is not None and decision.backlogged is not None
+    cold = decision.prompt_chars / 4
+    assert r.backlog_tokens(home) == cold
+    other = next(n for n in decision.ranking if n != home)
+    r.record(decision, other)  # a retry elsewhere: the first attempt is over
+    assert r.backlog_tokens(home) == 0 and r.backlog_tokens(other) > 0
+    r.finished(decision)  # the request ended
+    assert r.backlog_tokens(other) == 0 and decision.backlogged is None
+    r.finished(decision)  # (twice is harmless)

@@ -157,7 +157,10 @@ class ProxyEndpoint:
         if not decision.ranking and not self._may_wait(decision):
             await self._refuse_unranked(ex, send, record, decision.filtered_out)
             return
-        await self._run(ex, record, receive, send)
+        try:
+            await self._run(ex, record, receive, send)
+        finally:
+            fw.steering.finished(ex.decision)
 
     async def _route(self, ex: Exchange, send: Send) -> Decision | None:
         """The routing decision (kept on the exchange with its context), or None: routing

@@ -84,6 +84,11 @@ class RequestRouting:
         if decision is not None:
             self.router.record(decision, backend)
 
+    def finished(self, decision: Decision | None) -> None:
+        """The request is over: whatever of its prompt the backlog still counts is not."""
+        if decision is not None:
+            self.router.finished(decision)
+
     def inflight(self, backend: str, delta: int) -> None:
         if delta > 0:
             self._board.acquire(backend)

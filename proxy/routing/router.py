@@ -374,10 +374,20 @@ class Router:
             )
             self.index.record(backend, blocks)
         if decision.prompt_chars:
+            self.finished(decision)  # (a retry: the attempt before is over)
             cached = decision.matched_blocks.get(backend, 0) * decision.block_chars
             left = decision.prompt_chars - cached
             uncached = (0 if left < 0 else left) / self.hasher.chars_per_token
             self.backlog.add(backend, uncached, self.prefill_rate(backend))
+            decision.backlogged = (backend, uncached)
+
+    def finished(self, decision: Decision) -> None:
+        """The decided request is over (or moved to another backend): its prompt is no longer
+        being prefilled where it was recorded, whatever the backlog's drain says."""
+        done = decision.backlogged
+        if done is not None:
+            decision.backlogged = None
+            self.backlog.finished(*done)
 
     def _index_now(self) -> float:
         """The index's clock (monotonic in memory, wall time with Redis, virtual in the sim);

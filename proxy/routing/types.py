@@ -349,6 +349,8 @@ class Decision:
     exact: frozenset[str] = frozenset()  # matches read from the engines' KV events
     blocks: Sequence[int] = ()  # the prompt's block chain (recorded where the request goes)
     recorded: Recorded | None = None  # where its prefix was recorded (Router.record)
+    # (backend, uncached tokens) added to that backend's prefill backlog, until the request ends
+    backlogged: tuple[str, float] | None = None
 
     def match_source(self, backend: str | None = None) -> str:
         """Where `backend`'s (default: the winner's) match came from: the engine's own KV
