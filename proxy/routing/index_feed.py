@@ -37,9 +37,11 @@ FEED_MAXLEN = 2048
 FEED_COUNT = 256  # entries a read takes at most
 FEED_BLOCK_MS = 500  # a read waits this long for a new entry (below the client's socket timeout)
 # After a read that found entries, the next waits this long first: the entries of every
-# replica's next flush come in one read, not one each (a replica reads at most ~200 times a
+# replica's next flush come in one read, not one each (a replica reads at most ~50 times a
 # second, whatever the number of replicas), at the cost of the copy lagging by as much.
-FEED_GATHER_S = 0.005
+# (5 ms read nearly every flush of every replica: three replicas behind nginx spent 10-25%
+# more CPU per request than at 20-25 ms, with the same hit ratio; docs/deployment.md.)
+FEED_GATHER_S = 0.02
 WINDOW = 64  # comparisons the trust is judged over
 TRUST_STALE = 2  # the copy answers once at most this many of the window were stale...
 DISTRUST_STALE = 8  # ... and stops when more than this many are
