@@ -14,7 +14,7 @@ from proxy.bench.mock import EngineSettings, MockBackend, MockEngine, prompt_dir
 from proxy.config import load_config
 from proxy.server.app import create_app
 from proxy.server.serve import NoDelayHttpToolsProtocol
-from tests.support import ServerThread, free_port
+from tests.support import ServerThread, free_port, stop_servers
 
 _create_ssl_context: Callable[..., ssl.SSLContext] = getattr(
     httpx_transports, "create_ssl_context", ssl.create_default_context
@@ -76,8 +76,7 @@ def fake_backends() -> Iterator[Callable[..., list[tuple[MockBackend, ServerThre
         return out
 
     yield start
-    for s in started:
-        s.stop()
+    stop_servers(started)
 
 
 @pytest.fixture
@@ -101,9 +100,8 @@ def proxy_server() -> Iterator[Callable[..., ServerThread]]:
         return server
 
     yield start
-    for s in started:
-        with contextlib.suppress(Exception):
-            s.stop()
+    with contextlib.suppress(Exception):
+        stop_servers(started)
 
 
 def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

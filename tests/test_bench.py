@@ -33,7 +33,7 @@ from proxy.bench.metrics import distribution
 from proxy.bench.mock import MockBackend, Reply, Request
 from proxy.cli import main as warmroute
 from proxy.sim import SimConfig, create_sim_app, engine
-from tests.support import ServerThread
+from tests.support import ServerThread, stop_servers
 
 
 def timed_server(
@@ -82,8 +82,7 @@ def timed() -> Iterator[Any]:
         return app, server
 
     yield start
-    for s in started:
-        s.stop()
+    stop_servers(started)
 
 
 # --- workloads ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 from proxy.bench import BenchError, Workload, run_bench, summarize
 from proxy.bench.mock import EngineSettings, MockBackend, MockEngine
 from proxy.cli import main as warmroute
-from tests.support import ServerThread
+from tests.support import ServerThread, stop_servers
 
 pytestmark = pytest.mark.e2e
 
@@ -30,8 +30,7 @@ def engines() -> Iterator[Callable[..., list[str]]]:
         return [s.url for s in started[-n:]]
 
     yield start
-    for s in started:
-        s.stop()
+    stop_servers(started)
 
 
 async def test_system_affinity_sends_system_prompt_i_to_target_i_mod_n(engines: Any) -> None:

@@ -32,7 +32,7 @@ from proxy.bench.mock import (
     tokenize,
 )
 from proxy.upstream.backends import parse_load
-from tests.support import ServerThread, eventually, free_port
+from tests.support import ServerThread, eventually, free_port, stop_servers
 
 SYSTEM = "You are a careful assistant who answers briefly and cites its sources. " * 12
 
@@ -144,8 +144,7 @@ def engine_server() -> Iterator[Callable[..., tuple[MockEngine, str]]]:
         return engine, server.url
 
     yield start
-    for s in started:
-        s.stop()
+    stop_servers(started)
 
 
 @pytest.mark.e2e

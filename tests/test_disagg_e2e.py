@@ -18,7 +18,7 @@ import pytest
 
 from proxy.bench.mock import MockBackend
 from proxy.forwarding.pdflow import PREFILL_DRAIN_S
-from tests.support import ServerThread
+from tests.support import ServerThread, stop_servers
 from tests.test_disagg_legs import VLLM_PREFILL_KV
 from tests.test_sim_http import sim, text_of_tokens
 
@@ -267,8 +267,7 @@ def mocks() -> Iterator[Callable[[], tuple[MockBackend, ServerThread]]]:
         return app, server
 
     yield start
-    for s in started:
-        s.stop()
+    stop_servers(started)
 
 
 class LeavingClient:

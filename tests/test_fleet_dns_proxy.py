@@ -19,7 +19,7 @@ from proxy.config import Config
 from proxy.server.app import create_app
 from tests.dnsmasq import DOMAIN, Dnsmasq, dnsmasq
 from tests.routing_support import SHARED_URL, delete_prefix, unique_prefix
-from tests.support import ServerThread, free_port, until
+from tests.support import ServerThread, WakeableServer, free_port, stop_servers, until
 
 pytestmark = pytest.mark.e2e
 MODEL = "test-model"
@@ -33,7 +33,7 @@ class HostServer(ServerThread):
     def __init__(self, app: Any, host: str, port: int) -> None:
         super().__init__(app, port=port)
         self.config = uvicorn.Config(app, host=host, port=port, log_level="warning", loop="asyncio")
-        self.server = uvicorn.Server(self.config)
+        self.server = WakeableServer(self.config)
         self.url = f"http://{host}:{port}"
 
 
@@ -43,8 +43,7 @@ def engines() -> Iterator[tuple[int, dict[str, MockBackend]]]:
     apps = {ip: MockBackend(chunks=3, models=(MODEL,), name=ip, record=True) for ip in ENGINES}
     servers = [HostServer(app, ip, port).start() for ip, app in apps.items()]
     yield port, apps
-    for s in servers:
-        s.stop()
+    stop_servers(servers)
 
 
 @pytest.fixture
