@@ -33,7 +33,7 @@ from proxy.bench.mock import MockBackend, Reply, prompt_tokens
 from proxy.config import Config
 from proxy.server.app import create_app
 from proxy.telemetry import Telemetry
-from tests.support import ServerThread, free_port, until
+from tests.support import SHUTDOWN_POLL_S, ServerThread, free_port, until
 
 pytestmark = pytest.mark.e2e
 
@@ -654,7 +654,9 @@ class OtlpReceiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True
+        )
 
     def __enter__(self) -> OtlpReceiver:
         self.thread.start()

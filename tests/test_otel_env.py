@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from proxy.config import ConfigError, load_config
 from proxy.otel_env import HONOURED
 from proxy.telemetry import Telemetry
+from tests.support import SHUTDOWN_POLL_S
 from tests.test_telemetry import facts, start
 from tests.test_upstream_tls import Pki, pki, server_context
 
@@ -220,7 +221,7 @@ def collector(tls: ssl.SSLContext | None = None) -> Iterator[Receiver]:
         server.socket = tls.wrap_socket(server.socket, server_side=True)
     scheme = "https" if tls is not None else "http"
     rcv.url = f"{scheme}://127.0.0.1:{server.server_port}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True)
     thread.start()
     try:
         yield rcv
@@ -335,7 +336,7 @@ def test_otel_exporter_otlp_timeout_bounds_each_export(monkeypatch: pytest.Monke
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True).start()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "300")  # milliseconds, as specified
     cfg = load_config(flags={"backends": ["http://127.0.0.1:9"]}, env=os.environ).telemetry

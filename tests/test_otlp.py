@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from proxy.telemetry.transport import HTTPClientTransport, http_span_exporter
+from tests.support import SHUTDOWN_POLL_S
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def receiver() -> Iterator[tuple[str, list[dict[str, Any]]]]:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", seen
     server.shutdown()

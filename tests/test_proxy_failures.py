@@ -10,6 +10,8 @@ import openai
 import orjson
 import pytest
 
+from tests.support import SHUTDOWN_POLL_S
+
 pytestmark = pytest.mark.e2e
 
 CHAT = "/v1/chat/completions"
@@ -261,7 +263,9 @@ class _DroppingServer:
         self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True
+        )
         self.thread.start()
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from proxy.config import TelemetryConfig
 from proxy.routing.types import Decision
 from proxy.telemetry import TTFT_BUCKETS, RequestRecord, Telemetry
 from proxy.types import StreamFacts
+from tests.support import SHUTDOWN_POLL_S
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
@@ -411,7 +412,7 @@ def test_otlp_http_export_reaches_a_receiver_as_protobuf() -> None:
     bodies: dict[str, list[bytes]] = {}
     handler = type("H", (_Receiver,), {"bodies": bodies, "got": threading.Event()})
     server = HTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True)
     thread.start()
     try:
         cfg = TelemetryConfig(

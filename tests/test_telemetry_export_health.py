@@ -17,7 +17,7 @@ from proxy.config import TelemetryConfig
 from proxy.telemetry import Telemetry
 from proxy.telemetry.export_health import ExportHealths
 from proxy.telemetry.transport import http_span_exporter
-from tests.support import free_port
+from tests.support import SHUTDOWN_POLL_S, free_port
 
 REQUEST = b"\x0a\x00"  # an ExportTraceServiceRequest with one empty ResourceSpans
 
@@ -50,7 +50,7 @@ def collector_port() -> Iterator[tuple[int, Any]]:
 
     def start() -> None:
         server = ThreadingHTTPServer(("127.0.0.1", port), _Ok)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True).start()
         servers.append(server)
 
     yield port, start
