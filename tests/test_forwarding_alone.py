@@ -72,6 +72,9 @@ class Steering:
     def inflight(self, backend: str, delta: int) -> None:
         self.events.append(("inflight", (backend, delta)))
 
+    def finished(self, decision: Any) -> None:
+        self.events.append(("finished", decision.ranking if decision else None))
+
     def observe_stream(self, backend: str, facts: Any, decision: Any) -> None:
         self.events.append(("stream", (backend, facts.output_tokens)))
 
@@ -106,6 +109,7 @@ async def test_a_stream_goes_to_the_ranked_backend_and_every_collaborator_hears_
     assert fleet.verdicts == [(A, "attempt"), (A, "success")]
     assert steering.events[:2] == [("inflight", (A, 1)), ("sent", A)]
     assert ("inflight", (A, -1)) in steering.events
+    assert steering.events[-1] == ("finished", [A, B])  # once, after everything else
     assert endpoint.fw.open_requests == 0
 
 
@@ -120,6 +124,7 @@ async def test_a_refused_connection_is_a_verdict_on_its_backend_and_the_next_one
     assert (A, FailureKind.CONNECT) in fleet.verdicts and (B, "success") in fleet.verdicts
     inflight = [e[1] for e in steering.events if e[0] == "inflight"]
     assert inflight == [(A, 1), (A, -1), (B, 1), (B, -1)]  # every attempt released
+    assert [e for e in steering.events if e[0] == "finished"] == [("finished", [A, B])]
 
 
 async def test_nothing_ranked_at_capacity_is_a_429_and_no_backend_is_asked() -> None:
