@@ -369,6 +369,7 @@ class _Replay:
             return
         del self.open[out.seq.seq_id]
         fleet.inflight[i] -= 1
+        fleet.router.finished(o.decision)  # (as the proxy's forwarder does at a request's end)
         r.ok, r.e2e, r.finish_reason = True, now - o.start, out.finish_reason
         r.completion_tokens = r.output_chunks
         if self.on_finish is not None:
