@@ -17,6 +17,13 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.slow
 def test_demo_compares_policies_and_cleans_up(tmp_path):
+    """Every installed policy (no --policies), each on its real stack: the one place the
+    policies other than the default and round_robin run in a proxy process under the demo's
+    loop (tests/test_newcomer.py runs those two only, at the demo's default size)."""
+    import plugins
+
+    policies = plugins.policy_names()
+    assert {"prefix_aware", "round_robin"} < set(policies)
     out = tmp_path / "demo"
     r = subprocess.run(
         [
@@ -24,8 +31,6 @@ def test_demo_compares_policies_and_cleans_up(tmp_path):
             "-m",
             "proxy",
             "demo",
-            "--policies",
-            "prefix_aware,round_robin",
             "--verbose",
             "--engines",
             "2",
@@ -53,11 +58,11 @@ def test_demo_compares_policies_and_cleans_up(tmp_path):
     lines = r.stdout.splitlines()
     header = next(line for line in lines if line.startswith("policy"))
     assert "TTFT p50" in header and "ITL p99" in header and "cache hit" in header
-    rows = {line.split()[0]: line for line in lines if line.startswith(("round_robin", "prefix_"))}
-    assert set(rows) == {"round_robin", "prefix_aware"}
+    rows = {line.split()[0]: line for line in lines if line.startswith(tuple(policies))}
+    assert set(rows) == set(policies)
     assert all("24/24" in row for row in rows.values())
     doc = orjson.loads((out / "results.json").read_bytes())
-    assert [run["label"] for run in doc["runs"]] == ["prefix_aware", "round_robin"]
+    assert [run["label"] for run in doc["runs"]] == policies
     assert (out / "ttft_cdf.png").stat().st_size > 5000
     # --verbose: the proxy's own /metrics lines and the doctor's report, both read from the
     # default policy's proxy (not the last one's), then the summary
@@ -67,7 +72,8 @@ def test_demo_compares_policies_and_cleans_up(tmp_path):
     assert "warmroute doctor: the prefix_aware run, last 300 s; 2 backend(s)" in doctor
     assert "TTFT" in doctor and "Where to look next" not in doctor
     summary = r.stdout.split("What this demo showed")[-1]
-    assert "cache   prefix_aware served" in summary and "48 of 48 requests" in summary
+    sent = 24 * len(policies)
+    assert "cache   prefix_aware served" in summary and f"{sent} of {sent} requests" in summary
     assert "doctor  " in summary
     # Every proxy it started is gone: nothing listens on their ports any more.
     ports = [int(f.stem.split("-")[1]) for f in (out / "logs").glob("proxy-*.log")]
