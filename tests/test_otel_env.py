@@ -320,13 +320,16 @@ def test_otel_exporter_otlp_compression_gzips_the_export(
 
 @pytest.mark.e2e
 def test_otel_exporter_otlp_timeout_bounds_each_export(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A collector that takes 3 s to answer: with a 300 ms timeout the export gives up first."""
-    import time
+    """A collector that does not answer until the test is over: with a 300 ms timeout the
+    export gives up (False) instead of waiting for it. (Without the timeout it would wait for
+    the answer, which comes only after the export returned: the join below would then fail
+    after 60 s, a hang guard, not a measure of the timeout.)"""
+    answer = threading.Event()
 
     class Slow(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers["content-length"]))
-            time.sleep(3)
+            answer.wait(60)
             self.send_response(200)
             self.send_header("content-length", "0")
             self.end_headers()
@@ -343,10 +346,14 @@ def test_otel_exporter_otlp_timeout_bounds_each_export(monkeypatch: pytest.Monke
     t = Telemetry(cfg)
     try:
         [exporter] = t._exporters
-        began = time.monotonic()
-        assert exporter.export_encoded(ExportTraceServiceRequest().SerializeToString()) is False
-        assert time.monotonic() - began < 2.5  # gave up well before the 3 s answer
+        result: list[bool] = []
+        body = ExportTraceServiceRequest().SerializeToString()
+        export = threading.Thread(target=lambda: result.append(exporter.export_encoded(body)))
+        export.start()
+        export.join(60)
+        assert result == [False]  # gave up with no answer yet
     finally:
+        answer.set()
         t.shutdown(deadline_s=0.5)
         server.shutdown()
         server.server_close()
