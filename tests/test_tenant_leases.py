@@ -135,3 +135,23 @@ async def test_with_redis_away_each_replica_holds_its_share_of_the_cap(
     for c in clients:
         with contextlib.suppress(Exception):
             await c.aclose()
+
+
+async def test_an_admission_cancelled_after_its_lease_stops_renewing_it(redis: Any) -> None:
+    """The client leaves while the rate limits are being charged: no grant, so no settle; the
+    lease must not stay in the renewal set (it would hold the slot for ever)."""
+    b = budgets_for(redis, "r1", tenants(max_concurrent=1, requests_per_minute=10), timeout_s=1.0)
+    charging = asyncio.Event()
+
+    async def never_answers(*args: Any) -> None:
+        charging.set()
+        await asyncio.Event().wait()
+
+    b._charge_admission = never_answers  # type: ignore[method-assign]
+    admitting = asyncio.create_task(b.admit("default", MODEL, b"{}"))
+    await charging.wait()
+    assert b.held  # the lease was taken
+    admitting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await admitting
+    assert not b.held  # not renewed: it expires within lease_s

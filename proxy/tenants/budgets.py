@@ -156,7 +156,12 @@ class Budgets:
             if isinstance(slot, Refusal):
                 return self._refuse(stats, slot)
             lease = slot
-        refusal = await self._charge_admission(tenant, limits, estimate, stats)
+        try:
+            refusal = await self._charge_admission(tenant, limits, estimate, stats)
+        except BaseException:  # cancelled (the client left): no renewal, the lease expires
+            if lease is not None:
+                self._drop_held(lease)
+            raise
         if refusal is not None:
             if lease is not None:
                 await self._release(lease)
@@ -228,12 +233,7 @@ class Budgets:
 
     async def _release(self, lease: tuple[str, str]) -> None:
         """Give the slot back (a release that fails leaves the lease to expire)."""
-        key, member = lease
-        members = self.held.get(key)
-        if members is not None:
-            members.discard(member)
-            if not members:
-                del self.held[key]
+        key, member = self._drop_held(lease)
         if self.leases is None or self.clock() < self.redis_down_until:
             return
         try:
@@ -241,6 +241,16 @@ class Budgets:
                 await self.leases.release(key, member)
         except Exception as e:
             self._redis_failed(self.clock(), e)
+
+    def _drop_held(self, lease: tuple[str, str]) -> tuple[str, str]:
+        """Stop renewing `lease` (what is not renewed expires within lease_s)."""
+        key, member = lease
+        members = self.held.get(key)
+        if members is not None:
+            members.discard(member)
+            if not members:
+                del self.held[key]
+        return lease
 
     async def renew_leases(self) -> None:
         """Renew this replica's leases (due every lease_s / 3): one call for all of them."""
