@@ -91,9 +91,9 @@ class PrefillRate:
         cov = self.sxy / self.sw - mx * my
         # Identifiable only when prompt sizes vary (relative spread above 25%).
         lo, hi = 1.0 / self.max_rate, 1.0 / self.min_rate
-        if var > (0.25 * mx) ** 2 and cov > 0 and self._significant(var, cov, my):
-            slope = cov / var
-            slope = lo if slope < lo else (hi if hi < slope else slope)
+        fitted = cov / var if var > (0.25 * mx) ** 2 and cov > 0 else 0.0
+        if fitted and self._significant(fitted, var, my):
+            slope = lo if fitted < lo else (hi if hi < fitted else fitted)
             self.identified = slope
         elif self.identified is not None:
             slope = self.identified  # sizes alike now: the overhead alone follows them
@@ -108,14 +108,14 @@ class PrefillRate:
         intercept = my - slope * mx
         return slope, (0.0 if intercept < 0.0 else intercept)
 
-    def _significant(self, var: float, cov: float, my: float) -> bool:
+    def _significant(self, slope: float, var: float, my: float) -> bool:
         """Is the fitted slope at least three times its standard error? Cached requests differ
         in size by their users' turns alone, and their TTFTs by queueing: a slope fitted to
         those is mostly noise, and the one identified before is the better guess. (Tested at
         every read: twice its error would pass by chance every few hundred reads.)"""
-        resid = self.syy / self.sw - my * my - cov * cov / var
-        slope = cov / var
-        return slope * slope * var * self.sw > 9.0 * (resid if resid > 0.0 else 0.0)
+        explained = slope * slope * var  # (cov² / var)
+        resid = self.syy / self.sw - my * my - explained
+        return explained * self.sw > 9.0 * (resid if resid > 0.0 else 0.0)
 
     @property
     def rate(self) -> float | None:

@@ -157,27 +157,27 @@ class Budgets:
                 return self._refuse(stats, slot)
             lease = slot
         try:
-            refusal = await self._charge_admission(tenant, limits, estimate, stats)
+            charged = await self._charge_admission(tenant, limits, estimate, stats)
         except BaseException:  # cancelled (the client left): no renewal, the lease expires
             if lease is not None:
                 self._drop_held(lease)
             raise
-        if refusal is not None:
+        if isinstance(charged, Refusal):
             if lease is not None:
                 await self._release(lease)
-            return self._refuse(stats, refusal)
+            return self._refuse(stats, charged)
         stats.admitted += 1
         concurrent = cap is not None
         if concurrent:
             stats.inflight += 1
-        last = stats.last if limits else None
-        found = headers(last.readings) if last is not None else []
+        found = headers(charged.readings) if charged is not None else []
         return Grant(tenant, limits, estimate, found, concurrent, lease)
 
     async def _charge_admission(
         self, tenant: str, limits: tuple[Limit, ...], estimate: int, stats: TenantStats
-    ) -> Refusal | None:
-        """Charge the request's admission to its limits (one call), or say why not."""
+    ) -> Outcome | Refusal | None:
+        """Charge the request's admission to its limits (one call; None: it has none), or say
+        why not."""
         costs = [_admission_cost(lim.kind, estimate) for lim in limits]
         too_big = [lim for lim, c in zip(limits, costs, strict=True) if c > lim.per_minute]
         if too_big:
@@ -201,7 +201,7 @@ class Budgets:
             kind = "requests" if by.kind == REQUESTS else "tokens"
             return Refusal(tenant, message, kind, outcome.wait_s, headers(outcome.readings))
         stats.input_tokens += estimate
-        return None
+        return outcome
 
     async def _take_slot(
         self, tenant: str, cap: int, stats: TenantStats
