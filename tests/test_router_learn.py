@@ -13,6 +13,7 @@ from proxy.config import RoutingConfig
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.index import MemoryPrefixIndex
 from proxy.routing.learn import PrefillLearner, PrefillRate
+from proxy.routing.router import Router
 from proxy.routing.setup import build_router
 from proxy.routing.types import EngineLoad, RouteContext
 from tests.test_router import SYSTEM, chat, view, views
@@ -157,10 +158,16 @@ def test_predicted_ttft_counts_the_backlog_this_proxy_sent() -> None:
     assert scores["cold"] == 1.0 and scores["warm"] < 0.6
 
 
-async def test_the_router_adds_each_decisions_uncached_tokens_to_the_backlog() -> None:
+def router_with_a_still_backlog() -> Router:
+    """prefix_aware on an in-memory index, its backlog on a clock that never moves (nothing
+    drains: what is there is what was added and not taken off)."""
     r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
-    now = [0.0]
-    r.backlog = PrefillBacklog(clock=lambda: now[0])
+    r.backlog = PrefillBacklog(clock=lambda: 0.0)
+    return r
+
+
+async def test_the_router_adds_each_decisions_uncached_tokens_to_the_backlog() -> None:
+    r = router_with_a_still_backlog()
     first = await r.route(chat(SYSTEM * 4, "q1", 1), views())
     home = first.winner
     assert home is not None
@@ -193,9 +200,7 @@ def test_the_backlog_never_exceeds_what_is_outstanding() -> None:
 
 
 async def test_a_request_that_ends_or_moves_takes_its_tokens_off_the_backlog() -> None:
-    r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
-    now = [0.0]
-    r.backlog = PrefillBacklog(clock=lambda: now[0])
+    r = router_with_a_still_backlog()
     decision = await r.route(chat(SYSTEM * 4, "q1", 1), views())
     home = decision.winner
     assert home is not None and decision.backlogged is not None
