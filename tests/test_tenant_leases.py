@@ -43,6 +43,7 @@ async def test_three_replicas_admit_the_cap_between_them_and_a_settled_one_frees
     assert all(r.kind == "concurrency" and r.retry_after_s == 1.0 for r in refused)
     assert "4 in flight across the replicas" in refused[0].message
     assert await held(redis, replicas[0]) == 4
+    assert sum(b.view()["leases_held_here"] for b in replicas) == 4  # each counts its own
     owner = next(b for b in replicas if b.stats["default"].inflight)
     await owner.settle(grants[0] if owner is replicas[0] else _own(owner, grants), None, 0)
     assert await held(redis, replicas[0]) == 3
