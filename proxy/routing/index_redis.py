@@ -53,10 +53,11 @@ SCORE_EPOCH = 1_700_000_000.0
 BLOCK_STEP_S = 1e-7
 DEPTHS_KEPT = 4096  # heads whose last common depth a lookup tries first
 HEAD_TTL_MARGIN_S = 60.0  # a head set outlives its members' scores by this (clocks differ)
-# A record waits this long for others to share its write (unless flush_items are pending): at
-# ~150 requests a second per replica, 5 ms made nearly one script call and one feed entry per
-# request, and every other replica read each one.
-FLUSH_INTERVAL_S = 0.02
+# A record waits this long for others to share its write (unless flush_items are pending). Not
+# longer: a replica that looks a prompt up in Redis before the record arrives routes it as if
+# no backend held it (20 ms split a prompt over two backends in 4 runs of 12 of
+# tests/test_e2e_routing.py's three-proxy test; 5 ms in none).
+FLUSH_INTERVAL_S = 0.005
 
 
 async def _run(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
