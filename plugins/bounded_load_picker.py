@@ -25,6 +25,12 @@ queue far longer than the others'; they stay in the ranking, last, as retry targ
   arrives first.
 - Short prompts: highest total score (they save too little prefill to be sticky).
 
+A quiet tenant's cold prompt (`RouteContext.quiet`: a tenant within its share while another's
+prompts over their share are being prefilled, with `tenants.reserve_prefills`) goes first to
+the backend within the bound with the fewest prompt tokens queued or prefilling, placed or
+not: it has no cache to lose anywhere, and an engine finishes the prompt it has begun before
+a later one, whatever its priority.
+
 Why stay on copies: with prompts of a few thousand tokens, a cold prefill costs more than
 queueing behind several decoding requests, and every extra copy evicts other prefixes from a
 full KV pool. Measured in virtual time (docs/benchmarks.md): on tight pools this took the hit
@@ -154,7 +160,10 @@ class BoundedLoadPicker:
         spill = f"; {len(over)} over the load bound" if over else ""
         placed = self._members(ctx.homes) if blocks and ctx.homes else frozenset()
         homes = [b for b in candidates if b.name in placed] if placed else []
-        if homes:
+        if ctx.quiet and best_match < warm and len(within) > 1:
+            order = self._soonest(ctx, within)
+            reason = "quiet tenant's cold prompt: the least prefill ahead" + spill
+        elif homes:
             # A backend holding clearly more of this prompt than any home, and more than the
             # part its prefix's requests share (a conversation's earlier turns, placed there
             # before a move), counts as a home too. Not one holding the shared part alone (a
@@ -167,7 +176,7 @@ class BoundedLoadPicker:
                 b for b in candidates if b.name not in placed and matched.get(b.name, 0) >= reach
             ]
             return self._pick_placed(ctx, key, candidates, homes, within)
-        if blocks and best_match < warm:
+        elif blocks and best_match < warm:
             order, reason = self._cold(key, within, spill)
         elif blocks:
             order, reason = self._warm(ctx, key, candidates, within, totals, spill)
@@ -180,6 +189,16 @@ class BoundedLoadPicker:
         if over:
             order += sorted(over, key=lambda b: (_load(b), -totals.get(b.name, 0)))
         return [b.name for b in order], reason
+
+    @staticmethod
+    def _soonest(ctx: RouteContext, within: list[BackendView]) -> list[BackendView]:
+        """A cold prompt of a tenant within its share while another's prompts are being
+        prefilled (tenants.reserve_prefills): first the backend where its prefill starts
+        soonest (the fewest prompt tokens queued or prefilling there: an engine finishes a
+        prompt it has begun before a later one, whatever its priority), then the least
+        loaded; ties broken per request."""
+        tie = hrw_order(key_of(ctx.request_id), within)
+        return sorted(tie, key=lambda b: (b.backlog_tokens, _load(b)))
 
     def _members(self, homes: tuple[str, ...]) -> frozenset[str]:
         kept = self._home_sets.get(id(homes))

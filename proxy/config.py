@@ -549,6 +549,11 @@ class TenantsConfig(_Model):
     # while another tenant has sent a request in the last few seconds (0: every slot to
     # whoever is next).
     reserve_slots: int = Field(0, ge=0)
+    # Engines kept from prefilling the prompts of tenants over their share: while another
+    # tenant is active, those may be at most (routable engines - reserve_prefills) prompts
+    # between admission and first token, and a quiet tenant's cold prompt goes to the engine
+    # with the least prefill ahead (an engine does not pass a prompt it has begun; 0: off).
+    reserve_prefills: int = Field(0, ge=0)
 
     @field_validator("ttft_targets_s")
     @classmethod

@@ -72,6 +72,9 @@ class Steering:
     def inflight(self, backend: str, delta: int) -> None:
         self.events.append(("inflight", (backend, delta)))
 
+    def prefilled(self, decision: Any) -> None:
+        self.events.append(("prefilled", decision.ranking if decision else None))
+
     def finished(self, decision: Any) -> None:
         self.events.append(("finished", decision.ranking if decision else None))
 
@@ -110,6 +113,9 @@ async def test_a_stream_goes_to_the_ranked_backend_and_every_collaborator_hears_
     assert steering.events[:2] == [("inflight", (A, 1)), ("sent", A)]
     assert ("inflight", (A, -1)) in steering.events
     assert steering.events[-1] == ("finished", [A, B])  # once, after everything else
+    # The first byte ends the prompt's prefill (the backlog's bound): before the rest.
+    prefilled = steering.events.index(("prefilled", [A, B]))
+    assert prefilled < steering.events.index(("inflight", (A, -1)))
     assert endpoint.fw.open_requests == 0
 
 

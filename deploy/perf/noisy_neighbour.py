@@ -18,6 +18,9 @@ prefill in steps of `--engine-chunk-tokens` tokens (default 2048, what `vllm ser
 default; 0: whole prompts, serially, the engine model before steps), the prompts begun first,
 as vLLM's chunked prefill. `--engine-preempt` adds what vLLM does not do: between steps a
 higher-priority prompt passes a begun one (the mock's `--preempt-prefill`).
+`--reserve-prefills 0 1` runs each seed with `tenants.reserve_prefills` 0, then 1 (engines
+kept from prefilling the flood's prompts over its share, and the quiet tenant's cold prompts
+sent where their prefill starts soonest).
 `--goodput TARGET_S` instead sends one tenant at 1.5x the capacity, without a TTFT target
 and then with `tenants.ttft_targets_s: {standard: TARGET_S}`, and prints the requests a
 second that got their first token within the target. Not a test: numbers depend on the
@@ -217,9 +220,12 @@ def run(
     bound: str = "proxy",
     engines: Engines = Engines(),
     slots: int = SLOTS,
+    prefills: int = 0,
 ) -> dict[str, Any]:
-    tenants = {"reserve_slots": reserve} if reserve else None
-    with serving(proxy_dir, tenants, bound, engines, slots) as url:
+    tenants = {"reserve_slots": reserve} if reserve else {}
+    if prefills:
+        tenants["reserve_prefills"] = prefills
+    with serving(proxy_dir, tenants or None, bound, engines, slots) as url:
         alone = asyncio.run(load(url, seed, duration, flood=False))
         both = asyncio.run(load(url, seed, duration, flood=True))
     return {"seed": seed, "alone": alone["quiet"], "quiet": both["quiet"], "flood": both["flood"]}
@@ -274,6 +280,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=[0],
         metavar="N",
         help="tenants.reserve_slots to run each seed with, in turn (default: 0)",
+    )
+    parser.add_argument(
+        "--reserve-prefills",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="N",
+        help="tenants.reserve_prefills to run each seed with, in turn, after --reserve's "
+        "(default: 0)",
     )
     parser.add_argument(
         "--bound",
@@ -337,8 +352,9 @@ def main() -> None:
             for label in GOODPUT:
                 print(goodput_line(seed, label, row[label], args.goodput), flush=True)
             continue
-        for reserve in args.reserve:
+        for reserve, prefills in [(r, p) for r in args.reserve for p in args.reserve_prefills]:
             label = f"{args.label}, reserve {reserve}" if reserve else args.label
+            label += f", prefills kept {prefills}" if prefills else ""
             label += f", engines {engines.label()}" if engines.label() else ""
             found = run(
                 seed,
@@ -348,9 +364,11 @@ def main() -> None:
                 args.bound,
                 engines,
                 args.slots,
+                prefills,
             )
             row = {**found, "label": label, "bound": args.bound}
             row["reserve_slots"] = reserve
+            row["reserve_prefills"] = prefills
             rows.append(row)
             print(flood_line(label, seed, row), flush=True)
     if args.json:

@@ -31,6 +31,14 @@ A queue that does not preempt makes even the first in line wait for a slot to fr
 share of the slots, while another tenant is active (a request running, or one sent in the
 last ACTIVE_S): a tenant over its share waits for them even while they are free, so a quiet
 tenant's request finds one at once. Alone, a tenant still gets every slot.
+
+A slot is not all a quiet request waits for: an engine that has begun a prompt finishes it
+before one that arrives later, whatever its priority (vLLM's scheduler). With
+`reserve_prefills` R, while another tenant is active, the requests let in over their tenant's
+share (those the engine ranks after the others') may be at most (engines - R) prompts being
+prefilled at once, counted from their admission to their first token (`prefilled()`): at least
+R engines are then never prefilling such a prompt, and routing sends a quiet tenant's cold
+prompt to the engine with the least prefill ahead of it (`quiet()`).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import contextvars
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,10 +85,14 @@ class Ticket:
     backend_wait_s: float = 0.0  # for a backend below its bound (proxy/admission/backend_queue.py)
     admitted_at: float = 0.0  # loop time
     waiter: asyncio.Future[str | None] | None = None
+    owner: Admission | None = None  # the admission that let it in, when it keeps prefills
     # For engines that order their queue by a priority (lower first): its class (interactive
     # -2, standard 0, batch 2), plus 1 when its tenant ran more than its weight's share of
     # the requests running as it was let in (set then).
     level: int = 0
+    # Counted among the prompts over their share being prefilled (reserve_prefills): by
+    # this admission, until its first token or its end.
+    prefilling: Admission | None = None
 
 
 # The ticket of the request the current task serves (set by the edge): the request path
@@ -87,6 +100,25 @@ class Ticket:
 TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar(
     "warmroute_ticket", default=None
 )
+
+
+def prefilled() -> None:
+    """The current request's first token came: its prompt is prefilled, and no longer counts
+    against the prefills kept free (reserve_prefills)."""
+    ticket = TICKET.get()
+    if ticket is not None and ticket.prefilling is not None:
+        ticket.prefilling.prefilled(ticket)
+
+
+def quiet() -> bool:
+    """Whether the current request is let in within its tenant's share while a tenant over
+    its share is prefilling: the request whose cold prompt routing sends where its prefill
+    starts soonest (reserve_prefills)."""
+    ticket = TICKET.get()
+    if ticket is None or ticket.level & 1:
+        return False
+    owner = ticket.owner
+    return owner is not None and owner.prefilling_over > 0
 
 
 def served(facts: Any) -> None:
@@ -119,15 +151,31 @@ class Admission:
         wait_s: float,
         targets: dict[int, float] | None = None,
         reserve: int = 0,
+        reserve_prefills: int = 0,
+        engines: Callable[[], int] | None = None,
     ) -> None:
-        if limit < 1 or queue < 0 or wait_s < 0 or not 0 <= reserve < limit:
+        if (
+            limit < 1
+            or queue < 0
+            or wait_s < 0
+            or not 0 <= reserve < limit
+            or reserve_prefills < 0
+            or (reserve_prefills and engines is None)
+        ):
             raise ValueError(
-                "admission needs limit >= 1, queue >= 0, wait_s >= 0 and 0 <= reserve < limit"
+                "admission needs limit >= 1, queue >= 0, wait_s >= 0, 0 <= reserve < limit "
+                "and reserve_prefills >= 0 (with the engines counted)"
             )
         self.limit = limit
         # The last `reserve` free slots go only to tenants running less than their share
         # while others are active (_may_take): a quiet tenant finds a slot free.
         self.reserve = reserve
+        # And `reserve_prefills` engines are kept from prefilling the prompts of tenants
+        # over their share (`engines`: how many the fleet routes to now).
+        self.reserve_prefills = reserve_prefills
+        self.engines = engines
+        self.prefilling_over = 0  # prompts let in over their share, not yet prefilled
+        self.gated = bool(reserve or reserve_prefills)  # _may_take decides who goes
         self.seen: dict[str, float] = {}  # tenant -> when it was last tagged (with a reserve)
         self.queue = queue
         self.wait_s = wait_s
@@ -158,7 +206,7 @@ class Admission:
         if (
             self.inflight < self.limit
             and not self.waiting
-            and (ticket is None or not self.reserve or self._may_take(ticket))
+            and (ticket is None or not self.gated or self._may_take(ticket))
         ):
             self.inflight += 1
             self.stats.admitted += 1
@@ -176,7 +224,7 @@ class Admission:
         if self.admit_now(ticket):
             return None
         self._tag(ticket)
-        if self.reserve and self._first_to_go(ticket):  # a slot kept free, for it
+        if self.gated and self._first_to_go(ticket):  # a slot kept free, for it
             self.inflight += 1
             self.stats.admitted += 1
             self._let_in(ticket)
@@ -229,7 +277,7 @@ class Admission:
     def _fill(self) -> None:
         """Let waiters in, in order, while a slot is free and the next may take it."""
         while self.waiting and self.inflight < self.limit:
-            if self.reserve and not self._may_take(self._head()):
+            if self.gated and not self._may_take(self._head()):
                 return
             nxt = self._next()
             if nxt.waiter is not None and not nxt.waiter.done():
@@ -241,8 +289,10 @@ class Admission:
     def _may_take(self, ticket: Ticket) -> bool:
         """Whether `ticket` may take a free slot: more than the reserve are free, or its
         tenant runs fewer than its weight's share of the slots among the tenants active (a
-        request running, or one sent in the last ACTIVE_S), or it is the only one active."""
-        if self.limit - self.inflight > self.reserve:
+        request running, or one sent in the last ACTIVE_S), or it is the only one active;
+        and, keeping prefills, it would not be one prefill too many over its share."""
+        slots = self.limit - self.inflight > self.reserve
+        if slots and not (self.reserve_prefills and self.prefilling_over):
             return True
         me = ticket.tenant
         horizon = time.monotonic() - ACTIVE_S
@@ -253,7 +303,43 @@ class Admission:
             if tenant != me and (at >= horizon or tenant in self.running):
                 total += weights[tenant]
                 others = True
-        return not others or self.running.get(me, 0) < self.limit * ticket.weight / total
+        if not others:
+            return True
+        if not slots and self.running.get(me, 0) >= self.limit * ticket.weight / total:
+            return False
+        if self.reserve_prefills and self.prefilling_over:
+            assert self.engines is not None
+            room = self.engines() - self.reserve_prefills
+            if self.prefilling_over >= (room if room > 1 else 1) and self._over_share(ticket):
+                return False
+        return True
+
+    def _over_share(self, ticket: Ticket) -> bool:
+        """Whether `ticket`, let in now, would run more than its tenant's weight's share of
+        the requests running (among the tenants running or, keeping slots or prefills,
+        active lately): the engine ranks it after the others' (its level + 1)."""
+        running = self.running
+        weights = self.weights
+        mine = running.get(ticket.tenant, 0) + 1
+        everyone = sum(running.values()) + 1
+        active = sum(weights.get(t, 1.0) for t in running)
+        if ticket.tenant not in running:
+            active += ticket.weight
+        if self.seen:
+            horizon = time.monotonic() - ACTIVE_S
+            for tenant, at in self.seen.items():
+                if at >= horizon and tenant not in running and tenant != ticket.tenant:
+                    active += weights.get(tenant, 1.0)
+        return active > ticket.weight and mine * active > everyone * ticket.weight
+
+    def prefilled(self, ticket: Ticket) -> None:
+        """`ticket`'s prompt has been prefilled (its first token, or its end): one prefill
+        over a share fewer, and a waiter kept back by them may go."""
+        if ticket.prefilling is self:
+            ticket.prefilling = None
+            self.prefilling_over -= 1
+            if self.waiting:
+                self._fill()
 
     def _first_to_go(self, ticket: Ticket) -> bool:
         """A slot is free (kept by the reserve from the waiters), no waiter goes before
@@ -269,7 +355,7 @@ class Admission:
     def _tag(self, ticket: Ticket) -> None:
         tenant = ticket.tenant
         self.weights[tenant] = ticket.weight
-        if self.reserve:
+        if self.gated:
             self.seen[tenant] = time.monotonic()
         ticket.cost = ticket.prompt_tokens + self.expected_output.get(tenant, EXPECTED_OUTPUT)
         last = self.finish.get(tenant, 0.0)
@@ -286,18 +372,18 @@ class Admission:
         if ticket.start > self.virtual:
             self.virtual = ticket.start
         running = self.running
-        mine = running[ticket.tenant] = running.get(ticket.tenant, 0) + 1
         ticket.level = 2 * (ticket.rank - STANDARD)
-        if len(running) > 1 or self.seen:  # over its share of what runs: after the others'
-            weights = self.weights  # at the engine
-            active = sum(weights.get(t, 1.0) for t in running)
-            if self.seen:  # with a reserve, a tenant active lately counts, as for the slots
-                horizon = time.monotonic() - ACTIVE_S
-                for tenant, at in self.seen.items():
-                    if at >= horizon and tenant not in running:
-                        active += weights.get(tenant, 1.0)
-            if active > ticket.weight and mine * active > sum(running.values()) * ticket.weight:
-                ticket.level += 1
+        # Over its share of what runs: after the others' at the engine (with a reserve, a
+        # tenant active lately counts, as for the slots).
+        others = len(running) > 1 or (bool(running) and ticket.tenant not in running)
+        if (others or self.seen) and self._over_share(ticket):
+            ticket.level += 1
+        running[ticket.tenant] = running.get(ticket.tenant, 0) + 1
+        if self.reserve_prefills:
+            ticket.owner = self
+            if ticket.level & 1:
+                ticket.prefilling = self
+                self.prefilling_over += 1
         if self.targets:
             ticket.admitted_at = asyncio.get_running_loop().time()
 
@@ -398,6 +484,9 @@ class Admission:
 
     def _settle(self, ticket: Ticket) -> None:
         """The request ended: its tenant's tags take what it really cost."""
+        if ticket.prefilling is self:  # ended before its first token
+            ticket.prefilling = None
+            self.prefilling_over -= 1
         tenant = ticket.tenant
         left = self.running.get(tenant, 0) - 1
         if left > 0:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from proxy.admission.backend_queue import all_at_bound
-from proxy.admission.slots import TICKET, served
+from proxy.admission.slots import TICKET, quiet, served
 from proxy.asgi import (
     BodyTooLarge,
     ClientDisconnected,
@@ -173,6 +173,7 @@ class ProxyEndpoint:
             headers=ex.headers,
             now=time.monotonic(),
             session_key=ex.headers.get("x-session-id") or ex.body.get("user"),
+            quiet=quiet(),
         )
         try:
             decision = await self.fw.steering.route(ctx)

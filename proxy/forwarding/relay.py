@@ -258,6 +258,7 @@ class Relay:
         if not data:
             raise first_read_failure(None, ex.client_gone)
         self.fleet.mark_success(backend)  # the first byte, not the head: the engine works
+        self.steering.prefilled(ex.decision)
         upstream.idle_budget(self.idle_s)
         await send(
             {

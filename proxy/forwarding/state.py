@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from proxy.admission.slots import prefilled
 from proxy.forwarding.ports import Fleet, Recorder, UpstreamClient, UpstreamResponseLike
 from proxy.forwarding.view_cache import ViewCache
 
@@ -83,6 +84,13 @@ class RequestRouting:
         where the request lands, which a retry may have moved) while the backend works."""
         if decision is not None:
             self.router.record(decision, backend)
+
+    def prefilled(self, decision: Decision | None) -> None:
+        """The first token came: the prompt is no longer queued or prefilling there (the
+        backlog's bound; and the prefills kept free count one fewer)."""
+        if decision is not None:
+            self.router.finished(decision)
+        prefilled()
 
     def finished(self, decision: Decision | None) -> None:
         """The request is over: whatever of its prompt the backlog still counts is not."""

@@ -212,6 +212,9 @@ class RouteContext:
     now: float
     session_key: str | None = None
     prompt_chars: int = 0
+    # A tenant within its share while another's prompts over their share are being
+    # prefilled (tenants.reserve_prefills): a cold prompt goes where its prefill starts soonest.
+    quiet: bool = False
     # Filled by the router before scoring when a policy uses prefix matching (prompt_chars too):
     prefix_blocks: Sequence[int] = ()
     prefix_share: float = 0.0  # share of recent requests that began with this prompt's head

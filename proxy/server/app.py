@@ -125,6 +125,8 @@ def create_app(
         server.admission_timeout_s,
         targets,
         config.tenants.reserve_slots,
+        config.tenants.reserve_prefills,
+        lambda: len(state.registry.routable()),
     )
     if forwarding.budgets is not None or server.api_keys:
         # GET /admin/tenants: budgets left, and each tenant's place in the queue

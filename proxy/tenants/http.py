@@ -43,6 +43,11 @@ async def describe(
     its requests waiting for a backend at its bound."""
     out: dict[str, Any] = {**(budgets.view() if budgets else {"budgets": "none"}), "tenants": {}}
     shares = admission.shares()
+    if admission.reserve_prefills:
+        out["prefills"] = {
+            "engines_kept": admission.reserve_prefills,
+            "over_share_prefilling": admission.prefilling_over,
+        }
     for_backend = Counter(w.tenant for w in backend_queue.waiters) if backend_queue else {}
     for tenant in tenants:
         queue = shares.get(tenant, {"waiting": 0, "running": 0, "ahead_tokens_per_weight": 0.0})
