@@ -8,7 +8,8 @@ queue gauge is a scrape old (seconds, an eternity at hundreds of requests per se
 counts requests, not tokens: one waiting 8k-token prompt is worse than ten short ones.
 
 The level never exceeds what is outstanding: the uncached tokens of the requests sent to the
-backend that have not finished. A drain rate learned too slow (a replica that never saw a cold
+backend that have neither had their first token (a stream's first byte: prefill is over) nor
+finished. A drain rate learned too slow (a replica that never saw a cold
 prompt takes the TTFT of cached ones, mostly overhead, for prefill) would otherwise let the
 level grow without bound, each cached request adding more than the drain takes away: measured
 at 13,000-20,000 phantom tokens on a home with ten requests of ~54 uncached tokens in flight.
@@ -75,8 +76,9 @@ class PrefillBacklog:
         self._level[backend] = (self.level(backend, tokens_per_s) + added, now)
 
     def finished(self, backend: str, tokens: float) -> None:
-        """A request that add() counted `tokens` for on `backend` has finished (answered,
-        failed or moved elsewhere): nothing of it is being prefilled there any more."""
+        """A request that add() counted `tokens` for on `backend` has had its first token, or
+        finished (answered, failed or moved elsewhere): nothing of it is being prefilled
+        there any more."""
         left = self._outstanding.get(backend, 0.0) - (0.0 if tokens < 0.0 else tokens)
         if left > 0.5:
             self._outstanding[backend] = left

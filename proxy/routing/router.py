@@ -382,8 +382,9 @@ class Router:
             decision.backlogged = (backend, uncached)
 
     def finished(self, decision: Decision) -> None:
-        """The decided request is over (or moved to another backend): its prompt is no longer
-        being prefilled where it was recorded, whatever the backlog's drain says."""
+        """The decided request had its first token, or is over (or moved to another backend):
+        its prompt is no longer being prefilled where it was recorded, whatever the backlog's
+        drain says. Once per decision: a second call does nothing."""
         done = decision.backlogged
         if done is not None:
             decision.backlogged = None
