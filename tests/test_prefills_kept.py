@@ -82,6 +82,32 @@ async def test_the_prefills_kept_apply_only_while_another_tenant_is_active(
     assert await waiting is None
 
 
+async def test_a_waiter_held_back_does_not_hold_up_a_tenant_within_its_share() -> None:
+    """The flood's waiter comes first in the fair order (the quiet tenant asked for more
+    tokens lately) but may not start another prefill: a quiet request goes past it, at once
+    while a slot is free, and from the queue when one frees, instead of waiting behind it
+    until a prefill ends."""
+    admission = kept(engines=2, limit=4)  # one prefill over the share at a time
+    q, f1, f2 = Ticket("quiet"), Ticket("flood"), Ticket("flood")
+    for t in (q, f1, f2):
+        assert admission.admit_now(t)
+    assert f2.level == 1 and admission.prefilling_over == 1
+    held = asyncio.create_task(admission.enter(Ticket("flood", prompt_tokens=10)))
+    await asyncio.sleep(0)
+    admission.finish["quiet"] = admission.finish["flood"] + 1e6  # its tags far ahead
+    assert await admission.enter(Ticket("quiet", prompt_tokens=10)) is None  # past it
+    assert admission.inflight == admission.limit
+    queued = asyncio.create_task(admission.enter(Ticket("quiet", prompt_tokens=10)))
+    await asyncio.sleep(0)
+    assert admission.waiting == 2 and not queued.done()
+    admission.leave(q)  # a slot frees: the quiet request, behind the flood's, takes it
+    assert await queued is None and not held.done()
+    with_ticket(f2, prefilled)  # a prefill ended, but no slot is free
+    assert not held.done()
+    admission.leave(f1)
+    assert await held is None
+
+
 def test_a_quiet_tenants_request_is_quiet_only_while_a_flood_prefills_over_its_share() -> None:
     admission = kept(engines=2)
     q, f1, f2 = Ticket("quiet"), Ticket("flood"), Ticket("flood")

@@ -275,11 +275,13 @@ class Admission:
             self._fill()
 
     def _fill(self) -> None:
-        """Let waiters in, in order, while a slot is free and the next may take it."""
+        """Let waiters in, in order, while a slot is free: with slots or prefills kept, the
+        first in order that may take one (a tenant held back does not hold up the others)."""
         while self.waiting and self.inflight < self.limit:
-            if self.gated and not self._may_take(self._head()):
+            found = self._head_of(self._may_take if self.gated else None)
+            if found is None:
                 return
-            nxt = self._next()
+            nxt = self._take(*found)
             if nxt.waiter is not None and not nxt.waiter.done():
                 self.inflight += 1
                 self._let_in(nxt)
@@ -346,9 +348,11 @@ class Admission:
         `ticket`, and it may take the slot."""
         if self.inflight >= self.limit:
             return False
-        head = self._head() if self.waiting else None
-        if head is not None and (head.rank, head.start) < (ticket.rank, ticket.start):
-            return False
+        found = self._head_of(self._may_take) if self.waiting else None
+        if found is not None:
+            head = found[0][found[1]][0]
+            if (head.rank, head.start) < (ticket.rank, ticket.start):
+                return False
         return self._may_take(ticket)
 
     # -- the fair order ---------------------------------------------------------------------
@@ -427,25 +431,28 @@ class Admission:
         if target is not None:
             self._count(rank, MET if ticket.waited_s + after <= target else MISSED)
 
-    def _head_of(self) -> tuple[dict[str, deque[Ticket]], str]:
-        """Where the next ticket waits: its class's queues, and its tenant (one waits)."""
+    def _head_of(
+        self, eligible: Callable[[Ticket], bool] | None = None
+    ) -> tuple[dict[str, deque[Ticket]], str] | None:
+        """Where the next ticket waits: its class's queues, and its tenant; with `eligible`,
+        the next whose tenant's first waiter it passes (None: no such waiter)."""
         for rank in sorted(self._queues):
             queues = self._queues[rank]
             if not queues:
                 continue
-            if len(queues) == 1:
-                return queues, next(iter(queues))
-            return queues, min(queues, key=lambda t: queues[t][0].start)
-        raise AssertionError("admission: waiting > 0 with every queue empty")
+            if eligible is None:
+                if len(queues) == 1:
+                    return queues, next(iter(queues))
+                return queues, min(queues, key=lambda t: queues[t][0].start)
+            for tenant in sorted(queues, key=lambda t: queues[t][0].start):
+                if eligible(queues[tenant][0]):
+                    return queues, tenant
+        if eligible is None:
+            raise AssertionError("admission: waiting > 0 with every queue empty")
+        return None
 
-    def _head(self) -> Ticket:
-        """The next ticket to go (there is one), left in its queue."""
-        queues, tenant = self._head_of()
-        return queues[tenant][0]
-
-    def _next(self) -> Ticket:
-        """Take the next ticket out of the queues (there is one)."""
-        queues, tenant = self._head_of()
+    def _take(self, queues: dict[str, deque[Ticket]], tenant: str) -> Ticket:
+        """Take `tenant`'s first waiting ticket out of `queues`."""
         mine = queues[tenant]
         ticket = mine.popleft()
         if not mine:
