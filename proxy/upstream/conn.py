@@ -3,8 +3,9 @@
 The connection is an asyncio protocol fed to httptools (llhttp): it buffers body bytes as they
 arrive and hands the reader whatever is buffered at once (whole reads, not one piece per HTTP
 chunk), keeps the read deadline (below), pauses reading past HIGH_WATER unread bytes, and turns
-every way a response can fail into a typed error (below). The pool that opens, reuses and caps
-these connections is proxy/upstream/pool.py.
+every way a response can fail into a typed error (below; the classes are in
+proxy/upstream/errors.py). The pool that opens, reuses and caps these connections is
+proxy/upstream/pool.py. Compiled with mypyc where the install could (proxy.HOT_PATH).
 
 Size: the connection and the response reading it share their private state (buffer, parser,
 deadline, budget share), which one module keeps private; the pool is proxy/upstream/pool.py.
@@ -80,6 +81,18 @@ from typing import Protocol
 
 import httptools
 
+from proxy.upstream.errors import (
+    UpstreamDisconnected,
+    UpstreamFirstByteTimeout,
+    UpstreamHeadTooLarge,
+    UpstreamIdleTimeout,
+    UpstreamOverBudget,
+    UpstreamPayloadError,
+    UpstreamProtocolError,
+    UpstreamResponseTooLarge,
+    UpstreamTimeout,
+)
+
 # Pause reading a response once this much is buffered and unread (a slow client).
 HIGH_WATER = 1 << 20
 # The most of a response head the proxy takes: its bytes (status line, fields, blank line;
@@ -123,73 +136,6 @@ class BodyBudget:
 
     def give(self, n: int) -> None:
         self.held -= n
-
-
-class UpstreamError(Exception):
-    """Any failure of the upstream exchange other than a timeout."""
-
-
-class UpstreamTimeout(TimeoutError):
-    """A read deadline passed (a TimeoutError, so what catches those catches it)."""
-
-
-class UpstreamFirstByteTimeout(UpstreamTimeout):
-    """No response head and first body byte within the first-byte budget of the request."""
-
-
-class UpstreamIdleTimeout(UpstreamTimeout):
-    """The response had started: no progress within the idle budget (a complete event for a
-    stream, the whole body for a read())."""
-
-
-class UpstreamConnectError(UpstreamError):
-    """The backend refused or could not be reached; nothing was sent."""
-
-
-class UpstreamConnectTimeout(UpstreamConnectError):
-    """No connection within the connect timeout (or no free slot under the host's cap)."""
-
-
-class UpstreamDisconnected(UpstreamError):
-    """The connection closed before any byte of a response arrived."""
-
-    def __init__(self, message: str, reused: bool = False) -> None:
-        super().__init__(message)
-        self.reused = reused
-
-
-class UpstreamPayloadError(UpstreamError):
-    """The response broke off after it started."""
-
-
-class UpstreamProtocolError(UpstreamPayloadError):
-    """The response was not valid HTTP/1.1."""
-
-
-class UpstreamHeadTooLarge(UpstreamProtocolError):
-    """The response head was over MAX_HEAD_BYTES or had more than MAX_HEADERS fields: a
-    protocol error like any invalid head (retried elsewhere when nothing reached the client)."""
-
-
-class UpstreamResponseTooLarge(UpstreamError):
-    """A whole body over the response's limit (read() without a limit); `limit` in bytes."""
-
-    def __init__(self, message: str, limit: int) -> None:
-        super().__init__(message)
-        self.limit = limit
-
-
-class UpstreamOverBudget(UpstreamResponseTooLarge):
-    """A whole body refused because the bodies being held at once have taken the budget."""
-
-
-# Errors that mean "this backend did not take the request": safe to retry elsewhere.
-# Refused/unreachable marks the backend down for a while; a pooled connection the server had
-# just closed (keep-alive race) says nothing about the backend's health.
-REFUSED_ERRORS: tuple[type[BaseException], ...] = (UpstreamConnectError,)
-CONNECT_ERRORS: tuple[type[BaseException], ...] = (UpstreamConnectError, UpstreamDisconnected)
-# Errors while reading a response that has started.
-READ_ERRORS: tuple[type[BaseException], ...] = (UpstreamError, UpstreamTimeout)
 
 
 class Pool(Protocol):

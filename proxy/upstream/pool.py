@@ -12,7 +12,8 @@ checks, discovery and scraping.
 
 Here: the pool (idle connections per host, the per-host cap, connecting, TLS), the request
 target and head, and which headers cross. One connection's protocol state, the response it
-carries and the typed errors are in proxy/upstream/conn.py (re-exported here).
+carries are in proxy/upstream/conn.py, the typed errors in proxy/upstream/errors.py (both
+re-exported here).
 
 Proxies from the environment (HTTP_PROXY, HTTPS_PROXY) are not used: the backends are
 addressed directly, by the forwarder and the health client alike (see `trust_env=False`
@@ -33,16 +34,19 @@ from urllib.parse import urlsplit
 from proxy.config import TimeoutsConfig, UpstreamConfig
 from proxy.engines import backend_url
 from proxy.upstream.conn import (
-    CONNECT_ERRORS,
     HIGH_WATER,
     MAX_BUFFERED_BYTES,
     MAX_HEAD_BYTES,
     MAX_HEADERS,
     MAX_RESPONSE_BYTES,
-    READ_ERRORS,
-    REFUSED_ERRORS,
     BodyBudget,
     Connection,
+    UpstreamResponse,
+)
+from proxy.upstream.errors import (
+    CONNECT_ERRORS,
+    READ_ERRORS,
+    REFUSED_ERRORS,
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamDisconnected,
@@ -53,7 +57,6 @@ from proxy.upstream.conn import (
     UpstreamOverBudget,
     UpstreamPayloadError,
     UpstreamProtocolError,
-    UpstreamResponse,
     UpstreamResponseTooLarge,
     UpstreamTimeout,
 )
