@@ -4,9 +4,14 @@
 # The same image runs the simulated engines: docker run warmroute sim --host 0.0.0.0 --port 8001
 
 FROM python:3.11-slim AS build
+# gcc for the build stage only: setup.py compiles the per-chunk hot path with mypyc (which pip
+# brings); without a compiler the install would still succeed, as pure Python. The image below
+# copies the built venv and has no compiler.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/warmroute
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY proxy ./proxy
 COPY plugins ./plugins
 RUN /opt/warmroute/bin/pip install --no-cache-dir .

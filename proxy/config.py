@@ -34,6 +34,8 @@ ENV_PREFIX = "WARMROUTE_"
 OTHER_COMMANDS_ENV = tuple(ENV_PREFIX + p for p in ("SIM_", "BENCH_", "DEMO_", "TEST_", "CACHE"))
 # `warmroute doctor`'s admin token: a client's secret (the proxy holds only its SHA-256).
 CLIENT_ENV = frozenset({ENV_PREFIX + "ADMIN_TOKEN"})
+# The install's compiled hot path (setup.py, proxy/__init__.py): read there, not settings.
+BUILD_ENV = frozenset({ENV_PREFIX + "COMPILE", ENV_PREFIX + "PURE_PYTHON"})
 # auto: read off the backend's /metrics names (proxy/engines.py), openai if it has none.
 Engine = Literal["auto", "vllm", "sglang", "llamacpp", "openai"]
 Role = Literal["mixed", "prefill", "decode"]  # what a backend serves (docs/disaggregation.md)
@@ -683,7 +685,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     for raw_key, value in env.items():
         if not raw_key.startswith(ENV_PREFIX) or raw_key == ENV_PREFIX + "CONFIG":
             continue
-        if raw_key.startswith(OTHER_COMMANDS_ENV) or raw_key in CLIENT_ENV:
+        if raw_key.startswith(OTHER_COMMANDS_ENV) or raw_key in CLIENT_ENV | BUILD_ENV:
             continue
         name = raw_key[len(ENV_PREFIX) :].lower()
         if name in ("backend", "backends"):

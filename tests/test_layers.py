@@ -34,6 +34,9 @@ LEAVES = frozenset(
         "proxy.kvevents",
         "proxy.kvevents.wire",
         "proxy.kvevents.publisher",
+        # The compiled hot path's shared library (setup.py), loaded with proxy.sse or
+        # proxy.asgi where they run compiled: each module in it runs only when imported.
+        "proxy.hot_path__mypyc",
     }
 )
 STANDALONE = ("proxy.sim", "proxy.bench")

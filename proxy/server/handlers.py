@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import time
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from proxy import __version__, hot_path
 from proxy.asgi import BodyTooLarge, read_body
 from proxy.edge.access import AdminAccess, bearer
 from proxy.errors import RequestError, error_body
@@ -50,6 +52,7 @@ class Handlers:
             Route("/admin/route/explain", self.explain, methods=["POST"]),
             Route("/admin/routing", self.routing_info, methods=["GET"]),
             Route("/admin/disagg", self.disagg, methods=["GET"]),
+            Route("/admin/build", self.build, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
 
@@ -168,6 +171,17 @@ class Handlers:
 
     async def routing_info(self, request: Request) -> Response:
         return _json(self.state.routing.info())
+
+    async def build(self, request: Request) -> Response:
+        """What runs: the version, the interpreter, and whether the per-chunk hot path is
+        the compiled one (proxy.HOT_PATH; setup.py) or pure Python, and why."""
+        return _json(
+            {
+                "version": __version__,
+                "python": platform.python_version(),
+                "hot_path": hot_path(),
+            }
+        )
 
     async def disagg(self, request: Request) -> Response:
         """The prefill/decode decider: mode, active, pools, its window's inputs, why."""

@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import uvicorn
 
+from proxy import hot_path
 from proxy.config import Config, ConfigError, load_config, telemetry_sources
 from proxy.edge.limits import (
     LimitedHttpToolsProtocol,
@@ -370,6 +371,14 @@ def supervisor_class() -> Any:
     return FleetReloadingSupervisor
 
 
+def hot_path_line() -> str:
+    """Which per-chunk hot path runs (proxy.HOT_PATH): the compiled one, or pure Python."""
+    impl = hot_path()
+    if impl["implementation"] == "compiled":
+        return "hot path: compiled (mypyc)"
+    return f"hot path: pure Python ({impl['why']})"
+
+
 def _has(module: str) -> bool:
     import importlib.util
 
@@ -438,6 +447,7 @@ def run(args: argparse.Namespace) -> int:
         )
     # After the sockets: a start that fails (a port in use) says so in one line, alone.
     logging.getLogger("warmroute").info("%s", telemetry_line(config.telemetry, settings))
+    logging.getLogger("warmroute").info("%s", hot_path_line())
     if config.server.workers > 1:
         supervisor = supervisor_class()
         if "target" in inspect.signature(supervisor.__init__).parameters:  # uvicorn < 0.36
