@@ -357,6 +357,7 @@ class _Replay:
             fleet.router.observe(
                 o.decision, fleet.names[i], r.prompt_tokens, r.cached_tokens, r.ttft
             )
+            fleet.router.finished(o.decision)  # prefilled (the proxy's first byte)
             if self.on_first_token is not None:
                 self.on_first_token(fleet, i, r)
         else:
@@ -369,7 +370,7 @@ class _Replay:
             return
         del self.open[out.seq.seq_id]
         fleet.inflight[i] -= 1
-        fleet.router.finished(o.decision)  # (as the proxy's forwarder does at a request's end)
+        fleet.router.finished(o.decision)  # (a no-op after the first token: as the proxy does)
         r.ok, r.e2e, r.finish_reason = True, now - o.start, out.finish_reason
         r.completion_tokens = r.output_chunks
         if self.on_finish is not None:
