@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 import proxy
+from proxy.config import load_config
 from proxy.server.serve import hot_path_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,6 +112,13 @@ def test_the_sources_run_when_asked_edited_or_not_compiled(tmp_path: Path) -> No
     bare = tmp_path / "bare"
     _package(bare, compiled=False)
     assert _choice(bare) == ("pure sources", "not compiled")
+
+
+def test_the_build_switches_are_not_taken_for_settings() -> None:
+    """The proxy refuses a WARMROUTE_ variable that is not a setting; these two are the
+    install's, and a shell that exported them still starts it."""
+    env = {"WARMROUTE_COMPILE": "0", "WARMROUTE_PURE_PYTHON": "1"}
+    assert load_config(flags={"backends": ["http://127.0.0.1:9"]}, env=env).server.port
 
 
 @pytest.mark.e2e
