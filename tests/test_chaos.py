@@ -344,7 +344,9 @@ async def test_a_backend_sigkilled_mid_stream_costs_only_its_streams_and_nothing
     running: list[int] = []
 
     def kill() -> None:
-        deadline = time.monotonic() + 5
+        # Until two streams run there (at once, usually; on a loaded machine the load's first
+        # requests can take seconds to reach it: once, in a full CI run, none had in 5 s).
+        deadline = time.monotonic() + 20
         while victim.stats()["running"] < 2 and time.monotonic() < deadline:
             time.sleep(0.02)  # another process: nothing to wait on but its answer
         running.append(victim.stats()["running"])
