@@ -52,7 +52,7 @@ from proxy.forwarding.relay import Relay, internal_error, respond
 from proxy.forwarding.retry import RetryPolicy
 from proxy.forwarding.state import Fleet, Recorder, RequestRouting, UpstreamClient, start_record
 from proxy.redact import quote, sane_request_id
-from proxy.routing.types import Decision, RouteContext
+from proxy.routing.types import Decision, PromptUnreadable, RouteContext
 
 if TYPE_CHECKING:
     from proxy.fleet.reconciler import Reconciler as Membership
@@ -177,8 +177,7 @@ class ProxyEndpoint:
         )
         try:
             decision = await self.fw.steering.route(ctx)
-        except (ValueError, TypeError, OverflowError, RecursionError) as e:
-            # Routing reads the prompt (hashing, tokens): what it cannot read is the client's.
+        except PromptUnreadable as e:
             why = quote(str(e))
             log.info("request %s rejected (400): routing could not read it: %s", ex.request_id, why)
             await respond(

@@ -25,6 +25,7 @@ from pydantic import Field
 
 from proxy.routing.backlog import PrefillBacklog
 from proxy.routing.capacity import CapacityLearner, Outcome
+from proxy.routing.fallback import fallback_decision
 from proxy.routing.fleet import Fleet, FleetCache
 from proxy.routing.index import DEFAULT_CAPACITY_BLOCKS, DEFAULT_TTL_S, PrefixIndex
 from proxy.routing.learn import DEFAULT_PREFILL_TOKENS_PER_S, PrefillLearner
@@ -38,6 +39,7 @@ from proxy.routing.types import (
     Decision,
     PluginSettings,
     Policy,
+    PromptUnreadable,
     Recorded,
     RouteContext,
     Scores,
@@ -51,6 +53,7 @@ log = logging.getLogger("warmroute.routing")
 # run is run at the start of the next one: requests that arrive together are decided one
 # after another before the loop runs it, and a caller may never let the loop run.
 UPKEEP_OVERDUE = 8
+FAILURE_LOG_EVERY_S = 10.0  # a failing router logs (with the traceback) at most this often
 
 
 class FirstPlacements(Protocol):
@@ -128,6 +131,9 @@ class Router:
         self.placement = placement
         self.upkeep_later = 0  # times placement upkeep was left for after a decision (_later)
         self.upkeep_overdue = 0  # times it ran at a later decision's start instead
+        self.failures = 0  # decisions that failed and fell back (route)
+        self.last_failure = ""
+        self._failure_logged_at = float("-inf")
         self._upkeep: list[Callable[[], object]] = []
         self._upkeep_since = 0  # the decision count when the oldest upkeep left was left
         self._decisions = 0
@@ -163,7 +169,34 @@ class Router:
     async def route(
         self, ctx: RouteContext, backends: Sequence[BackendView], *, record: bool = True
     ) -> Decision:
-        """Decide; `record=False` is a dry run (explain) that leaves the index untouched."""
+        """Decide; `record=False` is a dry run (explain) that leaves the index untouched. A
+        prompt it cannot read raises PromptUnreadable (the client's fault); any other error is
+        the router's own: logged, counted (`failures`), and the request goes where
+        fallback_decision sends it, so that a bug in a policy does not fail every request."""
+        try:
+            return await self._route(ctx, backends, record)
+        except PromptUnreadable:
+            raise
+        except Exception as e:
+            self.failures += 1
+            why = f"{type(e).__name__}: {e}"
+            self.last_failure = why
+            now = time.monotonic()
+            if now - self._failure_logged_at >= FAILURE_LOG_EVERY_S:
+                self._failure_logged_at = now
+                log.error(
+                    "routing failed for request %s (%d failure(s) so far; the request goes to "
+                    "the least loaded backend the filters keep): %s",
+                    ctx.request_id,
+                    self.failures,
+                    why,
+                    exc_info=e,
+                )
+            return fallback_decision(self.policy.filters, ctx, backends, type(e).__name__)
+
+    async def _route(
+        self, ctx: RouteContext, backends: Sequence[BackendView], record: bool
+    ) -> Decision:
         started = time.perf_counter()
         self._decisions += 1
         if self._upkeep and self._decisions - self._upkeep_since > UPKEEP_OVERDUE:
@@ -216,7 +249,10 @@ class Router:
         """Fill ctx's prefix (hashing the prompt) and its matches (every candidate, zero for
         most); returns the candidates that match any of it, and how much."""
         if not ctx.prefix_blocks:
-            key = self.hasher.key(ctx.model, ctx.api, ctx.body)
+            try:
+                key = self.hasher.key(ctx.model, ctx.api, ctx.body)
+            except (ValueError, TypeError, OverflowError, RecursionError) as e:
+                raise PromptUnreadable(str(e)) from e
             ctx.prefix_blocks = key.blocks
             ctx.prompt_chars = key.chars
             ctx.block_chars = key.block_chars
@@ -484,6 +520,7 @@ class Router:
         """Per backend, the learned cache and how well the index predicts it; the placement of
         the hottest prefixes (for /admin/routing)."""
         out: dict[str, Any] = {
+            "failures": {"count": self.failures, "last": self.last_failure},
             "learn_capacity": self.learn_capacity,
             "backends": self.capacity.snapshot(),
         }

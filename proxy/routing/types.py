@@ -32,6 +32,12 @@ class PluginSettings(BaseModel):
         return cls.model_validate({k: v for k, v in (block or {}).items() if k in fields})
 
 
+class PromptUnreadable(ValueError):
+    """Routing could not read the request's prompt (rendering, hashing, its token ids): the
+    client's request is at fault, and gets a 400 that says what could not be read. Any other
+    error in a decision is the router's own (Router.route falls back, and logs it)."""
+
+
 class Verdict(StrEnum):
     """Why a filter set a backend aside. What is decided from a drop — a 429 when every
     backend is at its in-flight bound rather than a 503, the P/D flows taking back the

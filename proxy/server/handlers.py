@@ -18,7 +18,7 @@ from proxy.errors import RequestError, error_body
 from proxy.forwarding.intake import too_large
 from proxy.forwarding.validate import PROMPT_FIELD, validate
 from proxy.redact import redact_text, redact_url
-from proxy.routing.types import RouteContext
+from proxy.routing.types import PromptUnreadable, RouteContext
 
 if TYPE_CHECKING:
     from proxy.forwarding.state import AppState
@@ -154,7 +154,14 @@ class Handlers:
             now=time.monotonic(),
             session_key=request.headers.get("x-session-id") or body.get("user"),
         )
-        decision = await self.state.router.route(ctx, self.state.views(), record=False)
+        try:
+            decision = await self.state.router.route(ctx, self.state.views(), record=False)
+        except PromptUnreadable as e:
+            return Response(
+                error_body(f"The request could not be read: {e}.", code="invalid_request"),
+                400,
+                media_type="application/json",
+            )
         out = decision.as_dict()
         out["candidates"] = [
             {
