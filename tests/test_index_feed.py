@@ -4,6 +4,7 @@ not (a lost entry, an unreadable one, an outage, too many disagreements)."""
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import AsyncIterator, Iterator
 
@@ -12,7 +13,7 @@ import redis
 
 from proxy.routing import index_feed
 from proxy.routing.index import RedisPrefixIndex, open_redis
-from proxy.routing.index_feed import CHECK_EVERY, WINDOW, Feed, decode
+from proxy.routing.index_feed import CHECK_EVERY, WINDOW, Feed, decode, encode
 from tests.routing_support import SHARED_URL, delete_prefix, unique_prefix, until
 
 FLEET = ("b0", "b1", "b2", "b3")
@@ -29,19 +30,15 @@ KEY = "wr:{wr:pfx}:"  # a backend's ZSET key is this and its name
 
 def _entry(writer: bytes, seq: int, records: list[tuple[str, float, int, list[int]]]) -> dict:
     """An entry's fields as the record script writes them and redis-py reads them back."""
-    f: dict[bytes, bytes] = {b"v": b"1", b"w": writer, b"s": b"%d" % seq}
-    f[b"n"] = b"%d" % len(records)
-    for j, (name, ts, first, blocks) in enumerate(records, 1):
-        f[b"k%d" % j] = (KEY + name).encode()
-        f[b"t%d" % j] = repr(ts).encode()
-        f[b"f%d" % j] = b"%d" % first
-        f[b"b%d" % j] = _packed(blocks)
-    return f
+    return encode(
+        writer, seq, [(KEY + name, ts, first, blocks) for name, ts, first, blocks in records]
+    )
 
 
 def test_an_entry_reads_back_as_written() -> None:
     writer = b"w" * 16
     fields = _entry(writer, 7, [("b0", 12.5, 0, [1, 2**64 - 1]), ("é", 3.0, 4, [])])
+    assert set(fields) == {b"v", b"d"}  # one string for the whole batch
     got_writer, seq, records = decode(fields, len(KEY))
     assert (got_writer, seq) == (writer, 7)
     assert [(r.backend, r.ts, r.first, list(r.blocks)) for r in records] == [
@@ -52,9 +49,22 @@ def test_an_entry_reads_back_as_written() -> None:
 
 def _broken() -> list[dict]:
     good = _entry(b"w" * 16, 1, [("b0", 1.0, 0, [1, 2])])
-    cases = [{}, {**good, b"v": b"2"}, {**good, b"n": b"2"}, {**good, b"b1": b"\x01" * 9}]
-    cases.append({k: v for k, v in good.items() if k != b"w"})
-    return cases
+    d = good[b"d"]
+    head = 1 + 16 + 8  # the writer's length and id, its number and the records'
+    v1 = {b"v": b"1", b"w": b"w" * 16, b"s": b"1", b"n": b"1", b"k1": (KEY + "b0").encode()}
+    v1 |= {b"t1": b"1.0", b"f1": b"0", b"b1": _packed([1, 2])}  # (an older replica's)
+    one_byte_more = struct.pack("<dIII", 1.0, 0, len(KEY) + 2, 17)
+    return [
+        {},
+        v1,
+        {**good, b"v": b"1"},
+        {b"v": b"2"},
+        {**good, b"d": b"\x00" + d[17:]},  # no writer
+        {**good, b"d": d[:head]},  # its record missing
+        {**good, b"d": d[:-1]},  # cut short
+        {**good, b"d": d + b"\x00"},  # past its records
+        {**good, b"d": d[:head] + one_byte_more + (KEY + "b0").encode() + b"\x01" * 17},
+    ]
 
 
 @pytest.mark.parametrize("fields", _broken())
@@ -283,3 +293,20 @@ async def test_a_forgotten_backends_records_in_flight_do_not_bring_it_back(
     await a.flush()
     await b.pull_feed()
     assert b.local.occupancy("gone") == len(OTHER)
+
+
+@pytest.mark.redis
+async def test_the_record_scripts_entry_is_the_batch_exactly(
+    pair: tuple[RedisPrefixIndex, RedisPrefixIndex],
+) -> None:
+    a, b = pair
+    a.record("b0", PROMPT)
+    a.record("é", OTHER)
+    a.record("b0", [*PROMPT, 2**64 - 1])  # only its last block is new
+    sent = [(name, ts, first, list(blocks)) for name, blocks, ts, first in a._pending]
+    await a.flush()
+    [(_, fields)] = redis.Redis.from_url(SHARED_URL).xrange(a.feed_key())
+    writer, seq, records = decode(fields, b._name_at - 1)
+    assert (writer, seq) == (a.feed.writer, 1)
+    assert [(r.backend, r.ts, r.first, list(r.blocks)) for r in records] == sent
+    assert sent[2][2:] == (6, [2**64 - 1])

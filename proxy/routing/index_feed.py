@@ -2,9 +2,16 @@
 
 Every batch a replica writes to the shared index (index_redis.py) is appended, by the same
 script call, to one Redis stream as a single entry (index_lua.py builds it from the call's own
-arguments): fields `v` (the format, 1), `w` (the writer's id), `s` (its number for this call),
-`n` (records), then per record j from 1: `kj` (the backend's ZSET key), `tj` (its time, a
-score), `fj` (index of its first block in the prompt), `bj` (its block hashes, 8 bytes each).
+arguments) of two fields: `v`, the format (FEED_VERSION), and `d`, the whole batch packed in
+one string, little-endian: the writer's id (its length in one byte, then the id), its number
+for this call and the number of records (4 bytes each), then per record its time (a score, an
+8-byte double), the index of its first block in the prompt, the length of the backend's ZSET
+key and of its blocks (4 bytes each), the key, and the block hashes (8 bytes each). One field
+where format 1 had four a record: a reader's client parses two strings an entry instead of
+dozens, and the reader finds the writer, and skips its own entries, without reading the
+records. A replica of another format (a rolling upgrade) cannot read these entries, nor this
+one its: each counts as unreadable, and its copy answers no lookups (round trips to Redis,
+routing unchanged) until every replica writes this format.
 Each replica reads the stream and applies the other replicas' records to its copy, so the copy
 holds what Redis holds, moments later, and a lookup needs no round trip.
 
@@ -22,13 +29,14 @@ This module is pure: the entry format and the bookkeeping. The reading is index_
 
 from __future__ import annotations
 
+import struct
 import uuid
 from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-FEED_VERSION = 1
+FEED_VERSION = 2  # (index_lua.py's record script writes it: change both)
 # Entries the stream keeps (approximately: MAXLEN ~). A reader further behind than this loses
 # entries, sees a writer's numbers skip, and goes back to round trips until the copy agrees again.
 # Redis holds ~22 bytes a block in an entry: at most ~23 MB for 2,048 entries of a full write
@@ -55,34 +63,66 @@ class Record(NamedTuple):
     blocks: Sequence[int]
 
 
+_VERSION = str(FEED_VERSION).encode()
+_COUNTS = struct.Struct("<II")  # the writer's number for the call, records
+_RECORD = struct.Struct("<dIII")  # time, first block, key length, blocks' length (bytes)
+
+
+def encode(
+    writer: bytes, seq: int, records: Sequence[tuple[str | bytes, float, int, Sequence[int]]]
+) -> dict[bytes, bytes]:
+    """An entry's fields as the record script writes them (records: ZSET key, time, first
+    block, block hashes) and a Redis client returns them; for tests and tools."""
+    parts = [bytes([len(writer)]), writer, _COUNTS.pack(seq, len(records))]
+    for key, ts, first, blocks in records:
+        k = key.encode() if isinstance(key, str) else key
+        packed = array("Q", blocks).tobytes()
+        parts += [_RECORD.pack(ts, first, len(k), len(packed)), k, packed]
+    return {b"v": _VERSION, b"d": b"".join(parts)}
+
+
 def decode(fields: Mapping[Any, Any], name_from: int) -> tuple[bytes, int, list[Record]]:
     """(writer, seq, records) of an entry's fields as a Redis client returns them (names and
     values as bytes); a record's backend is its key from `name_from` on. ValueError for
     anything that is not an entry of this format."""
-    f = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in fields.items()}
+    writer, seq, n, data, at = _head(fields)
+    return writer, seq, _records(data, at, n, name_from)
 
-    def text(name: str) -> str:
-        v = f.get(name)
-        if v is None:
-            raise ValueError(f"feed entry without field {name!r}")
-        return v.decode() if isinstance(v, bytes) else str(v)
 
-    if text("v") != str(FEED_VERSION):
-        raise ValueError(f"feed entry of format {text('v')!r}, not {FEED_VERSION}")
-    writer = f.get("w")
-    if not isinstance(writer, bytes):
+def _head(fields: Mapping[Any, Any]) -> tuple[bytes, int, int, bytes, int]:
+    """(writer, seq, records, the packed batch, where its first record starts)."""
+    version = fields.get(b"v")
+    if version != _VERSION:
+        raise ValueError(f"feed entry of format {version!r}, not {FEED_VERSION}")
+    data = fields.get(b"d")
+    if not isinstance(data, bytes) or not data:
+        raise ValueError("feed entry without its records")
+    at = data[0] + 1
+    writer = data[1:at]
+    if not writer or len(data) < at + _COUNTS.size:
         raise ValueError("feed entry without a writer")
-    seq, n = int(text("s")), int(text("n"))
+    seq, n = _COUNTS.unpack_from(data, at)
+    return writer, seq, n, data, at + _COUNTS.size
+
+
+def _records(data: bytes, at: int, n: int, name_from: int) -> list[Record]:
     records = []
+    end, size, unpack = len(data), _RECORD.size, _RECORD.unpack_from
     for j in range(1, n + 1):
-        packed = f.get(f"b{j}")
-        if not isinstance(packed, bytes) or len(packed) % 8:
+        if at + size > end:
+            raise ValueError(f"feed entry's record {j} is cut short")
+        ts, first, key_len, blocks_len = unpack(data, at)
+        at += size + key_len
+        if blocks_len % 8 or at + blocks_len > end:
             raise ValueError(f"feed entry's record {j} has no whole block hashes")
         blocks = array("Q")
-        blocks.frombytes(packed)
-        records.append(Record(text(f"k{j}")[name_from:], float(text(f"t{j}")),
-                              int(text(f"f{j}")), blocks))  # fmt: skip
-    return writer, seq, records
+        blocks.frombytes(data[at : at + blocks_len])
+        key = data[at - key_len : at]
+        records.append(Record(key[name_from:].decode(), ts, first, blocks))
+        at += blocks_len
+    if at != end:
+        raise ValueError(f"feed entry has {end - at} bytes past its {n} records")
+    return records
 
 
 def new_writer_id() -> bytes:
@@ -96,6 +136,8 @@ class Feed:
 
     def __init__(self, writer: bytes | None = None) -> None:
         self.writer = writer or new_writer_id()
+        if len(self.writer) > 255:
+            raise ValueError("a feed writer's id is at most 255 bytes")
         self.position: str | None = None  # the last stream entry read (None: not yet read)
         self._sent = 0
         self._seen: dict[bytes, int] = {}  # writer -> its last sequence number read
@@ -126,13 +168,14 @@ class Feed:
         """An entry read from the stream: the records to apply (none of this replica's own)."""
         self.position = entry_id
         try:
-            writer, seq, records = decode(fields, name_from)
+            writer, seq, n, data, at = _head(fields)
+            if writer == self.writer:  # (its records are not even read)
+                self.counters["own_entries"] += 1
+                return []
+            records = _records(data, at, n, name_from)
         except (ValueError, TypeError, UnicodeDecodeError) as e:
             self.counters["malformed"] += 1
             self.distrust(f"unreadable feed entry {entry_id}: {e}")
-            return []
-        if writer == self.writer:
-            self.counters["own_entries"] += 1
             return []
         last = self._seen.get(writer)
         self._seen[writer] = seq

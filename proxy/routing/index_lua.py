@@ -69,7 +69,8 @@ return out
 # %.17g: Lua's default number-to-string keeps 14 digits, too few. After the records, optionally
 # (the feed, index_feed.py): the writer's id, the feed's length to keep and the writer's number
 # for this call; the call's records are then appended, in this same call, as one entry of the
-# stream that is the last of KEYS (the blocks sent once, not packed again by the writer).
+# stream that is the last of KEYS (the blocks sent once, not packed again by the writer), in
+# index_feed.py's format 2: fields v (2) and d (the batch, packed with Lua's struct library).
 # Returns, flat, each written ZSET's key and the blocks it holds after trimming (what every
 # replica recorded there).
 RECORD_LUA = """
@@ -99,19 +100,17 @@ end
 local at = 5 + records * 5
 local writer = ARGV[at + 1]
 if writer and #writer > 0 then
-  local f = {'v', '1', 'w', writer, 's', ARGV[at + 3], 'n', ARGV[4]}
+  local seq = tonumber(ARGV[at + 3])
+  local d = {struct.pack('<B', #writer), writer, struct.pack('<I4I4', seq, records)}
   for j = 1, records do
     local base = 5 + (j - 1) * 5
-    f[#f + 1] = 'k' .. j
-    f[#f + 1] = KEYS[j]
-    f[#f + 1] = 't' .. j
-    f[#f + 1] = ARGV[base + 2]
-    f[#f + 1] = 'f' .. j
-    f[#f + 1] = ARGV[base + 3]
-    f[#f + 1] = 'b' .. j
-    f[#f + 1] = ARGV[base + 1]
+    local blob = ARGV[base + 1]
+    local ts, first = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+    d[#d + 1] = struct.pack('<dI4I4I4', ts, first, #KEYS[j], #blob)
+    d[#d + 1] = KEYS[j]
+    d[#d + 1] = blob
   end
-  redis.call('XADD', KEYS[#KEYS], 'MAXLEN', '~', ARGV[at + 2], '*', unpack(f))
+  redis.call('XADD', KEYS[#KEYS], 'MAXLEN', '~', ARGV[at + 2], '*', 'v', '2', 'd', table.concat(d))
   redis.call('PEXPIRE', KEYS[#KEYS], head_ttl)
 end
 local held = {}
