@@ -310,3 +310,34 @@ async def test_the_record_scripts_entry_is_the_batch_exactly(
     assert (writer, seq) == (a.feed.writer, 1)
     assert [(r.backend, r.ts, r.first, list(r.blocks)) for r in records] == sent
     assert sent[2][2:] == (6, [2**64 - 1])
+
+
+def test_an_entry_read_twice_is_applied_once() -> None:
+    feed, other = Feed(), b"o" * 16
+    assert feed.read_from() == ""  # the reader reads first, from the stream's oldest entry
+    entry = _entry(other, 1, [("b0", 1.0, 0, [1])])
+    assert len(feed.read("5-3", entry, len(KEY))) == 1 and feed.read_from() == "5-4"
+    flat = [x for pair in entry.items() for x in pair]  # as XRANGE returns it in a script
+    assert feed.read("5-3", flat, len(KEY)) == [] and feed.read("4-9", entry, len(KEY)) == []
+    assert feed.counters["read_twice"] == 2 and feed.counters["gaps"] == 0
+    assert len(feed.read("6-0", _entry(other, 2, [("b1", 2.0, 0, [2])]), len(KEY))) == 1
+    assert feed.position == "6-0" and feed.counters["entries"] == 2
+
+
+@pytest.mark.redis
+async def test_a_write_reads_the_feed_with_it(
+    pair: tuple[RedisPrefixIndex, RedisPrefixIndex],
+) -> None:
+    a, b = pair
+    b.reads_with_writes = True  # (as start() sets it when its reader runs)
+    b.record("b1", OTHER)
+    await b.flush()  # not read yet: the reader's first read takes the history
+    assert b.counters["writes_read"] == 0 and await b.pull_feed() == 0
+    a.record("b0", PROMPT)
+    await a.flush()
+    b.record("b2", OTHER)
+    await b.flush()  # a's entry comes back with b's write, then b's own
+    assert b.counters["writes_read"] == 1
+    assert b.local.holders_now(PROMPT, FLEET) == {"b0": 6}
+    assert b.feed.counters["entries"] == 1 and b.feed.counters["own_entries"] == 2
+    assert await b.pull_feed() == 0 and b.feed.counters["read_twice"] == 0

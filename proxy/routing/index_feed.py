@@ -12,8 +12,13 @@ dozens, and the reader finds the writer, and skips its own entries, without read
 records. A replica of another format (a rolling upgrade) cannot read these entries, nor this
 one its: each counts as unreadable, and its copy answers no lookups (round trips to Redis,
 routing unchanged) until every replica writes this format.
+
 Each replica reads the stream and applies the other replicas' records to its copy, so the copy
-holds what Redis holds, moments later, and a lookup needs no round trip.
+holds what Redis holds, moments later, and a lookup needs no round trip. Its writes read too:
+the record script returns the entries after the last one this replica read, and its reader
+calls XREAD itself only after FEED_GATHER_S without such a write (an idle replica, or one
+whose records were all written lately). Either read may bring entries the other applied
+already; each entry is applied once, in the stream's order.
 
 The copy is trusted to answer only while it is shown to agree with Redis: a replica compares
 its lookups' answers from Redis with its copy's (and repairs the copy where Redis knows more)
@@ -139,6 +144,7 @@ class Feed:
         if len(self.writer) > 255:
             raise ValueError("a feed writer's id is at most 255 bytes")
         self.position: str | None = None  # the last stream entry read (None: not yet read)
+        self._at: tuple[int, int] = (-1, -1)  # ... as numbers, to order the entries read
         self._sent = 0
         self._seen: dict[bytes, int] = {}  # writer -> its last sequence number read
         self._window: deque[bool] = deque(maxlen=WINDOW)  # True: that comparison found stale
@@ -150,6 +156,7 @@ class Feed:
             "entries": 0,  # other writers' entries applied
             "records": 0,
             "own_entries": 0,
+            "read_twice": 0,  # entries both a write's read and the reader's brought
             "gaps": 0,  # a writer's numbers skipped
             "malformed": 0,
             "comparisons": 0,
@@ -160,13 +167,31 @@ class Feed:
             "distrusted_times": 0,
         }
 
+    def read_from(self) -> str:
+        """The first stream id the next read can find (XRANGE's start, inclusive); "" before
+        the first read, which the reader makes (from the stream's oldest entry)."""
+        return f"{self._at[0]}-{self._at[1] + 1}" if self.position is not None else ""
+
     def next_seq(self) -> int:
         self._sent += 1
         return self._sent
 
-    def read(self, entry_id: str, fields: Mapping[Any, Any], name_from: int) -> list[Record]:
-        """An entry read from the stream: the records to apply (none of this replica's own)."""
-        self.position = entry_id
+    def read(
+        self, entry_id: str, fields: Mapping[Any, Any] | Sequence[Any], name_from: int
+    ) -> list[Record]:
+        """An entry read from the stream: the records to apply (none of this replica's own,
+        nor of an entry read already: the reads that come with the writes and the reader's own
+        may overlap, and each entry is applied once, in the stream's order). Fields as a
+        mapping (XREAD's) or flat, names and values in turn (XRANGE's in a script)."""
+        ms, _, sub = entry_id.partition("-")
+        order = (int(ms), int(sub or 0))
+        if order <= self._at:
+            self.counters["read_twice"] += 1
+            return []
+        self.position, self._at = entry_id, order
+        if not isinstance(fields, Mapping):
+            pairs = iter(fields)
+            fields = dict(zip(pairs, pairs, strict=False))
         try:
             writer, seq, n, data, at = _head(fields)
             if writer == self.writer:  # (its records are not even read)

@@ -71,8 +71,10 @@ return out
 # for this call; the call's records are then appended, in this same call, as one entry of the
 # stream that is the last of KEYS (the blocks sent once, not packed again by the writer), in
 # index_feed.py's format 2: fields v (2) and d (the batch, packed with Lua's struct library).
+# Then, optionally, the id to read the stream from and how many entries at most: the writer
+# reads the feed with its write (a call it makes anyway), and its reader need not.
 # Returns, flat, each written ZSET's key and the blocks it holds after trimming (what every
-# replica recorded there).
+# replica recorded there); when asked to read, then the entries read, as XRANGE returns them.
 RECORD_LUA = """
 local step, ttl, oldest = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local records, head_ttl = tonumber(ARGV[4]), ARGV[5]
@@ -120,6 +122,10 @@ for key, cap in pairs(caps) do
   redis.call('PEXPIRE', key, ttl)
   held[#held + 1] = key
   held[#held + 1] = redis.call('ZCARD', key)
+end
+local from = ARGV[at + 4]
+if from and #from > 0 then
+  held[#held + 1] = redis.call('XRANGE', KEYS[#KEYS], from, '+', 'COUNT', ARGV[at + 5])
 end
 return held
 """

@@ -127,24 +127,17 @@ class RedisPrefixIndex:
         self.feed = Feed()
         self.local_lookups = local_lookups
         self._reader: asyncio.Task[None] | None = None
+        self.reads_with_writes = False  # each write reads the feed too (writes_read; start())
         self._checking: asyncio.Task[None] | None = None
         # Backend -> when this replica forgot it (a score): the feed's older records for it,
         # still in flight from other replicas, must not bring it back into the copy.
         self._forgot_at: dict[str, float] = {}
-        self.counters = {
-            "lookups": 0,
-            "fallback_lookups": 0,
-            "lookup_errors": 0,
-            "lookup_timeouts": 0,
-            "records": 0,
-            "writes": 0,
-            "write_errors": 0,
-            "dropped_records": 0,
-            "outages": 0,
-            "reconnects": 0,
-            "reseeded_backends": 0,
-            "copy_lookups": 0,  # answered from the local copy, Redis up (see index_feed.py)
-        }
+        self.counters = dict.fromkeys(
+            "lookups fallback_lookups lookup_errors lookup_timeouts records writes write_errors "
+            "dropped_records outages reconnects reseeded_backends writes_read "
+            "copy_lookups".split(),  # (answered from the local copy, Redis up: index_feed.py)
+            0,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -163,6 +156,7 @@ class RedisPrefixIndex:
             self._flusher = asyncio.create_task(self._flush_loop(), name="prefix-index-flush")
         if self.local_lookups and self._reader is None:
             self._reader = asyncio.create_task(self._read_loop(), name="prefix-index-feed")
+            self.reads_with_writes = True
 
     @property
     def _slow_s(self) -> float:
@@ -409,21 +403,24 @@ class RedisPrefixIndex:
         reply = await self.client.xread(
             {key: self.feed.position or "0-0"}, count=FEED_COUNT, block=block_ms
         )
+        return self._apply([e for _, entries in reply or () for e in entries])
+
+    def _apply(self, entries: Sequence[Sequence[Any]]) -> int:
+        """Entries read from the feed, (id, fields): the others' records go into the copy."""
         applied, trusted = 0, self.feed.trusted
         now = self.local.clock()
         oldest = now - SCORE_EPOCH - self.ttl_s
-        for _, entries in reply or ():
-            for entry_id, fields in entries:
-                eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-                for rec in self.feed.read(eid, fields, self._name_at - 1):
-                    gone = self._forgot_at.get(rec.backend)
-                    if gone is not None and rec.ts <= gone:
-                        continue  # written before this replica forgot the backend
-                    if rec.ts >= oldest and rec.blocks:
-                        # As of now, when this replica learns it: the writer's clock may differ
-                        # from ours, and a copy out of time order is searched backend by backend.
-                        self.local.record_now(rec.backend, rec.blocks, now, first=rec.first)
-                        applied += 1
+        for entry_id, fields in entries:
+            eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            for rec in self.feed.read(eid, fields, self._name_at - 1):
+                gone = self._forgot_at.get(rec.backend)
+                if gone is not None and rec.ts <= gone:
+                    continue  # written before this replica forgot the backend
+                if rec.ts >= oldest and rec.blocks:
+                    # As of now, when this replica learns it: the writer's clock may differ
+                    # from ours, and a copy out of time order is searched backend by backend.
+                    self.local.record_now(rec.backend, rec.blocks, now, first=rec.first)
+                    applied += 1
         if trusted and not self.feed.trusted:
             log.warning("prefix index: lookups go to Redis again: %s", self.feed.why)
         return applied
@@ -438,7 +435,9 @@ class RedisPrefixIndex:
                 position = self.feed.position
                 await self.pull_feed(FEED_BLOCK_MS)
                 delay = self.reconnect_min_s
-                if self.feed.position != position:
+                seen = -1
+                while self.feed.position != position and seen != self.counters["writes_read"]:
+                    seen = self.counters["writes_read"]  # (again while the writes read the feed)
                     await asyncio.sleep(FEED_GATHER_S)
             except REDIS_DOWN_ERRORS as e:
                 _reraise_if_cancelled()
@@ -496,10 +495,16 @@ class RedisPrefixIndex:
                         args += [pack_blocks(blocks), repr(ts), first, cap, at]
                     # The same call appends the batch to the feed: the other replicas' copies
                     # learn exactly what Redis now holds, in the order Redis wrote it.
-                    args += [self.feed.writer, FEED_MAXLEN, self.feed.next_seq()]
+                    # ... and reads what the others appended since this replica's last read:
+                    # the call is made anyway, and the reader's own call is then saved.
+                    start = self.feed.read_from() if self.reads_with_writes else ""
+                    args += [self.feed.writer, FEED_MAXLEN, self.feed.next_seq(), start]
                     keys += [*heads, self.feed_key()]
-                    held = await self._record_script(keys=keys, args=args)
+                    held = await self._record_script(keys=keys, args=[*args, FEED_COUNT])
                     done = i + len(chunk)
+                    if start:
+                        self.counters["writes_read"] += 1
+                        self._apply(held.pop())
                     self._held.update(reply_pairs(held, self._name_at - 1))
             self.counters["writes"] += 1
         except REDIS_DOWN_ERRORS as e:
