@@ -18,7 +18,8 @@
 #   RESTART_AT=3 BALANCER=nginx deploy/perf/scale_out.sh   # replica 1 restarted 3 s into a run
 #
 # Prints one line per run (hit ratio, of the first 50 requests too and, in runs of 2,000 or
-# more, of the worst 1,000 in a row after the first 1,000; TTFT p50/p99; the replicas' CPU per
+# more, of the worst 1,000 in a row after the first 1,000; TTFT p50/p99, and the p99 of the
+# steady seconds: after the first, outside RESTART_AT - 1 to + 3; the replicas' CPU per
 # request, all replicas together, during the load, not counting a restarted replica's CPU
 # before its stop; requests sent away from their homes (spills); with several replicas, on how many of the
 # hot prompts their placements agree at the end, and the spread of their learned capacities;
@@ -171,7 +172,8 @@ bench() {  # label, proxy count
     rm -f "$OUT/restarted.pid"
   fi
   local cpu_s; cpu_s=$(( $(proxy_cpu "$count") - cpu0 ))
-  python - "$OUT/$label-s$seed-r$pass.json" "$label" "$seed" "$pass" "$cpu_s" "$(getconf CLK_TCK)" <<'EOF'
+  python - "$OUT/$label-s$seed-r$pass.json" "$label" "$seed" "$pass" "$cpu_s" "$(getconf CLK_TCK)" \
+    "${RESTART_AT:-}" <<'EOF'
 import json, sys
 run = json.load(open(sys.argv[1]))
 r = run.get("runs", [run])[0]
@@ -188,10 +190,17 @@ hits = [((q.get("cached_tokens") or 0), (q.get("prompt_tokens") or 0)) for q in 
 worst = min((sum(h[0] for h in hits[i:i + 1000]) / max(sum(h[1] for h in hits[i:i + 1000]), 1)
              for i in range(0, max(len(hits) - 999, 1), 100)), default=0.0)
 cpu_ms = int(sys.argv[5]) / int(sys.argv[6]) * 1000 / max(len(r["requests"]), 1)
+# Steady: requests sent after the first second (cold caches, a first placement) and outside
+# the seconds around a restart (RESTART_AT - 1 to + 3), the same seconds left out of every run.
+at = float(sys.argv[7]) if sys.argv[7] else None
+steady = sorted(q["ttft"] for q in ok if q.get("ttft") is not None and q["start"] >= 1
+                and (at is None or not at - 1 <= q["start"] < at + 3))
+sp99 = steady[min(len(steady) - 1, int(0.99 * len(steady)))] * 1000 if steady else float("nan")
 print(f"seed {sys.argv[3]} run {sys.argv[4]}  {sys.argv[2]:<18} ok {len(ok)}/{len(r['requests'])}"
       f"  hit {c / max(p, 1):6.1%} (first 50 {c50 / max(p50, 1):5.1%}"
       f"{f', worst 1k {worst:5.1%}' if len(ok) >= 2000 else ''})"
-      f"  TTFT p50 {pct(0.5):6.0f} ms  p99 {pct(0.99):6.0f} ms  proxy CPU {cpu_ms:.2f} ms/req", end="")
+      f"  TTFT p50 {pct(0.5):6.0f} ms  p99 {pct(0.99):6.0f} ms (steady {sp99:.0f})"
+      f"  proxy CPU {cpu_ms:.2f} ms/req", end="")
 EOF
   agreement "$count" "$OUT/$label-s$seed-r$pass-admin.json"
 }
