@@ -341,3 +341,28 @@ async def test_a_write_reads_the_feed_with_it(
     assert b.local.holders_now(PROMPT, FLEET) == {"b0": 6}
     assert b.feed.counters["entries"] == 1 and b.feed.counters["own_entries"] == 2
     assert await b.pull_feed() == 0 and b.feed.counters["read_twice"] == 0
+
+
+@pytest.mark.redis
+async def test_a_prompts_continuation_waits_for_company_and_its_start_does_not(
+    prefix: str,
+) -> None:
+    index = RedisPrefixIndex(open_redis(SHARED_URL), key_prefix=prefix, owns_client=True)
+    index.tail_wait_s = 3600.0  # a continuation alone would wait the whole test out
+    await index.start()
+    client = redis.Redis.from_url(SHARED_URL)
+    try:
+        index.record("b0", PROMPT)  # a start: written within FLUSH_INTERVAL_S
+        await until(lambda: client.xlen(index.feed_key()) == 1)
+        index.record("b0", [*PROMPT, 17])  # its continuation: block 17 only, waiting...
+        index.record("b1", OTHER)  # ... until another prompt's start is written
+        await until(lambda: client.xlen(index.feed_key()) == 2)
+        [first, second] = [f for _, f in client.xrange(index.feed_key())]
+        assert [len(decode(f, index._name_at - 1)[2]) for f in (first, second)] == [1, 2]
+        [(_, _, records)] = [decode(second, index._name_at - 1)]
+        assert [(r.backend, r.first, list(r.blocks)) for r in records] == [
+            ("b0", 6, [17]),
+            ("b1", 0, OTHER),
+        ]
+    finally:
+        await index.close()

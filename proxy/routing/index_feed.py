@@ -211,6 +211,33 @@ class Feed:
         self.counters["records"] += len(records)
         return records
 
+    def apply(
+        self,
+        entries: Sequence[Sequence[Any]],
+        copy: Any,
+        forgot_at: Mapping[str, float],
+        now: float,
+        oldest: float,
+        name_from: int,
+    ) -> int:
+        """Entries read from the stream, (id, fields) each: the other replicas' records go into
+        `copy` (a MemoryPrefixIndex) as of `now`, those older than `oldest` (a score) or made
+        before this replica forgot their backend (`forgot_at`, scores) left out; returns the
+        records applied."""
+        applied = 0
+        for entry_id, fields in entries:
+            eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            for rec in self.read(eid, fields, name_from):
+                gone = forgot_at.get(rec.backend)
+                if gone is not None and rec.ts <= gone:
+                    continue  # written before this replica forgot the backend
+                if rec.ts >= oldest and rec.blocks:
+                    # As of now, when this replica learns it: the writer's clock may differ
+                    # from ours, and a copy out of time order is searched backend by backend.
+                    copy.record_now(rec.backend, rec.blocks, now, first=rec.first)
+                    applied += 1
+        return applied
+
     def compared(self, stale: int, ahead: int) -> bool:
         """A lookup answered by Redis and by the copy: `stale` holders the copy lacked or held
         shallower (now repaired), `ahead` holders it held deeper. True when that changed

@@ -58,13 +58,10 @@ HEAD_TTL_MARGIN_S = 60.0  # a head set outlives its members' scores by this (clo
 # no backend held it (20 ms split a prompt over two backends in 4 runs of 12 of
 # tests/test_e2e_routing.py's three-proxy test; 5 ms in none).
 FLUSH_INTERVAL_S = 0.005
-
-
-async def _run(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-    pipe = client.pipeline(transaction=False)
-    for name, *args in commands:
-        getattr(pipe, name)(*args)
-    return list(await pipe.execute())
+# ... unless every record pending continues a prompt whose start is in Redis (written or read
+# here within refresh_s): another replica's lookup finds that prompt's holder without them.
+# They wait this much longer (20 ms in all, as often as the feed is read), for company.
+TAIL_WAIT_S = 0.015
 
 
 class RedisPrefixIndex:
@@ -120,6 +117,8 @@ class RedisPrefixIndex:
         self._up_event.set()
         self._closed = False
         self._wake = asyncio.Event()
+        self._hurry = asyncio.Event()  # a pending record (or departure) others must see soon
+        self.tail_wait_s = TAIL_WAIT_S
         self._flusher: asyncio.Task[None] | None = None
         self._reconnector: asyncio.Task[None] | None = None
         # Every replica writes the feed; one with local_lookups reads it into `local`, which
@@ -313,6 +312,8 @@ class RedisPrefixIndex:
         if len(self._pending) == self._pending.maxlen:
             self.counters["dropped_records"] += 1  # deque drops the oldest on append
         self._pending.append((backend, blocks[skip:], now - SCORE_EPOCH, skip))
+        if skip == 0 or len(self._pending) >= self.flush_items:
+            self._hurry.set()  # (a prompt's start: the others must find it soon)
         self._wake.set()
 
     def set_capacity(self, backend: str, blocks: int) -> None:
@@ -335,6 +336,7 @@ class RedisPrefixIndex:
             self._pending.clear()
             self._pending.extend(kept)
         self.departures.add(backend, departure)
+        self._hurry.set()
         self._wake.set()
 
     async def purge(self) -> None:
@@ -407,20 +409,11 @@ class RedisPrefixIndex:
 
     def _apply(self, entries: Sequence[Sequence[Any]]) -> int:
         """Entries read from the feed, (id, fields): the others' records go into the copy."""
-        applied, trusted = 0, self.feed.trusted
-        now = self.local.clock()
+        trusted, now = self.feed.trusted, self.local.clock()
         oldest = now - SCORE_EPOCH - self.ttl_s
-        for entry_id, fields in entries:
-            eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-            for rec in self.feed.read(eid, fields, self._name_at - 1):
-                gone = self._forgot_at.get(rec.backend)
-                if gone is not None and rec.ts <= gone:
-                    continue  # written before this replica forgot the backend
-                if rec.ts >= oldest and rec.blocks:
-                    # As of now, when this replica learns it: the writer's clock may differ
-                    # from ours, and a copy out of time order is searched backend by backend.
-                    self.local.record_now(rec.backend, rec.blocks, now, first=rec.first)
-                    applied += 1
+        applied = self.feed.apply(
+            entries, self.local, self._forgot_at, now, oldest, self._name_at - 1
+        )
         if trusted and not self.feed.trusted:
             log.warning("prefix index: lookups go to Redis again: %s", self.feed.why)
         return applied
@@ -457,6 +450,11 @@ class RedisPrefixIndex:
             self._wake.clear()
             if len(self._pending) < self.flush_items:
                 await asyncio.sleep(self.flush_interval_s)  # let a batch gather
+            if not self._hurry.is_set():  # only prompts' continuations
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.tail_wait_s):
+                        await self._hurry.wait()
+            self._hurry.clear()
             if self._up:
                 try:
                     await self._flush()
@@ -556,6 +554,7 @@ class RedisPrefixIndex:
             self._up_event.set()
             self.counters["reconnects"] += 1
             log.warning("prefix index: Redis is back; routing from the shared index again")
+            self._hurry.set()
             self._wake.set()  # write what was recorded during the outage
             return
 
@@ -566,8 +565,11 @@ class RedisPrefixIndex:
         backends = list(self.local.backends())
         if not backends:
             return
+        pipe = self.client.pipeline(transaction=False)
+        for backend in backends:
+            pipe.exists(self.key(backend))
         async with asyncio.timeout(self._slow_s):
-            exists = await _run(self.client, [("exists", self.key(b)) for b in backends])
+            exists = await pipe.execute()
         lost = [b for b, n in zip(backends, exists, strict=True) if not n]
         ttl_ms = int(self.ttl_s * 1000)
         head_ttl_ms = int((self.ttl_s + HEAD_TTL_MARGIN_S) * 1000)
