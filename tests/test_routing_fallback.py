@@ -2,13 +2,15 @@
 
 Only a prompt routing cannot read (PromptUnreadable) is the client's, and a 400. Any other
 error in a decision (a plugin's bug, a broken index) falls back to the least loaded backend
-the policy's filters keep, is counted, and is logged with its traceback (at most every
+the policy's filters keep; one in the bookkeeping after it (the prefix recorded, the backlog,
+the learners) is skipped. Both are counted and logged with a traceback (at most every
 FAILURE_LOG_EVERY_S).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -19,7 +21,7 @@ from proxy.routing.fallback import FALLBACK_POLICY
 from proxy.routing.index import MemoryPrefixIndex
 from proxy.routing.types import PromptUnreadable
 from proxy.server.app import create_app
-from tests.forward_support import FakeUpstream, chat, ok, request
+from tests.forward_support import CHUNK, DONE, FakeResponse, FakeUpstream, chat, ok, request
 from tests.test_router import SYSTEM, router, view
 from tests.test_router import chat as routed_chat
 
@@ -47,11 +49,12 @@ async def test_a_failing_picker_falls_back_to_the_least_loaded_backend_that_serv
     assert "e2" in decision.filtered_out
     assert "RuntimeError" in decision.reason
     assert again.ranking == decision.ranking
-    assert (r.failures, r.last_failure) == (2, "RuntimeError: a plugin's bug")
+    assert (r.failures, r.last_failure) == (2, "the decision: RuntimeError: a plugin's bug")
     errors = [rec for rec in caplog.records if "routing failed" in rec.getMessage()]
     assert len(errors) == 1  # the second failure within the interval is counted, not logged
     assert errors[0].exc_info is not None and "r1" in errors[0].getMessage()
-    assert r.cache_info()["failures"] == {"count": 2, "last": "RuntimeError: a plugin's bug"}
+    failures = r.cache_info()["failures"]
+    assert failures == {"count": 2, "last": "the decision: RuntimeError: a plugin's bug"}
 
 
 async def test_a_failing_filter_still_leaves_the_healthy_backends_of_the_model(
@@ -84,7 +87,7 @@ async def test_a_prompt_the_hasher_cannot_read_is_the_clients_error(
     assert r.failures == 0
 
 
-def _app() -> tuple[Any, FakeUpstream]:
+def _app(answer: Callable[[], FakeResponse] = ok) -> tuple[Any, FakeUpstream]:
     ports = (9101, 9102)
     cfg = load_config(flags={"backends": [f"http://127.0.0.1:{p}" for p in ports]}, env={})
     cfg = cfg.model_validate(
@@ -94,7 +97,7 @@ def _app() -> tuple[Any, FakeUpstream]:
         }
     )
     app = create_app(cfg)
-    fake = FakeUpstream({f"127.0.0.1:{p}": [ok, ok] for p in ports})
+    fake = FakeUpstream({f"127.0.0.1:{p}": [answer, answer] for p in ports})
     app.state.forwarding.upstream = fake
     return app, fake
 
@@ -127,3 +130,17 @@ async def test_an_unreadable_prompt_gets_a_400_through_the_proxy(
     assert error["code"] == "invalid_request"
     assert "prompt nested too deep" in error["message"]
     assert fake.calls == []
+
+
+@pytest.mark.parametrize("step", ["record", "finished", "observe"])
+async def test_a_failing_bookkeeping_step_is_counted_and_the_request_completes(
+    monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":1}}\n\n'
+    app, _ = _app(lambda: FakeResponse(200, [CHUNK, usage, DONE]))
+    r = app.state.routing.router
+    monkeypatch.setattr(r, step, _boom)
+    status, body, _ = await request(app, chat())
+    assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+    assert r.failures >= 1
+    assert r.last_failure.endswith("RuntimeError: a plugin's bug")

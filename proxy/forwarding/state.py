@@ -79,23 +79,31 @@ class RequestRouting:
     async def route(self, ctx: RouteContext, *, record: bool = True) -> Decision:
         return await self.router.route(ctx, self.views(), record=record)
 
+    # What follows a decision is bookkeeping (the index, the backlog, the learners): a bug in
+    # it is counted and logged by the router (Router.note_failure), and the request goes on.
+
     def sent(self, decision: Decision | None, backend: str) -> None:
         """The request is on the wire to `backend`: note its prefix there (the engine caches it
         where the request lands, which a retry may have moved) while the backend works."""
         if decision is not None:
-            self.router.record(decision, backend)
+            try:
+                self.router.record(decision, backend)
+            except Exception as e:
+                self.router.note_failure("recording a prefix", e, f"a request to {backend}")
 
     def prefilled(self, decision: Decision | None) -> None:
         """The first token came: the prompt is no longer queued or prefilling there (the
         backlog's bound; and the prefills kept free count one fewer)."""
-        if decision is not None:
-            self.router.finished(decision)
+        self.finished(decision)
         prefilled()
 
     def finished(self, decision: Decision | None) -> None:
         """The request is over: whatever of its prompt the backlog still counts is not."""
         if decision is not None:
-            self.router.finished(decision)
+            try:
+                self.router.finished(decision)
+            except Exception as e:
+                self.router.note_failure("the backlog", e, f"a request to {decision.winner}")
 
     def inflight(self, backend: str, delta: int) -> None:
         if delta > 0:
@@ -111,18 +119,24 @@ class RequestRouting:
         the backend's cache size from the cached_tokens its engine reported."""
         if facts.upstream_ttft_s is None or not facts.input_tokens or facts.error:
             return
-        self.router.observe(
-            decision, backend, facts.input_tokens, facts.cached_tokens, facts.upstream_ttft_s
-        )
+        try:
+            self.router.observe(
+                decision, backend, facts.input_tokens, facts.cached_tokens, facts.upstream_ttft_s
+            )
+        except Exception as e:
+            self.router.note_failure("learning from a stream", e, f"a stream from {backend}")
 
     def observe_response(self, backend: str, facts: StreamFacts, decision: Decision | None) -> None:
         """A non-streamed response: its cached_tokens size the backend's cache; its duration
         (prefill and every token) says nothing about the prefill rate on its own."""
         if facts.error or not facts.input_tokens:
             return
-        self.router.observe(
-            decision, backend, facts.input_tokens, facts.cached_tokens, None, facts.e2e_s
-        )
+        try:
+            self.router.observe(
+                decision, backend, facts.input_tokens, facts.cached_tokens, None, facts.e2e_s
+            )
+        except Exception as e:
+            self.router.note_failure("learning from a response", e, f"a response of {backend}")
 
 
 def start_record(recorder: Recorder, ex: Exchange) -> RequestRecord:

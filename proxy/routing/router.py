@@ -178,21 +178,33 @@ class Router:
         except PromptUnreadable:
             raise
         except Exception as e:
-            self.failures += 1
-            why = f"{type(e).__name__}: {e}"
-            self.last_failure = why
-            now = time.monotonic()
-            if now - self._failure_logged_at >= FAILURE_LOG_EVERY_S:
-                self._failure_logged_at = now
-                log.error(
-                    "routing failed for request %s (%d failure(s) so far; the request goes to "
-                    "the least loaded backend the filters keep): %s",
-                    ctx.request_id,
-                    self.failures,
-                    why,
-                    exc_info=e,
-                )
+            self.note_failure(
+                "the decision",
+                e,
+                f"request {ctx.request_id}",
+                " to the least loaded backend the filters keep",
+            )
             return fallback_decision(self.policy.filters, ctx, backends, type(e).__name__)
+
+    def note_failure(self, step: str, error: Exception, about: str, then: str = "") -> None:
+        """A bug in routing's `step` (the decision, or the bookkeeping around a request):
+        counted in `failures`, kept as `last_failure`, and logged with its traceback at most
+        every FAILURE_LOG_EVERY_S; `then` says what the request got instead."""
+        self.failures += 1
+        self.last_failure = f"{step}: {type(error).__name__}: {error}"
+        now = time.monotonic()
+        if now - self._failure_logged_at >= FAILURE_LOG_EVERY_S:
+            self._failure_logged_at = now
+            log.error(
+                "routing failed in %s for %s (%d failure(s) so far); the request goes on%s: %s: %s",
+                step,
+                about,
+                self.failures,
+                then,
+                type(error).__name__,
+                error,
+                exc_info=error,
+            )
 
     async def _route(
         self, ctx: RouteContext, backends: Sequence[BackendView], record: bool
