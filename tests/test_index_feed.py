@@ -322,6 +322,7 @@ def test_an_entry_read_twice_is_applied_once() -> None:
     assert feed.counters["read_twice"] == 2 and feed.counters["gaps"] == 0
     assert len(feed.read("6-0", _entry(other, 2, [("b1", 2.0, 0, [2])]), len(KEY))) == 1
     assert feed.position == "6-0" and feed.counters["entries"] == 2
+    assert feed.read("7", entry, len(KEY)) == [] and feed.counters["malformed"] == 1
 
 
 @pytest.mark.redis

@@ -29,7 +29,8 @@ numbers skip (a batch lost, the stream trimmed past this reader), when an entry 
 or when Redis is away. A replica that joins late reads the stream's retained history first;
 what was written before that is learned from the comparisons.
 
-This module is pure: the entry format and the bookkeeping. The reading is index_redis.py's.
+This module is pure: the entry format, the bookkeeping, and applying entries to the copy. The
+reading is index_redis.py's.
 """
 
 from __future__ import annotations
@@ -184,7 +185,11 @@ class Feed:
         may overlap, and each entry is applied once, in the stream's order). Fields as a
         mapping (XREAD's) or flat, names and values in turn (XRANGE's in a script)."""
         ms, _, sub = entry_id.partition("-")
-        order = (int(ms), int(sub or 0))
+        if not (ms.isdigit() and sub.isdigit()):
+            self.counters["malformed"] += 1
+            self.distrust(f"unreadable feed entry id {entry_id!r}")
+            return []
+        order = (int(ms), int(sub))
         if order <= self._at:
             self.counters["read_twice"] += 1
             return []
