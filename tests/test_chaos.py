@@ -427,19 +427,24 @@ async def test_redis_going_away_under_streaming_load_fails_no_request(
 ) -> None:
     redis = fleet.redis
 
-    def thaw_once_noticed() -> None:
+    def once_noticed(then: Callable[[], Any]) -> Callable[[], None]:
         # Frozen, Redis answers nothing: the proxy calls it an outage after three rounds of its
-        # lookup timeout with requests starting in each. On a loaded machine a fixed share of
-        # the load can pass in fewer, so the thaw waits for the proxy to say it noticed.
-        deadline = time.monotonic() + 10
-        while _index(fleet)["mode"] == "redis" and time.monotonic() < deadline:
-            time.sleep(0.05)  # another process: nothing to wait on but its answer
-        redis.thaw()
+        # lookup timeout with requests starting in each. Killed, it notices at its next call
+        # to Redis: with lookups answered from its copy, the next write (up to 20 ms apart
+        # while requests come). On a loaded machine a fixed time can pass without either, so
+        # the fault ends once the proxy says it noticed.
+        def step() -> None:
+            deadline = time.monotonic() + 10
+            while _index(fleet)["mode"] == "redis" and time.monotonic() < deadline:
+                time.sleep(0.05)  # another process: nothing to wait on but its answer
+            then()
+
+        return step
 
     steps: dict[str, list[tuple[float, Callable[[], Any]]]] = {
         "killed": [(0.3, redis.kill)],
-        "frozen": [(0.3, redis.freeze), (0.4, thaw_once_noticed)],
-        "restarted": [(0.3, redis.kill), (0.3, redis.start)],
+        "frozen": [(0.3, redis.freeze), (0.4, once_noticed(redis.thaw))],
+        "restarted": [(0.3, redis.kill), (0.3, once_noticed(redis.start))],
     }
 
     async def connected() -> bool:
