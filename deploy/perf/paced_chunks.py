@@ -61,7 +61,9 @@ def _bench(port: int, requests: int, concurrency: int, pin: list[str]) -> None:
     )  # fmt: skip
 
 
-NGINX_CONF = """
+# An nginx of its own in a scratch directory (pid, logs, temp paths there): the head of every
+# configuration these benchmarks write, up to the http block's own directives.
+NGINX_PRELUDE = """
 worker_processes 1;
 pid {dir}/nginx.pid;
 error_log {dir}/error.log warn;
@@ -73,7 +75,11 @@ http {{
   fastcgi_temp_path {dir}/fastcgi;
   uwsgi_temp_path {dir}/uwsgi;
   scgi_temp_path {dir}/scgi;
-  upstream engines {{ {servers} keepalive 64; }}
+"""
+
+NGINX_CONF = (
+    NGINX_PRELUDE
+    + """  upstream engines {{ {servers} keepalive 64; }}
   server {{
     listen 127.0.0.1:{port};
     location / {{
@@ -85,6 +91,7 @@ http {{
   }}
 }}
 """
+)
 
 
 def _command(kind: str, port: int, backends: list[str], work: Path) -> tuple[list[str], str]:

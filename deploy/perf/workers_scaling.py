@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "deploy" / "perf"))
 sys.path.insert(0, str(ROOT))
 
 from idle_cpu import stop, wait_ready  # noqa: E402
-from paced_chunks import _command, session_cpu_s  # noqa: E402
+from paced_chunks import NGINX_PRELUDE, _command, session_cpu_s  # noqa: E402
 
 from proxy.demo.stack import free_ports  # noqa: E402
 
@@ -53,19 +53,9 @@ CHUNK = '{"id":"c","object":"chat.completion.chunk","created":0,"model":"mock","
 USAGE = '{"id":"c","object":"chat.completion.chunk","created":0,"model":"mock","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":16,"total_tokens":56}}'  # noqa: E501
 BODY = "".join(f"data: {CHUNK}\\n\\n" for _ in range(16)) + f"data: {USAGE}\\n\\ndata: [DONE]\\n\\n"
 
-NGINX_CONF = """
-worker_processes 1;
-pid {dir}/nginx.pid;
-error_log {dir}/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-  access_log off;
-  client_body_temp_path {dir}/body;
-  proxy_temp_path {dir}/proxy;
-  fastcgi_temp_path {dir}/fastcgi;
-  uwsgi_temp_path {dir}/uwsgi;
-  scgi_temp_path {dir}/scgi;
-  keepalive_requests 1000000;
+NGINX_CONF = (
+    NGINX_PRELUDE
+    + """  keepalive_requests 1000000;
   server {{
     listen 127.0.0.1:{port};
     location = /health {{ return 200 "ok"; }}
@@ -81,6 +71,7 @@ http {{
   }}
 }}
 """
+)
 
 WRK_LUA = """
 wrk.method = "POST"
