@@ -79,17 +79,14 @@ class RequestRouting:
     async def route(self, ctx: RouteContext, *, record: bool = True) -> Decision:
         return await self.router.route(ctx, self.views(), record=record)
 
-    # What follows a decision is bookkeeping (the index, the backlog, the learners): a bug in
-    # it is counted and logged by the router (Router.note_failure), and the request goes on.
+    # What follows a decision is bookkeeping (the index, the backlog, the learners), each piece
+    # run through _keep: a bug in it must not fail the request.
 
     def sent(self, decision: Decision | None, backend: str) -> None:
         """The request is on the wire to `backend`: note its prefix there (the engine caches it
         where the request lands, which a retry may have moved) while the backend works."""
         if decision is not None:
-            try:
-                self.router.record(decision, backend)
-            except Exception as e:
-                self.router.note_failure("recording a prefix", e, f"a request to {backend}")
+            self._keep("recording a prefix", backend, self.router.record, decision, backend)
 
     def prefilled(self, decision: Decision | None) -> None:
         """The first token came: the prompt is no longer queued or prefilling there (the
@@ -100,10 +97,7 @@ class RequestRouting:
     def finished(self, decision: Decision | None) -> None:
         """The request is over: whatever of its prompt the backlog still counts is not."""
         if decision is not None:
-            try:
-                self.router.finished(decision)
-            except Exception as e:
-                self.router.note_failure("the backlog", e, f"a request to {decision.winner}")
+            self._keep("the backlog", decision.winner, self.router.finished, decision)
 
     def inflight(self, backend: str, delta: int) -> None:
         if delta > 0:
@@ -119,24 +113,28 @@ class RequestRouting:
         the backend's cache size from the cached_tokens its engine reported."""
         if facts.upstream_ttft_s is None or not facts.input_tokens or facts.error:
             return
-        try:
-            self.router.observe(
-                decision, backend, facts.input_tokens, facts.cached_tokens, facts.upstream_ttft_s
-            )
-        except Exception as e:
-            self.router.note_failure("learning from a stream", e, f"a stream from {backend}")
+        self._keep(
+            "learning from a stream", backend, self.router.observe,
+            decision, backend, facts.input_tokens, facts.cached_tokens, facts.upstream_ttft_s,
+        )  # fmt: skip
 
     def observe_response(self, backend: str, facts: StreamFacts, decision: Decision | None) -> None:
         """A non-streamed response: its cached_tokens size the backend's cache; its duration
         (prefill and every token) says nothing about the prefill rate on its own."""
         if facts.error or not facts.input_tokens:
             return
+        self._keep(
+            "learning from a response", backend, self.router.observe,
+            decision, backend, facts.input_tokens, facts.cached_tokens, None, facts.e2e_s,
+        )  # fmt: skip
+
+    def _keep(self, step: str, backend: str | None, call: Any, *args: Any) -> None:
+        """Run one piece of routing's bookkeeping; a bug in it is the router's to count and log
+        (Router.note_failure), and the request goes on without it."""
         try:
-            self.router.observe(
-                decision, backend, facts.input_tokens, facts.cached_tokens, None, facts.e2e_s
-            )
+            call(*args)
         except Exception as e:
-            self.router.note_failure("learning from a response", e, f"a response of {backend}")
+            self.router.note_failure(step, e, f"a request to {backend}")
 
 
 def start_record(recorder: Recorder, ex: Exchange) -> RequestRecord:
