@@ -279,9 +279,13 @@ async def test_single_stream_decode_rate_tracks_the_device_ceiling() -> None:
     with sim("a10g", time_scale=scale) as (url, _):
         async with httpx.AsyncClient() as client:
             s = await stream(client, url, chat("count", 60))
-    ts = s.content_times
-    rate = (len(ts) - 1) / (ts[-1] - ts[0]) / scale  # back in simulated tokens/s
-    assert rate == pytest.approx(600 / 16, rel=0.15)
+    ceiling = 600 / 16  # simulated tokens/s: the a10g's bandwidth over an 8B model's weights
+    # The median gap, not the span: a stall of this shared machine delays a few tokens and the
+    # engine's anchored clock then catches up, which moves the span but not the median. Nothing
+    # a busy machine does can make tokens come faster than the device allows, so the fast side
+    # is held tight and the slow side loose (the exact step times are test_sim_core.py's).
+    rate = 1 / statistics.median(s.itls) / scale  # back in simulated tokens/s
+    assert 0.6 * ceiling <= rate <= 1.15 * ceiling
 
 
 @pytest.mark.e2e
