@@ -426,6 +426,9 @@ class HealthConfig(_Model):
 
 class RoutingConfig(_Model):
     policy: str = "prefix_aware"
+    # A slot engine (llama.cpp) running a request of a prompt: another request of it waits
+    # for that one to end, at most this many times its cold prefill there (0: never waits).
+    slot_wait: float = Field(1.0, ge=0)
     # Per-plugin config blocks (weights, thresholds), keyed by plugin name.
     plugins: dict[str, dict[str, Any]] = Field(default_factory=dict)
 

@@ -245,6 +245,27 @@ class Attempts:
         body: bytes | None,
         watch: Watch | None,
     ) -> StreamFacts | None:
+        if backend.slots is None or ex.attempts:  # (a slot engine's first attempt waits)
+            return await self._sent(ex, backend, record, send, fresh, body, watch)
+        steering = self.fw.steering
+        turn, waited = await steering.take_slot(ex.ctx, ex.decision, backend.name)
+        if waited:
+            record.set_attribute("warmroute.slot_wait_s", round(waited, 6))
+        try:
+            return await self._sent(ex, backend, record, send, fresh, body, watch)
+        finally:
+            steering.leave_slot(turn)
+
+    async def _sent(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        record: RequestRecord,
+        send: Send,
+        fresh: bool,
+        body: bytes | None,
+        watch: Watch | None,
+    ) -> StreamFacts | None:
         fw = self.fw
         headers = upstream_headers(ex, backend, ex.client)
         attempt = record.attempt(

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from proxy.admission.slots import prefilled
 from proxy.forwarding.ports import Fleet, Recorder, UpstreamClient, UpstreamResponseLike
 from proxy.forwarding.view_cache import ViewCache
+from proxy.routing.slot_turns import Key, SlotTurns
 
 __all__ = [
     "AppState",
@@ -51,14 +52,20 @@ if TYPE_CHECKING:
 class RequestRouting:
     """The routing facade: route a request, note where it went, learn from how it went."""
 
-    __slots__ = ("_board", "_learner", "_registry", "_views", "router", "waiting")
+    __slots__ = ("_board", "_learner", "_registry", "_views", "router", "turns", "waiting")
 
     def __init__(
-        self, routing: Routing, registry: BackendRegistry, waiting: BackendQueue | None = None
+        self,
+        routing: Routing,
+        registry: BackendRegistry,
+        waiting: BackendQueue | None = None,
+        turns: SlotTurns | None = None,
     ) -> None:
         self.router: Router = routing.router
         # requests whose every backend is at its in-flight bound (None: they are refused)
         self.waiting = waiting
+        # slot engines: a prompt's second request waits for its first (routing/slot_turns.py)
+        self.turns = turns if turns is not None else SlotTurns()
         self._board = routing.board
         self._learner = routing.learner
         self._registry = registry
@@ -78,6 +85,28 @@ class RequestRouting:
 
     async def route(self, ctx: RouteContext, *, record: bool = True) -> Decision:
         return await self.router.route(ctx, self.views(), record=record)
+
+    async def take_slot(
+        self, ctx: RouteContext | None, decision: Decision | None, backend: str
+    ) -> tuple[Key | None, float]:
+        """Before a request goes to the slot engine `backend`: where a request of its prompt
+        runs, wait for that one to end (at most the limit slot_turns.py explains). Returns
+        the key to `leave_slot` once the request there is over (None: nothing to leave) and
+        the seconds waited."""
+        if ctx is None or ctx.head is None or decision is None:
+            return None, 0.0
+        turns = self.turns
+        key = (backend, ctx.head)
+        limit = 0.0
+        if turns.busy(key):
+            router = self.router
+            tokens = decision.prompt_chars / router.hasher.chars_per_token
+            limit = turns.limit_s(tokens, router.prefill_rate(backend))
+        return key, await turns.take(key, limit)
+
+    def leave_slot(self, key: Key | None) -> None:
+        if key is not None:
+            self._keep("the slot turns", key[0], self.turns.leave, key)
 
     # What follows a decision is bookkeeping (the index, the backlog, the learners), each piece
     # run through _keep: a bug in it must not fail the request.

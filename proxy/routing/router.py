@@ -227,6 +227,7 @@ class Router:
             if ctx.prefix_blocks:
                 n = len(ctx.prefix_blocks)  # (no min(): it parses its arguments, every call)
                 head = ctx.prefix_blocks[(n if n < self.head_blocks else self.head_blocks) - 1]
+                ctx.head = head
                 if record:
                     self.popularity.observe(head)
                 ctx.prefix_share = self.popularity.share(head)

@@ -236,6 +236,7 @@ class RouteContext:
     tier_blocks: dict[str, dict[str, int]] = field(default_factory=dict)
     # Filled by the router when the picker follows the placement (proxy.routing.placement):
     homes: tuple[str, ...] = ()  # the backends this prompt's prefix is assigned to
+    head: int | None = None  # the block that keys its prompt head (popularity, placement)
     full: frozenset[str] = frozenset()  # backends whose learned cache has no room for it
     shared_blocks: float = 0.0  # blocks its prefix's requests share (more: its own history)
 

@@ -29,6 +29,7 @@ from proxy.forwarding.retry import RetryPolicy
 from proxy.forwarding.state import AppState, RequestRouting
 from proxy.routing.index import capacity_blocks_from_tokens
 from proxy.routing.setup import block_errors, block_names, build_router, build_routing
+from proxy.routing.slot_turns import SlotTurns
 from proxy.routing.slots import SlotLayout
 from proxy.server import handlers
 from proxy.telemetry import Telemetry
@@ -164,7 +165,9 @@ def _build_state(config: Config, telemetry: Telemetry | None) -> AppState:
         routing=routing,
         http=http,
         telemetry=telemetry or Telemetry(config.telemetry),
-        steering=RequestRouting(routing, registry, _backend_queue(config)),
+        steering=RequestRouting(
+            routing, registry, _backend_queue(config), SlotTurns(config.routing.slot_wait)
+        ),
     )
 
 

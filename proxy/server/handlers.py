@@ -177,7 +177,11 @@ class Handlers:
         return _json(out)
 
     async def routing_info(self, request: Request) -> Response:
-        return _json(self.state.routing.info())
+        info = self.state.routing.info()
+        forwarding = self.state.forwarding
+        if forwarding is not None:  # slot engines' waits (routing/slot_turns.py)
+            info["slot_turns"] = forwarding.steering.turns.info()
+        return _json(info)
 
     async def build(self, request: Request) -> Response:
         """What runs: the version, the interpreter, and whether the per-chunk hot path is
