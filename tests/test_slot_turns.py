@@ -13,10 +13,11 @@ import asyncio
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from proxy.config import load_config
-from proxy.routing.slot_turns import SlotTurns
+from proxy.routing.slot_turns import SlotTurns, Turn
 from proxy.routing.slots import SlotLayout
 from proxy.server.app import create_app
 from tests.forward_support import CHUNK, DONE, FakeResponse, FakeUpstream, request
@@ -27,57 +28,63 @@ A = ("e0", 1)
 
 async def test_a_request_waits_only_while_its_prompt_runs_there() -> None:
     turns = SlotTurns()
-    assert await turns.take(A, 5.0) == 0.0  # nothing runs: at once
+    first, waited = await turns.take(A, 5.0)  # nothing runs: at once
+    assert waited == 0.0 and first == Turn(A, False)
     second = asyncio.create_task(turns.take(A, 5.0))
-    other = await turns.take(("e0", 2), 5.0)  # another prompt on the same engine
-    elsewhere = await turns.take(("e1", 1), 5.0)  # the same prompt on another engine
-    assert other == elsewhere == 0.0
+    other, _ = await turns.take(("e0", 2), 5.0)  # another prompt on the same engine
+    elsewhere, _ = await turns.take(("e1", 1), 5.0)  # the same prompt on another engine
+    assert not other.collided and not elsewhere.collided
     await eventually(lambda: turns.info()["waiting"] == 1)
     assert not second.done()
-    turns.leave(A)  # the first is over: the second runs now, counted as running
-    assert await second >= 0.0
+    turns.leave(first)  # the first is over: the second runs now, counted as running
+    turn, _ = await second
+    assert turn == Turn(A, False)  # it has the slot to itself: no collision
     assert turns.running[A] == 1 and not turns.waiting
-    turns.leave(A)
+    turns.leave(turn)
     assert A not in turns.running
-    assert turns.info()["waits"] == 1 and turns.info()["turns"] == 1
+    info = turns.info()
+    assert (info["waits"], info["turns"], info["collisions"]) == (1, 1, 0)
 
 
 async def test_waiters_go_one_at_a_time_in_arrival_order() -> None:
     turns = SlotTurns()
-    await turns.take(A, 5.0)
+    running, _ = await turns.take(A, 5.0)
     order: list[int] = []
 
     async def wait(i: int) -> None:
-        await turns.take(A, 5.0)
+        turn, _ = await turns.take(A, 5.0)
         order.append(i)
+        await done[i].wait()
+        turns.leave(turn)
 
+    done = [asyncio.Event() for _ in range(3)]
     tasks = [asyncio.create_task(wait(i)) for i in range(3)]
     await eventually(lambda: turns.info()["waiting"] == 3)
-    for expected in ([0], [0, 1], [0, 1, 2]):
-        turns.leave(A)
-        await eventually(lambda n=len(expected): len(order) == n)
-        assert order == expected
+    turns.leave(running)
+    for i in range(3):
+        await eventually(lambda n=i + 1: len(order) == n)
+        assert order == list(range(i + 1))
         assert turns.running[A] == 1  # never two at once
+        done[i].set()
     await asyncio.gather(*tasks)
-    # A newcomer while one runs and none waits waits too (the slot is still busy).
-    assert turns.busy(A)
+    assert not turns.running and not turns.waiting
 
 
-async def test_a_wait_past_its_limit_goes_anyway() -> None:
+async def test_a_wait_past_its_limit_goes_anyway_and_collides() -> None:
     turns = SlotTurns()
-    await turns.take(A, 5.0)
-    waited = await turns.take(A, 0.01)  # a long generation ahead: it goes as it would have
-    assert waited >= 0.01
+    first, _ = await turns.take(A, 5.0)
+    late, waited = await turns.take(A, 0.01)  # a long generation ahead: it goes as it would have
+    assert waited >= 0.01 and late.collided
     assert turns.running[A] == 2 and not turns.waiting
-    assert turns.info()["timeouts"] == 1
-    turns.leave(A)
-    turns.leave(A)
+    assert turns.info()["timeouts"] == 1 and turns.info()["collisions"] == 1
+    turns.leave(first)
+    turns.leave(late)
     assert not turns.running
 
 
 async def test_a_waiter_that_leaves_gives_up_its_place_and_its_turn() -> None:
     turns = SlotTurns()
-    await turns.take(A, 5.0)
+    first, _ = await turns.take(A, 5.0)
     gone = asyncio.create_task(turns.take(A, 5.0))
     await eventually(lambda: turns.info()["waiting"] == 1)
     nxt = asyncio.create_task(turns.take(A, 5.0))
@@ -86,25 +93,48 @@ async def test_a_waiter_that_leaves_gives_up_its_place_and_its_turn() -> None:
     with pytest.raises(asyncio.CancelledError):
         await gone
     assert turns.info()["waiting"] == 1
-    turns.leave(A)
-    await nxt  # the turn went to the one still waiting
+    turns.leave(first)
+    turn, _ = await nxt  # the turn went to the one still waiting
     assert turns.running[A] == 1
-    turns.leave(A)
+    turns.leave(turn)
     assert not turns.running and not turns.waiting
 
 
 async def test_a_turn_handed_to_a_waiter_cancelled_at_once_passes_on() -> None:
     turns = SlotTurns()
-    await turns.take(A, 5.0)
+    running, _ = await turns.take(A, 5.0)
     first = asyncio.create_task(turns.take(A, 5.0))
     second = asyncio.create_task(turns.take(A, 5.0))
     await eventually(lambda: turns.info()["waiting"] == 2)
-    turns.leave(A)  # hands the slot to `first`...
+    turns.leave(running)  # hands the slot to `first`...
     first.cancel()  # ... which is cancelled before it runs: the turn goes to `second`
     with pytest.raises(asyncio.CancelledError):
         await first
     await second
     assert turns.running[A] == 1 and not turns.waiting
+
+
+async def test_an_engine_waits_once_its_collisions_came_back_cold() -> None:
+    """A collision's cached share tells an engine without a host prompt cache (cold: the
+    prompt was prefilled over another slot's) from one that loads it back from RAM."""
+    turns = SlotTurns()
+    assert not turns.cold("e0")  # no evidence: it does not wait
+    for shares, cold in (([0.02, 0.0], True), ([1.0, 1.0, 1.0], False)):
+        for share in shares:
+            first, _ = await turns.take(A, 0.0)
+            collided, _ = await turns.take(A, 0.0)  # sent at once: a collision
+            assert collided.collided
+            turns.leave(collided, share)
+            turns.leave(first, 0.0)  # (not a collision: says nothing)
+        assert turns.cold("e0") is cold
+    assert turns.info()["engines"]["e0"]["waits"] is False
+    assert not turns.waits_on("e0")
+    turns.collisions["e0"] = 0.0  # cold: it waits, but one would-be wait in 8 is a probe
+    asked = [turns.waits_on("e0") for _ in range(16)]
+    assert asked.count(False) == 2 == turns.info()["probes"]
+    turns.collisions["e0"] = 0.0
+    turns.forget("e0")  # a restart: a new engine, perhaps started otherwise
+    assert not turns.cold("e0")
 
 
 def test_the_limit_is_the_prompts_cold_prefill_there() -> None:
@@ -126,7 +156,9 @@ def _chat(system: str, question: str) -> dict[str, Any]:
     return {"model": "m", "stream": True, "messages": messages, "max_tokens": 8}
 
 
-def _app(slots: bool, slot_wait: float = 1_000.0) -> tuple[Any, FakeUpstream, asyncio.Event]:
+def _app(
+    slots: bool, slot_wait: float = 1_000.0, cold: bool = True
+) -> tuple[Any, FakeUpstream, asyncio.Event]:
     url = "http://127.0.0.1:9101"
     cfg = load_config(flags={"backends": [url]}, env={})
     cfg = cfg.model_validate(
@@ -152,6 +184,8 @@ def _app(slots: bool, slot_wait: float = 1_000.0) -> tuple[Any, FakeUpstream, as
     app.state.forwarding.upstream = fake
     # A slow engine's learned rate: a wait's limit (many seconds) is never what ends it here.
     app.state.routing.router.prefill_rate = lambda backend: 10.0
+    # What its collisions showed so far: cold (no host prompt cache) or warm.
+    app.state.forwarding.steering.turns.collisions["127.0.0.1:9101"] = 0.0 if cold else 1.0
     return app, fake, gate
 
 
@@ -180,14 +214,44 @@ async def test_through_the_proxy_the_second_request_of_a_prompt_waits_for_the_fi
     assert (shown["waits"], shown["turns"], shown["factor"]) == (1, 1, 1_000.0)
 
 
-@pytest.mark.parametrize("slots, slot_wait", [(False, 1_000.0), (True, 0.0)])
-async def test_no_wait_on_a_block_pool_engine_or_when_turned_off(
-    slots: bool, slot_wait: float
+@pytest.mark.parametrize(
+    "slots, slot_wait, cold",
+    [(False, 1_000.0, True), (True, 0.0, True), (True, 1_000.0, False)],
+    ids=["block pool", "turned off", "host prompt cache"],
+)
+async def test_no_wait_on_a_block_pool_with_a_host_cache_or_when_turned_off(
+    slots: bool, slot_wait: float, cold: bool
 ) -> None:
-    app, fake, gate = _app(slots=slots, slot_wait=slot_wait)
+    app, fake, gate = _app(slots=slots, slot_wait=slot_wait, cold=cold)
     first = asyncio.create_task(request(app, _chat(SYSTEM, "What is a slot?")))
     second = asyncio.create_task(request(app, _chat(SYSTEM, "And a prompt cache?")))
     await eventually(lambda: len(fake.calls) == 2)  # both sent at once
     gate.set()
     assert [(await t)[0] for t in (first, second)] == [200, 200]
     assert app.state.forwarding.steering.turns.info()["waits"] == 0
+
+
+async def test_a_collisions_reported_cache_is_what_the_engine_learns() -> None:
+    """No evidence yet: both go at once (a collision), and the cached tokens its engine
+    reported for the second say the collision was cold: the next one waits."""
+    app, fake, gate = _app(slots=True)
+    turns = app.state.forwarding.steering.turns
+    turns.collisions.clear()
+    usage = {"prompt_tokens": 550, "completion_tokens": 1}
+    cold = orjson.dumps(
+        {"choices": [], "usage": {**usage, "prompt_tokens_details": {"cached_tokens": 16}}}
+    )
+
+    async def answer() -> FakeResponse:
+        await gate.wait()
+        return FakeResponse(200, [CHUNK, b"data: " + cold + b"\n\n", DONE])
+
+    fake.scripts["127.0.0.1:9101"] = [answer]  # type: ignore[list-item]
+    first = asyncio.create_task(request(app, _chat(SYSTEM, "What is a slot?")))
+    second = asyncio.create_task(request(app, _chat(SYSTEM, "And a prompt cache?")))
+    await eventually(lambda: len(fake.calls) == 2)  # both sent at once
+    gate.set()
+    await asyncio.gather(first, second)
+    assert turns.info()["collisions"] == 1
+    assert turns.cold("127.0.0.1:9101")
+    assert turns.info()["engines"]["127.0.0.1:9101"]["waits"] is True

@@ -251,10 +251,12 @@ class Attempts:
         turn, waited = await steering.take_slot(ex.ctx, ex.decision, backend.name)
         if waited:
             record.set_attribute("warmroute.slot_wait_s", round(waited, 6))
+        facts = None
         try:
-            return await self._sent(ex, backend, record, send, fresh, body, watch)
+            facts = await self._sent(ex, backend, record, send, fresh, body, watch)
+            return facts
         finally:
-            steering.leave_slot(turn)
+            steering.leave_slot(turn, facts)
 
     async def _sent(
         self,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from proxy.admission.slots import prefilled
 from proxy.forwarding.ports import Fleet, Recorder, UpstreamClient, UpstreamResponseLike
 from proxy.forwarding.view_cache import ViewCache
-from proxy.routing.slot_turns import Key, SlotTurns
+from proxy.routing.slot_turns import SlotTurns, Turn
 
 __all__ = [
     "AppState",
@@ -88,25 +88,30 @@ class RequestRouting:
 
     async def take_slot(
         self, ctx: RouteContext | None, decision: Decision | None, backend: str
-    ) -> tuple[Key | None, float]:
+    ) -> tuple[Turn | None, float]:
         """Before a request goes to the slot engine `backend`: where a request of its prompt
-        runs, wait for that one to end (at most the limit slot_turns.py explains). Returns
-        the key to `leave_slot` once the request there is over (None: nothing to leave) and
-        the seconds waited."""
+        runs and collisions there were measured cold, wait for that one to end (at most the
+        limit slot_turns.py explains). Returns the turn to `leave_slot` once the request
+        there is over (None: nothing to leave) and the seconds waited."""
         if ctx is None or ctx.head is None or decision is None:
             return None, 0.0
         turns = self.turns
         key = (backend, ctx.head)
         limit = 0.0
-        if turns.busy(key):
+        if turns.busy(key) and turns.waits_on(backend):
             router = self.router
             tokens = decision.prompt_chars / router.hasher.chars_per_token
             limit = turns.limit_s(tokens, router.prefill_rate(backend))
-        return key, await turns.take(key, limit)
+        return await turns.take(key, limit)
 
-    def leave_slot(self, key: Key | None) -> None:
-        if key is not None:
-            self._keep("the slot turns", key[0], self.turns.leave, key)
+    def leave_slot(self, turn: Turn | None, facts: StreamFacts | None) -> None:
+        """The request that took `turn` is over (`facts`: what its engine reported)."""
+        if turn is None:
+            return
+        share = None
+        if facts is not None and facts.input_tokens and facts.cached_tokens is not None:
+            share = facts.cached_tokens / facts.input_tokens
+        self._keep("the slot turns", turn.key[0], self.turns.leave, turn, share)
 
     # What follows a decision is bookkeeping (the index, the backlog, the learners), each piece
     # run through _keep: a bug in it must not fail the request.

@@ -411,8 +411,15 @@ class AppLifecycle:
         state.upstream.forget_backend(backend.url)
         if state.doctor is not None:
             state.doctor.collector.forget(name)
+        self._forget_turns(name)
+
+    def _forget_turns(self, name: str) -> None:
+        """A slot engine's collisions said what the engine there was (routing/slot_turns.py)."""
+        if self.state.forwarding is not None:
+            self.state.forwarding.steering.turns.forget(name)
 
     def reset(self, name: str) -> None:
+        self._forget_turns(name)
         task = asyncio.create_task(self.state.routing.reset_cache(name), name=f"reset {name}")
         self._starting.add(task)
         task.add_done_callback(self._starting.discard)
