@@ -20,7 +20,7 @@ from proxy.config import load_config
 from proxy.routing.slot_turns import SlotTurns, Turn
 from proxy.routing.slots import SlotLayout
 from proxy.server.app import create_app
-from tests.forward_support import CHUNK, DONE, FakeResponse, FakeUpstream, request
+from tests.forward_support import CHUNK, DONE, FakeResponse, FakeUpstream, asgi_request, request
 from tests.support import eventually
 
 A = ("e0", 1)
@@ -255,3 +255,22 @@ async def test_a_collisions_reported_cache_is_what_the_engine_learns() -> None:
     assert turns.info()["collisions"] == 1
     assert turns.cold("127.0.0.1:9101")
     assert turns.info()["engines"]["127.0.0.1:9101"]["waits"] is True
+
+
+async def test_a_client_that_leaves_while_waiting_is_never_sent_and_frees_its_place() -> None:
+    app, fake, gate = _app(slots=True)
+    turns = app.state.forwarding.steering.turns
+    first = asyncio.create_task(request(app, _chat(SYSTEM, "What is a slot?")))
+    await eventually(lambda: len(fake.calls) == 1)
+    left = asyncio.Event()
+    body = _chat(SYSTEM, "And a prompt cache?")
+    gone = asyncio.create_task(asgi_request(app, body, leave=left))
+    await eventually(lambda: turns.info()["waiting"] == 1)
+    left.set()  # the client hangs up while its request waits for the slot
+    await gone
+    await eventually(lambda: turns.info()["waiting"] == 0)
+    assert len(fake.calls) == 1  # never sent: the engine's other slot keeps its prompt
+    gate.set()
+    status, _, _ = await first
+    assert status == 200
+    assert turns.info()["running"] == 0 and not turns.running
