@@ -10,6 +10,7 @@ on clocks: these tests release them by hand.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import httpx
@@ -114,9 +115,12 @@ async def test_a_turn_handed_to_a_waiter_cancelled_at_once_passes_on() -> None:
     assert turns.running[A] == 1 and not turns.waiting
 
 
-async def test_an_engine_waits_once_its_collisions_came_back_cold() -> None:
+async def test_an_engine_waits_once_its_collisions_came_back_cold(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A collision's cached share tells an engine without a host prompt cache (cold: the
     prompt was prefilled over another slot's) from one that loads it back from RAM."""
+    caplog.set_level(logging.INFO, logger="warmroute.routing.slot_turns")
     turns = SlotTurns()
     assert not turns.cold("e0")  # no evidence: it does not wait
     for shares, cold in (([0.02, 0.0], True), ([1.0, 1.0, 1.0], False)):
@@ -128,6 +132,9 @@ async def test_an_engine_waits_once_its_collisions_came_back_cold() -> None:
             turns.leave(first, 0.0)  # (not a collision: says nothing)
         assert turns.cold("e0") is cold
     assert turns.info()["engines"]["e0"]["waits"] is False
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2  # once when the waits began, once when they stopped
+    assert "e0" in said[0] and "now waits" in said[0] and "no longer wait" in said[1]
     assert not turns.waits_on("e0")
     turns.collisions["e0"] = 0.0  # cold: it waits, but one would-be wait in 8 is a probe
     asked = [turns.waits_on("e0") for _ in range(16)]

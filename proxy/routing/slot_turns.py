@@ -31,9 +31,12 @@ this replica's own requests: replicas do not see each other's (each keeps its ow
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+log = logging.getLogger("warmroute.routing.slot_turns")
 
 Key = tuple[str, int]  # (backend, prompt head)
 
@@ -149,11 +152,7 @@ class SlotTurns:
         cache (None: not reported): the first waiter of its prompt, if any, runs now."""
         key = turn.key
         if turn.collided and cached_share is not None:
-            seen = self.collisions.get(key[0])
-            share = 0.0 if cached_share < 0.0 else 1.0 if cached_share > 1.0 else cached_share
-            self.collisions[key[0]] = (
-                share if seen is None else seen + EVIDENCE_WEIGHT * (share - seen)
-            )
+            self._judge(key[0], cached_share)
         left = self.running.get(key, 0) - 1
         queue = self.waiting.get(key)
         while queue:
@@ -168,6 +167,26 @@ class SlotTurns:
             self.running[key] = left
         else:
             self.running.pop(key, None)
+
+    def _judge(self, backend: str, cached_share: float) -> None:
+        """One collision's cached share into `backend`'s average; says so when that turns
+        its waits on or off."""
+        was = self.cold(backend)
+        seen = self.collisions.get(backend)
+        share = 0.0 if cached_share < 0.0 else 1.0 if cached_share > 1.0 else cached_share
+        self.collisions[backend] = (
+            share if seen is None else seen + EVIDENCE_WEIGHT * (share - seen)
+        )
+        now = self.cold(backend)
+        if now != was:
+            log.info(
+                "slot engine %s: its collisions come back %.0f%% cached on average: %s",
+                backend,
+                self.collisions[backend] * 100,
+                "a request whose prompt runs there now waits for it (no host prompt cache)"
+                if now
+                else "requests no longer wait for a running one (its prompts come back warm)",
+            )
 
     def forget(self, backend: str) -> None:
         """`backend` restarted or left: its collisions say nothing of what runs there now."""
