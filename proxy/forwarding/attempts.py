@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from proxy.forwarding.exchange import Exchange
     from proxy.forwarding.ports import Fleet, UpstreamClient, UpstreamResponseLike
     from proxy.forwarding.state import RequestRouting
+    from proxy.routing.slot_turns import Turn
     from proxy.telemetry import AttemptRecord, RequestRecord
     from proxy.types import StreamFacts
     from proxy.upstream.backends import Backend
@@ -235,30 +236,19 @@ class Attempts:
             raise await status_retry(upstream)
         return upstream
 
-    async def _attempt(
-        self,
-        ex: Exchange,
-        backend: Backend,
-        record: RequestRecord,
-        send: Send,
-        fresh: bool,
-        body: bytes | None,
-        watch: Watch | None,
-    ) -> StreamFacts | None:
-        if backend.slots is None or ex.attempts:  # (a slot engine's first attempt waits)
-            return await self._sent(ex, backend, record, send, fresh, body, watch)
-        steering = self.fw.steering
-        turn, waited = await steering.take_slot(ex.ctx, ex.decision, backend.name)
+    async def _slot_turn(
+        self, ex: Exchange, backend: Backend, record: RequestRecord
+    ) -> Turn | None:
+        """A slot engine's first attempt waits for its prompt's running request there
+        (routing/slot_turns.py); the turn to leave once the attempt is over."""
+        if len(ex.attempts) != 1:
+            return None
+        turn, waited = await self.fw.steering.take_slot(ex.ctx, ex.decision, backend.name)
         if waited:
             record.set_attribute("warmroute.slot_wait_s", round(waited, 6))
-        facts = None
-        try:
-            facts = await self._sent(ex, backend, record, send, fresh, body, watch)
-            return facts
-        finally:
-            steering.leave_slot(turn, facts)
+        return turn
 
-    async def _sent(
+    async def _attempt(
         self,
         ex: Exchange,
         backend: Backend,
@@ -281,7 +271,10 @@ class Attempts:
         fw.fleet.mark_attempt(backend)
         fw.steering.inflight(backend.name, +1)
         backend.attach(ex)
+        turn, facts = None, None
         try:
+            if backend.slots is not None:  # (no coroutine for the engines without slots)
+                turn = await self._slot_turn(ex, backend, record)
             t_sent = time.perf_counter()
             strip = ex.strip_usage and not _keeps_own_usage(backend)
             if body is None:
@@ -294,10 +287,12 @@ class Attempts:
             ex.upstream = upstream
             try:  # the relay judges the backend: by its first byte, not by this head
                 if ex.stream and upstream.status == 200:
-                    return await self.relay.stream(
+                    facts = await self.relay.stream(
                         ex, backend, upstream, t_sent, record, send, strip
                     )
-                return await self.relay.whole(ex, backend, upstream, record, send)
+                else:
+                    facts = await self.relay.whole(ex, backend, upstream, record, send)
+                return facts
             finally:
                 ex.upstream = None
                 upstream.release()
@@ -330,6 +325,8 @@ class Attempts:
         finally:
             backend.detach(ex)
             fw.steering.inflight(backend.name, -1)
+            if turn is not None:
+                fw.steering.leave_slot(turn, facts)
 
 
 async def fail(
