@@ -1,17 +1,19 @@
 """The shared index's feed: what lets a replica answer prefix lookups from its own copy.
 
 Every batch a replica writes to the shared index (index_redis.py) is appended, by the same
-script call, to one Redis stream as a single entry (index_lua.py builds it from the call's own
-arguments) of two fields: `v`, the format (FEED_VERSION), and `d`, the whole batch packed in
-one string, little-endian: the writer's id (its length in one byte, then the id), its number
-for this call and the number of records (4 bytes each), then per record its time (a score, an
-8-byte double), the index of its first block in the prompt, the length of the backend's ZSET
-key and of its blocks (4 bytes each), the key, and the block hashes (8 bytes each). One field
-where format 1 had four a record: a reader's client parses two strings an entry instead of
-dozens, and the reader finds the writer, and skips its own entries, without reading the
-records. A replica of another format (a rolling upgrade) cannot read these entries, nor this
-one its: each counts as unreadable, and its copy answers no lookups (round trips to Redis,
-routing unchanged) until every replica writes this format.
+script call, to one Redis stream as a single entry of two fields (the writer packs the batch
+once, `pack_entry`; the record script reads its records from it and appends it as it came):
+`v`, the format (FEED_VERSION), and `d`, the whole batch packed in one string, little-endian:
+the writer's id (its length in one byte, then the id), its number for this call and the number
+of records (4 bytes each), then per record its time (a score, an 8-byte double), the index of
+its first block in the prompt, the length of the backend's ZSET key and of its blocks (4 bytes
+each), the key, and the block hashes (8 bytes each). One field where format 1 had four a
+record: a reader's client parses two strings an entry instead of dozens, and the reader finds
+the writer, and skips its own entries, without reading the records. A replica of another format
+(a rolling upgrade) cannot read these entries, nor this one its: each counts as unreadable, and
+its copy answers no lookups (round trips to Redis, routing unchanged) until every replica
+writes this format. (Replicas whose script builds the entry itself, as before the writer packed
+it, write the same bytes: they read each other's entries.)
 
 Each replica reads the stream and applies the other replicas' records to its copy, so the copy
 holds what Redis holds, moments later, and a lookup needs no round trip. Its writes read too:
@@ -74,17 +76,29 @@ _COUNTS = struct.Struct("<II")  # the writer's number for the call, records
 _RECORD = struct.Struct("<dIII")  # time, first block, key length, blocks' length (bytes)
 
 
+def pack_entry(
+    writer: bytes, seq: int, records: Sequence[tuple[str | bytes, float, int, Sequence[int]]]
+) -> bytes:
+    """An entry's `d` field: the batch (records: ZSET key, time, first block, block hashes) as
+    the writer sends it to the record script, which writes the records and appends this to
+    the stream as it came (index_lua.py)."""
+    parts = [bytes([len(writer)]), writer, _COUNTS.pack(seq, len(records))]
+    pack = _RECORD.pack
+    for key, ts, first, blocks in records:
+        k = key.encode() if isinstance(key, str) else key
+        if isinstance(blocks, array) and blocks.typecode == "Q":
+            packed = blocks.tobytes()
+        else:
+            packed = array("Q", blocks).tobytes()
+        parts += [pack(ts, first, len(k), len(packed)), k, packed]
+    return b"".join(parts)
+
+
 def encode(
     writer: bytes, seq: int, records: Sequence[tuple[str | bytes, float, int, Sequence[int]]]
 ) -> dict[bytes, bytes]:
-    """An entry's fields as the record script writes them (records: ZSET key, time, first
-    block, block hashes) and a Redis client returns them; for tests and tools."""
-    parts = [bytes([len(writer)]), writer, _COUNTS.pack(seq, len(records))]
-    for key, ts, first, blocks in records:
-        k = key.encode() if isinstance(key, str) else key
-        packed = array("Q", blocks).tobytes()
-        parts += [_RECORD.pack(ts, first, len(k), len(packed)), k, packed]
-    return {b"v": _VERSION, b"d": b"".join(parts)}
+    """An entry's fields as a Redis client returns them; for tests and tools."""
+    return {b"v": _VERSION, b"d": pack_entry(writer, seq, records)}
 
 
 def decode(fields: Mapping[Any, Any], name_from: int) -> tuple[bytes, int, list[Record]]:

@@ -60,61 +60,54 @@ return out
 """
 
 
-# Writes a batch of records in one call. KEYS: the backend ZSET of each record (all under one
-# hash tag: one slot), then the head sets of the records that start at block 0. ARGV[1..5]:
-# score step per block, key TTL (ms), oldest score to keep, number of records, head set TTL
-# (ms); then per record: packed block hashes, record time, index of its first block in the
-# prompt, capacity, KEYS index of its head set (0: none). Later blocks get slightly older
-# scores so that trimming by rank drops a prompt's tail first. Scores are formatted with
-# %.17g: Lua's default number-to-string keeps 14 digits, too few. After the records, optionally
-# (the feed, index_feed.py): the writer's id, the feed's length to keep and the writer's number
-# for this call; the call's records are then appended, in this same call, as one entry of the
-# stream that is the last of KEYS (the blocks sent once, not packed again by the writer), in
-# index_feed.py's format 2: fields v (2) and d (the batch, packed with Lua's struct library).
-# Then, optionally, the id to read the stream from and how many entries at most: the writer
-# reads the feed with its write (a call it makes anyway), and its reader need not.
+# Writes a batch of records in one call. KEYS: each backend ZSET the batch writes (once, however
+# many of its records it holds), then the head sets of the records that start at block 0, then
+# the feed's stream (index_feed.py). ARGV[1..4]: score step per block, key TTL (ms), oldest
+# score to keep, head set TTL (ms). ARGV[5]: the whole batch, packed as a feed entry (format 2,
+# index_feed.py: the writer's id, its number for this call, the records, each its time, the
+# index of its first block in the prompt, its ZSET key and its block hashes). ARGV[6]: per record
+# three little-endian 4-byte numbers: the KEYS index of its ZSET, its capacity in blocks, and
+# the KEYS index of its head set (0: none). The batch arrives as one string where it was five
+# arguments a record: the client encodes three arguments, not dozens, and the feed's entry is
+# ARGV[5] itself, appended as it came. Later blocks get slightly older scores, so trimming by
+# rank drops a prompt's tail first; scores are formatted with %.17g (Lua's default keeps 14
+# digits, too few). ARGV[7]: the feed's length to keep. Then, optionally, the id to read the
+# stream from and how many entries at most (ARGV[8], ARGV[9]): the writer reads the feed with
+# its write (a call it makes anyway), and its reader need not.
 # Returns, flat, each written ZSET's key and the blocks it holds after trimming (what every
 # replica recorded there); when asked to read, then the entries read, as XRANGE returns them.
 RECORD_LUA = """
-local step, ttl, oldest = tonumber(ARGV[1]), ARGV[2], ARGV[3]
-local records, head_ttl = tonumber(ARGV[4]), ARGV[5]
+local step, ttl, oldest, head_ttl = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
+local d, meta = ARGV[5], ARGV[6]
+local pos = string.byte(d, 1) + 2
+local _, records
+_, records, pos = struct.unpack('<I4I4', d, pos)
 local caps = {}
 for j = 1, records do
-  local base = 5 + (j - 1) * 5
-  local blob, ts, first = ARGV[base + 1], tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
-  caps[KEYS[j]] = tonumber(ARGV[base + 4])
+  local ts, first, key_len, blob_len
+  ts, first, key_len, blob_len, pos = struct.unpack('<dI4I4I4', d, pos)
+  local at = pos + key_len
+  pos = at + blob_len
+  local k, cap, head = struct.unpack('<I4I4I4', meta, (j - 1) * 12 + 1)
+  local key = KEYS[k]
+  caps[key] = cap
   local args = {}
-  for i = 1, math.floor(#blob / 8) do
-    args[#args + 1] = string.format('%.17g', ts - (first + i - 1) * step)
-    args[#args + 1] = string.sub(blob, (i - 1) * 8 + 1, i * 8)
+  for i = 0, math.floor(blob_len / 8) - 1 do
+    args[#args + 1] = string.format('%.17g', ts - (first + i) * step)
+    args[#args + 1] = string.sub(d, at + i * 8, at + i * 8 + 7)
     if #args >= 512 then
-      redis.call('ZADD', KEYS[j], unpack(args))
+      redis.call('ZADD', key, unpack(args))
       args = {}
     end
   end
-  if #args > 0 then redis.call('ZADD', KEYS[j], unpack(args)) end
-  local head = tonumber(ARGV[base + 5])
+  if #args > 0 then redis.call('ZADD', key, unpack(args)) end
   if head > 0 then
-    redis.call('SADD', KEYS[head], KEYS[j])
+    redis.call('SADD', KEYS[head], key)
     redis.call('PEXPIRE', KEYS[head], head_ttl)
   end
 end
-local at = 5 + records * 5
-local writer = ARGV[at + 1]
-if writer and #writer > 0 then
-  local seq = tonumber(ARGV[at + 3])
-  local d = {struct.pack('<B', #writer), writer, struct.pack('<I4I4', seq, records)}
-  for j = 1, records do
-    local base = 5 + (j - 1) * 5
-    local blob = ARGV[base + 1]
-    local ts, first = tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
-    d[#d + 1] = struct.pack('<dI4I4I4', ts, first, #KEYS[j], #blob)
-    d[#d + 1] = KEYS[j]
-    d[#d + 1] = blob
-  end
-  redis.call('XADD', KEYS[#KEYS], 'MAXLEN', '~', ARGV[at + 2], '*', 'v', '2', 'd', table.concat(d))
-  redis.call('PEXPIRE', KEYS[#KEYS], head_ttl)
-end
+redis.call('XADD', KEYS[#KEYS], 'MAXLEN', '~', ARGV[7], '*', 'v', '2', 'd', d)
+redis.call('PEXPIRE', KEYS[#KEYS], head_ttl)
 local held = {}
 for key, cap in pairs(caps) do
   redis.call('ZREMRANGEBYSCORE', key, '-inf', oldest)
@@ -123,9 +116,9 @@ for key, cap in pairs(caps) do
   held[#held + 1] = key
   held[#held + 1] = redis.call('ZCARD', key)
 end
-local from = ARGV[at + 4]
+local from = ARGV[8]
 if from and #from > 0 then
-  held[#held + 1] = redis.call('XRANGE', KEYS[#KEYS], from, '+', 'COUNT', ARGV[at + 5])
+  held[#held + 1] = redis.call('XRANGE', KEYS[#KEYS], from, '+', 'COUNT', ARGV[9])
 end
 return held
 """

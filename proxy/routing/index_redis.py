@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -21,6 +22,7 @@ from proxy.routing.index_feed import (
     FEED_GATHER_S,
     FEED_MAXLEN,
     Feed,
+    pack_entry,
 )
 from proxy.routing.index_lua import (
     LOOKUP_LUA,
@@ -475,30 +477,20 @@ class RedisPrefixIndex:
         now = self.local.clock() - SCORE_EPOCH
         ttl_ms = int(self.ttl_s * 1000)
         head_ttl_ms = int((self.ttl_s + HEAD_TTL_MARGIN_S) * 1000)
+        head = [repr(BLOCK_STEP_S), ttl_ms, repr(now - self.ttl_s), head_ttl_ms]
         done = 0
         try:
             # Writes wait up to _slow_s, so a timeout here is not a busy loop's hiccup.
             async with asyncio.timeout(self._slow_s):
                 for i, chunk in record_calls(batch):
-                    keys = [self.key(backend) for backend, _, _, _ in chunk]
-                    heads: dict[str, int] = {}  # head set -> its KEYS index (from 1)
-                    args: list[Any] = [repr(BLOCK_STEP_S), ttl_ms, repr(now - self.ttl_s)]
-                    args += [len(chunk), head_ttl_ms]
-                    for backend, blocks, ts, first in chunk:
-                        cap = self._capacity.get(backend, self.default_capacity)
-                        at = 0
-                        if first == 0:
-                            hk = self.head_key(blocks[0])
-                            at = heads.setdefault(hk, len(chunk) + len(heads) + 1)
-                        args += [pack_blocks(blocks), repr(ts), first, cap, at]
-                    # The same call appends the batch to the feed: the other replicas' copies
-                    # learn exactly what Redis now holds, in the order Redis wrote it.
-                    # ... and reads what the others appended since this replica's last read:
-                    # the call is made anyway, and the reader's own call is then saved.
+                    keys, packed = self._record_call(chunk)
+                    args = [*head, *packed, FEED_MAXLEN]
+                    # The call also reads what the others appended since this replica's last
+                    # read: it is made anyway, and the reader's own call is then saved.
                     start = self.feed.read_from() if self.reads_with_writes else ""
-                    args += [self.feed.writer, FEED_MAXLEN, self.feed.next_seq(), start]
-                    keys += [*heads, self.feed_key()]
-                    held = await self._record_script(keys=keys, args=[*args, FEED_COUNT])
+                    if start:
+                        args += [start, FEED_COUNT]
+                    held = await self._record_script(keys=keys, args=args)
                     done = i + len(chunk)
                     if start:
                         self.counters["writes_read"] += 1
@@ -512,6 +504,29 @@ class RedisPrefixIndex:
             self._pending.extendleft(reversed(batch[done:]))
             self._went_down(e)
             raise
+
+    def _record_call(
+        self, chunk: Sequence[tuple[str, Sequence[int], float, int]]
+    ) -> tuple[list[str], tuple[bytes, bytes]]:
+        """One record-script call's KEYS and its two packed arguments (index_lua.py): the
+        batch as the feed's entry, and per record its ZSET's and head set's KEYS index and
+        its capacity. The same call appends the entry to the feed, so the other replicas'
+        copies learn exactly what Redis now holds, in the order Redis wrote it."""
+        zsets: dict[str, int] = {}  # ZSET key -> its KEYS index (from 1)
+        for backend, _, _, _ in chunk:
+            zsets.setdefault(self.key(backend), len(zsets) + 1)
+        heads: dict[str, int] = {}  # head set -> its KEYS index
+        meta: list[int] = []
+        records = []
+        for backend, blocks, ts, first in chunk:
+            key = self.key(backend)
+            at = 0
+            if first == 0:
+                at = heads.setdefault(self.head_key(blocks[0]), len(zsets) + len(heads) + 1)
+            meta.extend((zsets[key], self._capacity.get(backend, self.default_capacity), at))
+            records.append((key, ts, first, blocks))
+        entry = pack_entry(self.feed.writer, self.feed.next_seq(), records)
+        return [*zsets, *heads, self.feed_key()], (entry, struct.pack(f"<{len(meta)}I", *meta))
 
     def _went_down(self, err: BaseException) -> None:
         if self._closed:
