@@ -16,6 +16,7 @@
 #   SETUPS="1:redis 3:redis" RUNS=2 SEEDS="1 2 3" deploy/perf/scale_out.sh   # only these, twice
 #   BALANCER=nginx deploy/perf/scale_out.sh        # nginx round robin in front (apt: nginx)
 #   RESTART_AT=3 BALANCER=nginx deploy/perf/scale_out.sh   # replica 1 restarted 3 s into a run
+#   RESTART_NICE=19 RESTART_AT=3 BALANCER=nginx ...        # ... its start at the lowest priority
 #
 # Prints one line per run (hit ratio, of the first 50 requests too and, in runs of 2,000 or
 # more, of the worst 1,000 in a row after the first 1,000; TTFT p50/p99, and the p99 of the
@@ -42,6 +43,10 @@ RUNS="${RUNS:-1}"                  # times each seed is run (alternating with th
 BALANCER="${BALANCER:-client}"     # client: the load generator round-robins; nginx: nginx does
 RESTART_AT="${RESTART_AT:-}"       # seconds into each multi-replica run: replica 1 is stopped
                                    # (SIGTERM, drained) and started again; empty: never
+RESTART_NICE="${RESTART_NICE:-}"   # the restarted replica's niceness until /ready (say 19; back
+                                   # to 0 then, which needs root): its start (~0.6 s of CPU) takes
+                                   # no CPU the serving replicas need, as a pod starting on CPU of
+                                   # its own would not; empty: started as the others were
 MOCK_PORT=9401
 NGINX_PORT=9460
 PROXY_PORT=9410
@@ -75,13 +80,14 @@ start_mock() {
 }
 
 replica_pids=()
-start_replica() {  # index, redis url or ""
-  local r=$1 redis=$2 backends=() extra=()
+start_replica() {  # index, redis url or "", niceness or ""
+  local r=$1 redis=$2 niceness=${3:-} backends=() extra=() lower=()
   for i in 0 1 2 3; do backends+=(--backend "http://127.0.0.1:$((MOCK_PORT + i))"); done
   if [[ -n "$redis" ]]; then extra=(--redis "$redis"); fi
-  WARMROUTE_REDIS__KEY_PREFIX="scale-out-$$-$run" warmroute serve --port $((PROXY_PORT + r)) \
-    --admin-port $((ADMIN_PORT + r)) --log-level warning "${backends[@]}" "${extra[@]}" \
-    >>"$OUT/proxy-$r.log" 2>&1 &
+  if [[ -n "$niceness" ]]; then lower=(nice -n "$niceness"); fi
+  WARMROUTE_REDIS__KEY_PREFIX="scale-out-$$-$run" "${lower[@]}" warmroute serve \
+    --port $((PROXY_PORT + r)) --admin-port $((ADMIN_PORT + r)) --log-level warning \
+    "${backends[@]}" "${extra[@]}" >>"$OUT/proxy-$r.log" 2>&1 &
   pids+=($!)
   replica_pids[r]=$!
 }
@@ -98,9 +104,13 @@ restart_replica() {  # seconds to wait, redis url or "": replica 1 stopped and s
   sleep "$1"
   kill -TERM "$old" 2>/dev/null || true
   while kill -0 "$old" 2>/dev/null; do sleep 0.05; done
-  start_replica 1 "$2"
+  start_replica 1 "$2" "$RESTART_NICE"
   echo "${replica_pids[1]}" >"$OUT/restarted.pid"
   wait_http "http://127.0.0.1:$((PROXY_PORT + 1))/ready"
+  if [[ -n "$RESTART_NICE" ]]; then  # serving, it runs at the others' priority again
+    renice -n 0 -p "${replica_pids[1]}" >/dev/null ||
+      echo "scale_out: could not renice replica 1 (needs root); it serves at $RESTART_NICE" >&2
+  fi
   echo "run $run: replica 1 restarted ${1}s in" >>"$OUT/restarts.log"
 }
 
@@ -255,6 +265,19 @@ print(f"  prompts per engine {layout}  spills {spills}  homes agree {same}/{len(
 EOF
 }
 
+drop_keys() {  # redis url, key prefix: a run's keys, so that Redis does not grow run by run
+  # (each run has its own prefix: its index, feed and placement would stay for their TTLs,
+  # half an hour; a session of runs left Redis holding 200 MB)
+  python - "$1" "$2" <<'EOF'
+import sys
+import redis
+client = redis.Redis.from_url(sys.argv[1])
+keys = list(client.scan_iter(match=sys.argv[2] + ":*", count=1000))
+for i in range(0, len(keys), 500):
+    client.delete(*keys[i : i + 500])
+EOF
+}
+
 run=0
 for ((pass = 1; pass <= RUNS; pass++)); do
   for seed in $SEEDS; do
@@ -267,6 +290,7 @@ for ((pass = 1; pass <= RUNS; pass++)); do
       if [[ $BALANCER == nginx ]]; then start_nginx "$count"; fi
       bench "${count}-proxy-${store}" "$count"
       stop_all
+      if [[ -n "$redis_now" ]]; then drop_keys "$redis_now" "scale-out-$$-$run"; fi
     done
   done
 done
