@@ -5,6 +5,7 @@ key layout is described in proxy/routing/index.py."""
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -132,6 +133,21 @@ BLOCKS_PER_CALL = 512
 
 def pack_blocks(blocks: Sequence[int]) -> bytes:
     return array("Q", blocks).tobytes()
+
+
+def record_keys(rows: Sequence[tuple[str, str, int]]) -> tuple[list[str], bytes]:
+    """Per record of a call (its ZSET key, its head set's key or "", its capacity): the call's
+    KEYS but the feed's (each ZSET once, then each head set once) and ARGV[6], the table of
+    each record's KEYS indexes (from 1; a head set's 0: none) and capacity."""
+    zsets: dict[str, int] = {}
+    for key, _, _ in rows:
+        zsets.setdefault(key, len(zsets) + 1)
+    heads: dict[str, int] = {}
+    table: list[int] = []
+    for key, head, cap in rows:
+        at = heads.setdefault(head, len(zsets) + len(heads) + 1) if head else 0
+        table += (zsets[key], cap, at)
+    return [*zsets, *heads], struct.pack(f"<{len(table)}I", *table)
 
 
 def reply_pairs(flat: Sequence[Any] | None, cut: int = 0) -> Iterator[tuple[str, int]]:

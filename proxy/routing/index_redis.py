@@ -1,7 +1,11 @@
 """The prefix index in Redis, shared by proxy replicas (see proxy/routing/index.py).
 
 When Redis counts as down: see redis_connect.TimeoutStreak. How a replica answers lookups from
-its own copy of the shared index, without a round trip: index_feed.py.
+its own copy of the shared index, without a round trip: index_feed.py. The scripts and their
+arguments' packing: index_lua.py.
+
+Size: the lookups, the writer, the feed's reader and the outage handling share the pending
+records, the local copy and the up/down state; apart, each would reach into the others' state.
 """
 
 from __future__ import annotations
@@ -9,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -29,6 +32,7 @@ from proxy.routing.index_lua import (
     RECORD_LUA,
     pack_blocks,
     record_calls,
+    record_keys,
     reply_pairs,
 )
 from proxy.routing.index_memory import (
@@ -508,25 +512,21 @@ class RedisPrefixIndex:
     def _record_call(
         self, chunk: Sequence[tuple[str, Sequence[int], float, int]]
     ) -> tuple[list[str], tuple[bytes, bytes]]:
-        """One record-script call's KEYS and its two packed arguments (index_lua.py): the
-        batch as the feed's entry, and per record its ZSET's and head set's KEYS index and
-        its capacity. The same call appends the entry to the feed, so the other replicas'
-        copies learn exactly what Redis now holds, in the order Redis wrote it."""
-        zsets: dict[str, int] = {}  # ZSET key -> its KEYS index (from 1)
-        for backend, _, _, _ in chunk:
-            zsets.setdefault(self.key(backend), len(zsets) + 1)
-        heads: dict[str, int] = {}  # head set -> its KEYS index
-        meta: list[int] = []
-        records = []
-        for backend, blocks, ts, first in chunk:
-            key = self.key(backend)
-            at = 0
-            if first == 0:
-                at = heads.setdefault(self.head_key(blocks[0]), len(zsets) + len(heads) + 1)
-            meta.extend((zsets[key], self._capacity.get(backend, self.default_capacity), at))
-            records.append((key, ts, first, blocks))
+        """One record-script call's KEYS and its two packed arguments (index_lua.py); the
+        same call appends the batch to the feed, so the other replicas' copies learn exactly
+        what Redis now holds, in the order Redis wrote it."""
+        caps, default = self._capacity, self.default_capacity
+        rows = [
+            (self.key(b), self.head_key(blocks[0]) if first == 0 else "", caps.get(b, default))
+            for b, blocks, _, first in chunk
+        ]
+        keys, table = record_keys(rows)
+        records = [
+            (key, ts, first, blocks)
+            for (key, _, _), (_, blocks, ts, first) in zip(rows, chunk, strict=True)
+        ]
         entry = pack_entry(self.feed.writer, self.feed.next_seq(), records)
-        return [*zsets, *heads, self.feed_key()], (entry, struct.pack(f"<{len(meta)}I", *meta))
+        return [*keys, self.feed_key()], (entry, table)
 
     def _went_down(self, err: BaseException) -> None:
         if self._closed:
