@@ -31,6 +31,7 @@ LEAVES = frozenset(
         "proxy.sse",
         "proxy.stats",
         "proxy.presets",
+        "proxy.heap",
         "proxy.kvevents",
         "proxy.kvevents.wire",
         "proxy.kvevents.publisher",

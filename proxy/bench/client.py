@@ -26,6 +26,7 @@ from tqdm import tqdm
 from proxy.bench.group import GroupRun
 from proxy.bench.results import RunResult
 from proxy.bench.workloads import RequestSpec, Workload
+from proxy.heap import still_heap
 
 MAX_REQUESTS = 100_000
 # How a run with several targets picks one per request (see GroupRun.target_for).
@@ -246,7 +247,8 @@ async def run_paired(
         for st in states:
             st.t0 = t0
         try:
-            await _drive(states, plan, runs, concurrency, rate, workload.seed, deadline_s)
+            with still_heap():  # (a client's GC pause would read as the server's latency)
+                await _drive(states, plan, runs, concurrency, rate, workload.seed, deadline_s)
         finally:
             pbar.close()
         duration, client_cpu = time.perf_counter() - t0, time.thread_time() - cpu0

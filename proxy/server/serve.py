@@ -8,7 +8,6 @@ import contextlib
 import ctypes
 import errno
 import functools
-import gc
 import inspect
 import json
 import logging
@@ -27,6 +26,7 @@ from proxy.edge.limits import (
     default_max_connections,
     raise_open_file_limit,
 )
+from proxy.heap import freeze_startup_heap
 from proxy.redact import install_safe_formatter, redacted_config
 
 CONFIG_ENV = "_WARMROUTE_SERVE_CONFIG"  # hands the validated config to worker processes
@@ -288,29 +288,6 @@ def app_factory() -> Any:
     freeze_startup_heap()
     return_freed_memory()
     return app
-
-
-# Young-generation collections start after this many more container allocations than
-# frees (CPython's default is 700). Each one walks every live young object, and at c=64 the
-# open requests' objects alone made that ~0.4 ms: one every ~30 requests, ~14 µs of CPU a
-# request and a pause in every open stream. Requests free what they allocate by reference
-# counting (tests/test_telemetry.py checks telemetry's share), so at 10,000 the collector
-# runs when something really accumulates.
-GC_YOUNG_THRESHOLD = 10_000
-
-
-def freeze_startup_heap() -> None:
-    """Move everything built at startup out of the GC's reach, and collect the young
-    generation rarely.
-
-    OpenTelemetry, Prometheus and the imports make a large long-lived heap that every full
-    collection would rescan: measured ~90 µs of GC per request with metrics on, ~58 µs after
-    freezing (docs/telemetry-overhead.md).
-    """
-    gc.collect()
-    gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
 # glibc serves allocations this large or larger with their own mmap, so freeing one returns
