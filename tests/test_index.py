@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import struct
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -97,6 +98,15 @@ def test_a_batch_of_records_goes_in_calls_short_in_records_and_in_blocks() -> No
     for _, chunk in calls:
         assert len(chunk) <= index_lua.RECORDS_PER_CALL
         assert len(chunk) == 1 or sum(len(b) for _, b, _, _ in chunk) <= BLOCKS_PER_CALL
+
+
+def test_a_calls_keys_name_each_zset_once_then_the_head_sets() -> None:
+    """The record script's KEYS and per-record table (index_lua.py): a backend written by two
+    records of a call is one KEY; head sets follow the ZSETs; a continuation has none."""
+    rows = [("z:b0", "h:1", 100), ("z:b1", "h:2", 200), ("z:b0", "", 100), ("z:b1", "h:1", 200)]
+    keys, table = index_lua.record_keys(rows)
+    assert keys == ["z:b0", "z:b1", "h:1", "h:2"]
+    assert struct.unpack("<12I", table) == (1, 100, 3, 2, 200, 4, 1, 100, 0, 2, 200, 3)
 
 
 @pytest.mark.redis
