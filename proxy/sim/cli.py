@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from proxy import presets
+from proxy.heap import freeze_startup_heap
 from proxy.kvevents.publisher import offset_endpoint
 from proxy.sim.config import PD_FLOWS, ROLES, Faults, SimConfig
 from proxy.sim.fleet import SimFleet
@@ -293,6 +294,9 @@ async def _main(cfgs: list[SimConfig], host: str, ports: list[int], log_level: s
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     async with SimFleet(cfgs, host, ports, log_level) as fleet:
+        # Built: its startup heap out of every full collection's scan (one of 18 ms paused
+        # every engine of this process mid-run, as the bench mock's did; proxy/heap.py).
+        freeze_startup_heap()
         c = cfgs[0]
         print(
             f"warmroute sim: {len(cfgs)} x {c.model} ({c.params} {c.dtype} on {c.device}, "
