@@ -86,10 +86,7 @@ def pack_entry(
     pack = _RECORD.pack
     for key, ts, first, blocks in records:
         k = key.encode() if isinstance(key, str) else key
-        if isinstance(blocks, array) and blocks.typecode == "Q":
-            packed = blocks.tobytes()
-        else:
-            packed = array("Q", blocks).tobytes()
+        packed = array("Q", blocks).tobytes()
         parts += [pack(ts, first, len(k), len(packed)), k, packed]
     return b"".join(parts)
 
