@@ -2,7 +2,8 @@
 
 The modules a streamed chunk runs through (proxy.HOT_PATH: the meter, the relay's step, the
 SSE and JSON byte scans) are compiled with mypyc where the machine can (docs/hot-path.md,
-round 6). Compiling is optional: with WARMROUTE_COMPILE=0, without mypyc, or when it fails (no
+round 6), and the C helpers beside them (proxy.HOT_PATH_C: the meter's event scan, round 7)
+with the same compiler, in the same step. Compiling is optional: with WARMROUTE_COMPILE=0, without mypyc, or when it fails (no
 C compiler), the same package is installed as pure Python, and one line says so. The sources
 are installed beside the compiled modules either way; proxy/__init__.py decides at import
 which of the two runs (WARMROUTE_PURE_PYTHON=1: the sources).
@@ -19,7 +20,7 @@ from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 from typing import Any
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -31,15 +32,25 @@ def say(message: str) -> None:
     print(f"warmroute: {message}", file=sys.stderr)
 
 
-def hot_path() -> list[str]:
-    """proxy.HOT_PATH, read from proxy/__init__.py without importing the package."""
+def _declared(name: str) -> list[str]:
+    """A tuple of module names in proxy/__init__.py, read without importing the package."""
     tree = ast.parse((ROOT / "proxy" / "__init__.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "HOT_PATH" for t in node.targets
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
         ):
             return list(ast.literal_eval(node.value))
-    raise RuntimeError("proxy/__init__.py has no HOT_PATH")
+    raise RuntimeError(f"proxy/__init__.py has no {name}")
+
+
+def hot_path() -> list[str]:
+    """proxy.HOT_PATH: the modules mypyc compiles."""
+    return _declared("HOT_PATH")
+
+
+def hot_path_c() -> list[str]:
+    """proxy.HOT_PATH_C: the C helpers, each from proxy/<name>.c."""
+    return _declared("HOT_PATH_C")
 
 
 def brief(e: BaseException) -> str:
@@ -48,14 +59,14 @@ def brief(e: BaseException) -> str:
 
 
 def source(module: str) -> str:
-    return module.replace(".", "/") + ".py"
+    return module.replace(".", "/") + (".c" if module in hot_path_c() else ".py")
 
 
 def in_tree_outputs() -> list[Path]:
     """What an editable build compiled into the checkout: stale once a later build is not
     compiled, and then removed (else the last compiled copy would still be imported)."""
     found = [ROOT / "proxy" / RECORD]
-    for module in [*hot_path(), GROUP + "__mypyc"]:
+    for module in [*hot_path(), *hot_path_c(), GROUP + "__mypyc"]:
         base = str(ROOT / module.replace(".", "/"))
         found += [Path(p) for suffix in EXTENSION_SUFFIXES for p in glob.glob(base + suffix)]
     return [p for p in found if p.exists()]
@@ -90,7 +101,8 @@ def extensions() -> list[Any]:
         return []
     finally:
         os.chdir(cwd)
-    return list(exts)
+    native = [Extension(m, [source(m)], extra_compile_args=["-O2"]) for m in hot_path_c()]
+    return [*exts, *native]
 
 
 class BuildHotPath(build_ext):
@@ -113,12 +125,13 @@ class BuildHotPath(build_ext):
             return
         digests = "".join(
             f"{hashlib.sha256((ROOT / source(m)).read_bytes()).hexdigest()}  {source(m)}\n"
-            for m in hot_path()
+            for m in [*hot_path(), *hot_path_c()]
         )
         for inplace in {False, bool(self.inplace)}:
             package = os.path.dirname(self._fullpath("proxy.sse", inplace))
             Path(package, RECORD).write_text(digests)
-        say(f"compiled the hot path with mypyc: {', '.join(hot_path())}")
+        compiled = ", ".join(hot_path())
+        say(f"compiled the hot path with mypyc: {compiled}; in C: {', '.join(hot_path_c())}")
 
     def _fullpath(self, name: str, inplace: bool) -> str:
         saved, self.inplace = self.inplace, inplace

@@ -29,19 +29,25 @@ HOT_PATH = (
     "proxy.forwarding.push",
     "proxy.upstream.conn",
 )
+# C helpers of the same hot path, built by the same step from proxy/<name>.c and chosen with
+# it (`native`): the meter's event scan (proxy/eventscan.py). setup.py reads this tuple too.
+HOT_PATH_C = ("proxy._eventscan",)
 PURE_ENV = "WARMROUTE_PURE_PYTHON"
 _RECORD = "_compiled.sha256"  # written by the build beside what it compiled
 _SITE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _source(module: str) -> str:
-    return os.path.join(_SITE, *module.split(".")) + ".py"
+    return os.path.join(_SITE, *module.split(".")) + (".c" if module in HOT_PATH_C else ".py")
+
+
+def _built(module: str) -> bool:
+    base = os.path.splitext(_source(module))[0]
+    return any(os.path.exists(base + suffix) for suffix in EXTENSION_SUFFIXES)
 
 
 def _compiled_present() -> bool:
-    return any(
-        os.path.exists(_source(m)[:-3] + suffix) for m in HOT_PATH for suffix in EXTENSION_SUFFIXES
-    )
+    return any(_built(m) for m in HOT_PATH)
 
 
 def _choose() -> str:
@@ -55,13 +61,16 @@ def _choose() -> str:
         return f"{PURE_ENV}={os.environ[PURE_ENV]}"
     import hashlib
 
-    for module in HOT_PATH:
+    for module in (*HOT_PATH, *HOT_PATH_C):
         path = _source(module)
-        if not any(os.path.exists(path[:-3] + suffix) for suffix in EXTENSION_SUFFIXES):
+        if not _built(module):
             return "not compiled"
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-        if record.get(module.replace(".", "/") + ".py") != digest:
+        try:
+            with open(path, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            return f"{module}'s source is missing"
+        if record.get(os.path.relpath(path, _SITE).replace(os.sep, "/")) != digest:
             return f"{module} changed since it was compiled"
     return ""
 
@@ -80,6 +89,18 @@ class _Sources(MetaPathFinder):
 _WHY_PURE = _choose()
 if _WHY_PURE and _compiled_present():
     sys.meta_path.insert(0, _Sources())
+
+
+def native(name: str) -> ModuleType | None:
+    """The hot path's C helper `name` (one of HOT_PATH_C) where the compiled hot path runs;
+    None where the sources do, whose callers then use their Python."""
+    if name not in HOT_PATH_C:
+        raise ValueError(f"{name} is not one of the hot path's C helpers")
+    if _WHY_PURE:
+        return None
+    import importlib
+
+    return importlib.import_module(name)
 
 
 def hot_path() -> dict[str, str]:

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # writer and the ASGI toolkit, the connection.
 HOT_PATH_TESTS = (
     "tests/test_meter.py",
+    "tests/test_eventscan.py",
     "tests/test_upstream_push.py",
     "tests/test_relay_parts.py",
     "tests/test_body_writer.py",
@@ -64,15 +65,15 @@ def _package(site: Path, *, compiled: bool = True) -> None:
     (site / "proxy").mkdir(parents=True)
     shutil.copy(ROOT / "proxy" / "__init__.py", site / "proxy" / "__init__.py")
     record = []
-    for module in proxy.HOT_PATH:
-        rel = module.replace(".", "/") + ".py"
+    for module in (*proxy.HOT_PATH, *proxy.HOT_PATH_C):
+        rel = module.replace(".", "/") + (".c" if module in proxy.HOT_PATH_C else ".py")
         path = site / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         (path.parent / "__init__.py").touch(exist_ok=True)
         path.write_text(f"WHERE = {module!r}\n")
         record.append(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {rel}\n")
         if compiled:
-            Path(str(path)[:-3] + EXTENSION_SUFFIXES[0]).write_bytes(b"")
+            Path(str(path.with_suffix("")) + EXTENSION_SUFFIXES[0]).write_bytes(b"")
     if compiled:
         (site / "proxy" / "_compiled.sha256").write_text("".join(record))
 
@@ -109,6 +110,12 @@ def test_the_sources_run_when_asked_edited_or_not_compiled(tmp_path: Path) -> No
     meter.write_text(meter.read_text() + "# edited\n")
     edited = "proxy.forwarding.meter changed since it was compiled"
     assert _choice(built) == ("pure sources", edited)
+    # ... and the C helper's source: the meter's scan comes from the same build, or not at all.
+    rebuilt = tmp_path / "rebuilt"
+    _package(rebuilt)
+    scan = rebuilt / "proxy" / "_eventscan.c"
+    scan.write_text(scan.read_text() + "/* edited */\n")
+    assert _choice(rebuilt) == ("pure sources", "proxy._eventscan changed since it was compiled")
     bare = tmp_path / "bare"
     _package(bare, compiled=False)
     assert _choice(bare) == ("pure sources", "not compiled")

@@ -12,10 +12,9 @@ from typing import Any, Literal
 
 import orjson
 
+from proxy.eventscan import chat_events
 from proxy.jsonscan import (
     FINISH,
-    FINISH_NULL,
-    FINISH_STRING,
     QUOTE,
     chat_output,
     nonempty_at,
@@ -282,41 +281,21 @@ class StreamMeter:
         start = 0
         cut: list[tuple[int, int]] | None = None
         # The common event (chat, compact JSON, one data line, non-empty content, no finish
-        # reason) is classified inline, by searches on buf itself (no slice, no method call):
-        # the same tests _event() makes, which still decides everything else.
+        # reason) is counted by the scan that skips a whole run of them in one call
+        # (proxy/eventscan.py: C where the hot path is compiled); _event() decides the rest.
         fast = self.api == "chat" and self._parsed_first
-        # Searches over the whole read instead of one per event: no event that ends before
-        # `clear` has a finish reason (every finish_reason key before it is null).
-        n = len(buf)  # every finish_reason key null (the usual read): two scans say so
-        clear = -1
-        if self.api == "chat":
-            if buf.count(FINISH) == buf.count(FINISH_NULL):
-                clear = n
-            else:
-                clear = buf.find(FINISH_STRING)
-                if clear < 0:
-                    clear = n
-                if buf.count(FINISH, 0, clear) != buf.count(FINISH_NULL, 0, clear):
-                    clear = -1
+        n = len(buf)
         events = chunks = 0
         strip = self.strip_usage
         while search < n:  # a read that ends on an event's end takes no search past it
-            end = buf.find(sep, search)
+            if fast:
+                k, start, end = chat_events(buf, start, search, sep)
+                events += k
+                chunks += k
+            else:
+                end = buf.find(sep, search)
             if end < 0:
                 break
-            if fast and buf.startswith(b"data: ", start, end):
-                # jsonscan.nonempty_at(event, b'"content":') for compact JSON, written out:
-                # a call per event is what this loop cannot afford.
-                i = buf.find(b'"content":"', start + 6, end)
-                if (
-                    i >= 0
-                    and buf[i + 11] != QUOTE
-                    and (end <= clear or not value_starts(buf, FINISH, QUOTE, start + 6, end))
-                ):
-                    events += 1
-                    chunks += 1
-                    start = search = end + seplen
-                    continue
             if self._event(buf, start, end, now) == USAGE_ONLY and strip:
                 cut = [*(cut or ()), (start, end + seplen)]
             fast = self.api == "chat" and self._parsed_first

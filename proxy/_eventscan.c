@@ -1,0 +1,162 @@
+/* The run of common chat events in one upstream read, scanned in C (proxy/eventscan.py).
+ *
+ * The stream meter classifies every event of every read. The common one (compact JSON, one
+ * `data: ` line, non-empty content, no finish reason) needs four byte searches, and from
+ * Python each is a bytes-method call that costs more in argument parsing than the search
+ * itself: about a fifth of a paced chunk's instructions. Here one call skips the whole run of
+ * such events and says where the first other event ends. proxy/eventscan.py's chat_events_py
+ * is the same scan in Python, the fallback where this is not built and the reference the
+ * tests compare this with; its docstring is the contract.
+ *
+ * Built by setup.py beside the mypyc-compiled hot path, and chosen with it (proxy/__init__.py).
+ */
+#define PY_SSIZE_T_CLEAN
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* memmem */
+#endif
+#include <Python.h>
+#include <string.h>
+
+static const char DATA[] = "data: ";
+#define DATA_LEN 6
+static const char CONTENT[] = "\"content\":\"";
+#define CONTENT_LEN 11
+static const char FINISH[] = "\"finish_reason\":";
+#define FINISH_LEN 16
+
+/* The first `needle` wholly inside buf[from:to], or -1 (bytes.find's answer). */
+static Py_ssize_t
+find(const char *buf, Py_ssize_t from, Py_ssize_t to, const char *needle, Py_ssize_t len)
+{
+    if (to - from < len) {
+        return -1;
+    }
+    const char *p = memmem(buf + from, (size_t)(to - from), needle, (size_t)len);
+    return p == NULL ? -1 : (Py_ssize_t)(p - buf);
+}
+
+static int
+is_ws(char c)
+{
+    return c == ' ' || c == '\t' || c == '\r' || c == '\n';
+}
+
+/* jsonscan.value_starts(buf, FINISH, QUOTE, s, e): some finish_reason key in buf[s:e] whose
+ * value, after whitespace, starts a string. The key cannot overlap itself, so looking at its
+ * occurrences front to back finds the ones value_starts finds back to front. */
+static int
+finish_string(const char *buf, Py_ssize_t s, Py_ssize_t e)
+{
+    Py_ssize_t i = find(buf, s, e, FINISH, FINISH_LEN);
+    while (i >= 0) {
+        Py_ssize_t j = i + FINISH_LEN;
+        while (j < e && is_ws(buf[j])) {
+            j++;
+        }
+        if (j < e && buf[j] == '"') {
+            return 1;
+        }
+        i = find(buf, j, e, FINISH, FINISH_LEN);
+    }
+    return 0;
+}
+
+static PyObject *
+triple(Py_ssize_t a, Py_ssize_t b, Py_ssize_t c)
+{
+    PyObject *t = PyTuple_New(3);
+    if (t == NULL) {
+        return NULL;
+    }
+    Py_ssize_t v[3] = {a, b, c};
+    for (int k = 0; k < 3; k++) {
+        PyObject *x = PyLong_FromSsize_t(v[k]);
+        if (x == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, k, x);
+    }
+    return t;
+}
+
+static Py_ssize_t
+index_arg(PyObject *o, const char *name)
+{
+    Py_ssize_t v = PyLong_AsSsize_t(o);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (v < 0) {
+        PyErr_Format(PyExc_ValueError, "chat_events: %s must be >= 0, not %zd", name, v);
+        return -1;
+    }
+    return v;
+}
+
+static PyObject *
+chat_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError,
+                     "chat_events(buf, start, search, sep) takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (!PyBytes_CheckExact(args[0]) || !PyBytes_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "chat_events: buf and sep must be bytes");
+        return NULL;
+    }
+    Py_ssize_t start = index_arg(args[1], "start");
+    if (start < 0) {
+        return NULL;
+    }
+    Py_ssize_t search = index_arg(args[2], "search");
+    if (search < 0) {
+        return NULL;
+    }
+    const char *buf = PyBytes_AS_STRING(args[0]);
+    Py_ssize_t n = PyBytes_GET_SIZE(args[0]);
+    const char *sep = PyBytes_AS_STRING(args[3]);
+    Py_ssize_t seplen = PyBytes_GET_SIZE(args[3]);
+    if (seplen == 0) {
+        PyErr_SetString(PyExc_ValueError, "chat_events: empty separator");
+        return NULL;
+    }
+    Py_ssize_t k = 0;
+    while (search < n) {
+        Py_ssize_t end = find(buf, search, n, sep, seplen);
+        if (end < 0) {
+            break;
+        }
+        if (end - start < DATA_LEN || memcmp(buf + start, DATA, DATA_LEN) != 0) {
+            return triple(k, start, end);
+        }
+        Py_ssize_t i = find(buf, start + DATA_LEN, end, CONTENT, CONTENT_LEN);
+        /* i + CONTENT_LEN <= end < n: the byte after the key's quote is in buf */
+        if (i < 0 || buf[i + CONTENT_LEN] == '"' || finish_string(buf, start + DATA_LEN, end)) {
+            return triple(k, start, end);
+        }
+        k++;
+        start = search = end + seplen;
+    }
+    return triple(k, start, -1);
+}
+
+static PyMethodDef methods[] = {
+    {"chat_events", (PyCFunction)(void (*)(void))chat_events, METH_FASTCALL,
+     "chat_events(buf, start, search, sep) -> (count, start, end): as "
+     "proxy.eventscan.chat_events_py."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "proxy._eventscan",
+    "The run of common chat events in a read, scanned in C (proxy/eventscan.py).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__eventscan(void)
+{
+    return PyModule_Create(&module_def);
+}
