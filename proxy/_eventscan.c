@@ -103,7 +103,7 @@ chat_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      "chat_events(buf, start, search, sep) takes 4 arguments (%zd given)", nargs);
         return NULL;
     }
-    if (!PyBytes_CheckExact(args[0]) || !PyBytes_CheckExact(args[3])) {
+    if (!PyBytes_Check(args[0]) || !PyBytes_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError, "chat_events: buf and sep must be bytes");
         return NULL;
     }
