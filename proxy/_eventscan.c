@@ -1,4 +1,5 @@
-/* The run of common chat events in one upstream read, scanned in C (proxy/eventscan.py).
+/* The run of common chat events in one upstream read, scanned in C (proxy/eventscan.py), and
+ * the test the meter makes of each other chat event (jsonscan.chat_output).
  *
  * The stream meter classifies every event of every read. The common one (compact JSON, one
  * `data: ` line, non-empty content, no finish reason) needs four byte searches, and from
@@ -6,7 +7,8 @@
  * itself: about a fifth of a paced chunk's instructions. Here one call skips the whole run of
  * such events and says where the first other event ends. proxy/eventscan.py's chat_events_py
  * is the same scan in Python, the fallback where this is not built and the reference the
- * tests compare this with; its docstring is the contract.
+ * tests compare this with; its docstring is the contract. chat_output's is jsonscan's: five
+ * searches, each a bytes-method call from Python, for every event that is not common.
  *
  * Built by setup.py beside the mypyc-compiled hot path, and chosen with it (proxy/__init__.py).
  */
@@ -94,6 +96,59 @@ index_arg(PyObject *o, const char *name)
     return v;
 }
 
+/* jsonscan.nonempty_at(p, key, opener): some `key` in p whose value, after whitespace, is a
+ * non-empty string (opener '"') or a non-empty array (opener '['). */
+static int
+nonempty_at(const char *p, Py_ssize_t n, const char *key, Py_ssize_t k, char opener)
+{
+    Py_ssize_t i = find(p, 0, n, key, k);
+    while (i >= 0) {
+        Py_ssize_t j = i + k;
+        while (j < n && is_ws(p[j])) {
+            j++;
+        }
+        if (j + 1 < n && p[j] == opener) {
+            j++;
+            if (opener == '"') {
+                if (p[j] != '"') {
+                    return 1;
+                }
+            }
+            else {
+                while (j < n && is_ws(p[j])) {
+                    j++;
+                }
+                if (j < n && p[j] != ']') {
+                    return 1;
+                }
+            }
+        }
+        i = find(p, j, n, key, k);
+    }
+    return 0;
+}
+
+#define KEY(s) s, (Py_ssize_t)(sizeof(s) - 1)
+
+/* jsonscan.chat_output(p): does a chat chunk carry output in any choice? */
+static PyObject *
+chat_output(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    if (!PyBytes_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "chat_output: p must be bytes");
+        return NULL;
+    }
+    const char *p = PyBytes_AS_STRING(arg);
+    Py_ssize_t n = PyBytes_GET_SIZE(arg);
+    int out = nonempty_at(p, n, KEY("\"content\":"), '"')
+              || nonempty_at(p, n, KEY("\"reasoning_content\":"), '"')
+              || nonempty_at(p, n, KEY("\"reasoning\":"), '"')
+              || nonempty_at(p, n, KEY("\"refusal\":"), '"')
+              || nonempty_at(p, n, KEY("\"tool_calls\":"), '[');
+    return PyBool_FromLong(out);
+}
+
 static PyObject *
 chat_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -147,12 +202,17 @@ static PyMethodDef methods[] = {
     {"chat_events", (PyCFunction)(void (*)(void))chat_events, METH_FASTCALL,
      "chat_events(buf, start, search, sep) -> (count, start, end): as "
      "proxy.eventscan.chat_events_py."},
+    {"chat_output", chat_output, METH_O,
+     "chat_output(p) -> bool: as proxy.jsonscan.chat_output."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "proxy._eventscan",
-    "The run of common chat events in a read, scanned in C (proxy/eventscan.py).", -1, methods,
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "proxy._eventscan",
+    .m_doc = "The meter's event scans in C (proxy/eventscan.py).",
+    .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC

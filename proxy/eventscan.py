@@ -7,7 +7,8 @@ finish reasons, usage, errors, `[DONE]`). Finding one takes four byte searches, 
 Python each is a bytes-method call whose argument parsing costs more than the search: about a
 fifth of a paced chunk's instructions, and most of what a short stream's meter spends.
 
-`chat_events` skips the whole run in one call: proxy/_eventscan.c where the compiled hot path
+`chat_events` skips the whole run in one call, and `chat_output` is jsonscan's test of the
+others (five searches) in one: proxy/_eventscan.c where the compiled hot path
 runs (setup.py builds it beside the mypyc modules; proxy/__init__.py chooses both or neither),
 else `chat_events_py`, the same scan in Python, which is also the reference the C is tested
 against (tests/test_eventscan.py).
@@ -19,8 +20,9 @@ from collections.abc import Callable
 
 import proxy
 from proxy.jsonscan import FINISH, FINISH_NULL, FINISH_STRING, QUOTE, value_starts
+from proxy.jsonscan import chat_output as chat_output_py
 
-__all__ = ["chat_events", "chat_events_py", "implementation"]
+__all__ = ["chat_events", "chat_events_py", "chat_output", "chat_output_py", "implementation"]
 
 DATA = b"data: "
 CONTENT = b'"content":"'
@@ -69,14 +71,17 @@ def chat_events_py(buf: bytes, start: int, search: int, sep: bytes) -> tuple[int
 
 
 ChatEvents = Callable[[bytes, int, int, bytes], tuple[int, int, int]]
+ChatOutput = Callable[[bytes], bool]
 
 
-def _chosen() -> tuple[ChatEvents, str]:
+def _chosen() -> tuple[ChatEvents, ChatOutput, str]:
     native = proxy.native("proxy._eventscan")
     if native is None:
-        return chat_events_py, "python"
+        return chat_events_py, chat_output_py, "python"
     scan: ChatEvents = native.chat_events
-    return scan, "c"
+    output: ChatOutput = native.chat_output
+    return scan, output, "c"
 
 
-chat_events, implementation = _chosen()
+# chat_output: jsonscan.chat_output (its docstring), in one C call where the scan is C too.
+chat_events, chat_output, implementation = _chosen()

@@ -151,3 +151,52 @@ def test_the_scan_runs_with_the_hot_path_it_belongs_to() -> None:
     compiled = proxy.hot_path()["implementation"] == "compiled"
     assert eventscan.implementation == ("c" if compiled else "python")
     assert (eventscan.chat_events is chat_events_py) == (not compiled)
+
+
+# chat_output: jsonscan's five key searches, in one C call where the scan is C.
+_KEY = st.sampled_from(
+    [b'"content":', b'"reasoning_content":', b'"reasoning":', b'"refusal":', b'"tool_calls":']
+)
+_PIECE = st.one_of(
+    _KEY,
+    st.sampled_from([b'"', b'""', b'"x"', b"[", b"[]", b"[ ]", b"[{", b"null", b"]", b" ", b"\t"]),
+    st.sampled_from([b"\r\n", b",", b"{", b"}", b'"content"', b"content:"]),
+    st.binary(max_size=6),
+)
+
+
+@needs_c
+@settings(max_examples=600, deadline=None)
+@given(pieces=st.lists(_PIECE, max_size=12))
+def test_the_c_output_test_answers_as_jsonscans(pieces: list[bytes]) -> None:
+    from proxy._eventscan import chat_output
+    from proxy.jsonscan import chat_output as reference
+
+    p = b"".join(pieces)
+    assert chat_output(p) is reference(p), p
+
+
+@pytest.mark.parametrize(
+    ("p", "want"),
+    [
+        (b'{"delta":{"content":"hi"}}', True),
+        (b'{"delta":{"content":""}}', False),
+        (b'{"delta":{"content": "x"}}', True),
+        (b'{"delta":{"content":null,"tool_calls":[{"id":"t"}]}}', True),
+        (b'{"delta":{"tool_calls":[ ]}}', False),
+        (b'{"delta":{"reasoning_content":"think"}}', True),
+        (b'{"choices":[{"delta":{"content":""}},{"delta":{"content":"b"}}]}', True),
+        (b'{"choices":[],"usage":{"prompt_tokens":3}}', False),
+        (b'"content":"', False),  # the value's first byte is not in the read: no output
+        (b"[DONE]", False),
+    ],
+)
+def test_the_output_test_on_written_out_events(p: bytes, want: bool) -> None:
+    assert eventscan.chat_output(p) is want
+    assert eventscan.chat_output_py(p) is want
+
+
+def test_the_meter_takes_both_scans_from_one_build() -> None:
+    assert (eventscan.chat_output is eventscan.chat_output_py) == (
+        eventscan.chat_events is chat_events_py
+    )

@@ -12,11 +12,10 @@ from typing import Any, Literal
 
 import orjson
 
-from proxy.eventscan import chat_events
+from proxy.eventscan import chat_events, chat_output
 from proxy.jsonscan import (
     FINISH,
     QUOTE,
-    chat_output,
     nonempty_at,
     response_type,
     value_starts,
@@ -418,7 +417,7 @@ class StreamMeter:
             self._joined = True  # (_load must not split it again: its lines have no data:)
         self._events += 1
         if self.api == "chat":
-            if chat_output(p):
+            if p != DONE and chat_output(p):  # [DONE] has no keys: no searches for it
                 kind = self._output_event(p)
             else:
                 kind = self._other_event(p)
