@@ -54,7 +54,9 @@ def test_hot_path_reports_the_modules_imported() -> None:
     assert impl["implementation"] == ("compiled" if compiled else "pure"), impl
     assert (impl["why"] == "") == bool(compiled), impl
     assert hot_path_line().startswith(
-        "hot path: compiled (mypyc)" if compiled else "hot path: pure Python ("
+        "hot path: compiled (mypyc; the meter's event scans in C)"
+        if compiled
+        else "hot path: pure Python ("
     )
 
 

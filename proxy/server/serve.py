@@ -352,7 +352,7 @@ def hot_path_line() -> str:
     """Which per-chunk hot path runs (proxy.HOT_PATH): the compiled one, or pure Python."""
     impl = hot_path()
     if impl["implementation"] == "compiled":
-        return "hot path: compiled (mypyc)"
+        return "hot path: compiled (mypyc; the meter's event scans in C)"
     return f"hot path: pure Python ({impl['why']})"
 
 
