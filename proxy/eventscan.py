@@ -26,6 +26,7 @@ __all__ = ["chat_events", "chat_events_py", "chat_output", "chat_output_py", "im
 
 DATA = b"data: "
 CONTENT = b'"content":"'
+_DATA_LEN, _CONTENT_LEN = len(DATA), len(CONTENT)
 
 
 def chat_events_py(buf: bytes, start: int, search: int, sep: bytes) -> tuple[int, int, int]:
@@ -58,11 +59,11 @@ def chat_events_py(buf: bytes, start: int, search: int, sep: bytes) -> tuple[int
             break
         if not buf.startswith(DATA, start, end):
             return k, start, end
-        i = buf.find(CONTENT, start + 6, end)
+        i = buf.find(CONTENT, start + _DATA_LEN, end)
         if (
             i < 0
-            or buf[i + 11] == QUOTE  # i + 11 <= end: the separator's bytes follow
-            or (end > clear and value_starts(buf, FINISH, QUOTE, start + 6, end))
+            or buf[i + _CONTENT_LEN] == QUOTE  # i + _CONTENT_LEN <= end: the separator follows
+            or (end > clear and value_starts(buf, FINISH, QUOTE, start + _DATA_LEN, end))
         ):
             return k, start, end
         k += 1

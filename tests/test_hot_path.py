@@ -118,6 +118,11 @@ def test_the_sources_run_when_asked_edited_or_not_compiled(tmp_path: Path) -> No
     scan = rebuilt / "proxy" / "_eventscan.c"
     scan.write_text(scan.read_text() + "/* edited */\n")
     assert _choice(rebuilt) == ("pure sources", "proxy._eventscan changed since it was compiled")
+    # ... and an install whose C source is gone cannot say what was compiled: sources run.
+    bare_c = tmp_path / "bare_c"
+    _package(bare_c)
+    (bare_c / "proxy" / "_eventscan.c").unlink()
+    assert _choice(bare_c) == ("pure sources", "proxy._eventscan's source is missing")
     bare = tmp_path / "bare"
     _package(bare, compiled=False)
     assert _choice(bare) == ("pure sources", "not compiled")
