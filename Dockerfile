@@ -5,7 +5,8 @@
 
 FROM python:3.11-slim AS build
 # gcc for the build stage only: setup.py compiles the per-chunk hot path with mypyc (which pip
-# brings) and the meter's C scans (proxy/_eventscan.c); without a compiler the install would
+# brings), the meter's C scans and the prefix index's C tables (proxy/_eventscan.c,
+# proxy/_blockmap.c); without a compiler the install would
 # still succeed, as pure Python. The image below copies the built venv and has no compiler.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*

@@ -29,9 +29,10 @@ HOT_PATH = (
     "proxy.forwarding.push",
     "proxy.upstream.conn",
 )
-# C helpers of the same hot path, built by the same step from proxy/<name>.c and chosen with
-# it (`native`): the meter's event scan (proxy/eventscan.py). setup.py reads this tuple too.
-HOT_PATH_C = ("proxy._eventscan",)
+# C helpers, built by the same step from proxy/<name>.c and chosen with the compiled group
+# (`native`): the meter's event scan (proxy/eventscan.py) and the prefix index's tables
+# (proxy/routing/blockmap.py). setup.py reads this tuple too.
+HOT_PATH_C = ("proxy._eventscan", "proxy._blockmap")
 PURE_ENV = "WARMROUTE_PURE_PYTHON"
 _RECORD = "_compiled.sha256"  # written by the build beside what it compiled
 _SITE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -27,12 +27,14 @@ from proxy.config import load_config
 from proxy.server.serve import hot_path_line
 
 ROOT = Path(__file__).resolve().parent.parent
-# The tests of the compiled modules that run again under the pure Python (~10 s): the meter
-# and the scans, the relay's step in the connection's callback and its parts, the body
-# writer and the ASGI toolkit, the connection.
+# The tests of the compiled modules that run again under the pure Python (~17 s): the meter
+# and the scans, the prefix index on its dict maps, the relay's step in the connection's
+# callback and its parts, the body writer and the ASGI toolkit, the connection.
 HOT_PATH_TESTS = (
     "tests/test_meter.py",
     "tests/test_eventscan.py",
+    "tests/test_blockmap.py",
+    "tests/test_index.py",
     "tests/test_upstream_push.py",
     "tests/test_relay_parts.py",
     "tests/test_body_writer.py",

@@ -15,6 +15,7 @@ from redis.asyncio.connection import Connection
 from redis.crc import key_slot
 
 from proxy.routing import index_lua
+from proxy.routing.blockmap import KEEPS_KEY_OBJECTS
 from proxy.routing.index import (
     TIMEOUTS_TO_OUTAGE,
     MemoryPrefixIndex,
@@ -210,9 +211,10 @@ def test_memory_index_ages_entries_out_after_ttl() -> None:
     assert index.lookup_now([1, 2, 3], ["a"]) == {"a": 0}
 
 
-def test_a_block_several_backends_hold_is_one_object_from_its_second_holder_on() -> None:
-    """Each request hashes its prompt into int objects of its own; the index keeps one object
-    per shared block (deploy/perf/memory_bounds.py: 86 -> 59 B a (block, backend) entry)."""
+def test_a_block_several_backends_hold_is_counted_and_one_object_in_dicts() -> None:
+    """Each request hashes its prompt into int objects of its own. Where the index's maps are
+    dicts (the pure install), it keeps one object per shared block (memory_bounds.py: 86 -> 59
+    B a (block, backend) entry); the C maps keep no key objects at all."""
     index = MemoryPrefixIndex(capacity_blocks=4, clock=lambda: 0.0)
 
     def hashed() -> list[int]:
@@ -221,16 +223,23 @@ def test_a_block_several_backends_hold_is_one_object_from_its_second_holder_on()
     for name in ("a", "b", "c"):
         index.record_now(name, hashed())
     a, b, c = (list(index._lru[name]) for name in "abc")
-    assert all(b[i] is c[i] and a[i] is not b[i] for i in range(3))
+    if KEEPS_KEY_OBJECTS:
+        assert all(b[i] is c[i] and a[i] is not b[i] for i in range(3))
     assert index.info()["shared_blocks"] == 3
     index.record_now("b", hashed(), now=5.0)  # touched again: still the shared object
-    assert all(x is y for x, y in zip(index._lru["b"], c, strict=True))
+    if KEEPS_KEY_OBJECTS:
+        assert all(x is y for x, y in zip(index._lru["b"], c, strict=True))
     assert index.lookup_now(hashed(), ["a", "b", "c"]) == {"a": 3, "b": 3, "c": 3}
     index.forget("b")
+    assert index.info()["shared_blocks"] == 3  # "a" and "c" hold them
     index.forget("c")
-    assert index.info()["shared_blocks"] == 3  # "a" holds them still
-    index.record_now("a", [7, 8, 9, 10])  # trims "a"'s three: nobody holds them now
+    assert index.info()["shared_blocks"] == 0  # "a" alone
+    index.record_now("c", hashed())
+    index.record_now("a", [7, 8, 9, 10])  # trims "a"'s three: "c" alone holds them now
     assert index.info()["shared_blocks"] == 0 and index.lookup_now(hashed(), ["a"]) == {"a": 0}
+    assert index.lookup_now(hashed(), ["a", "c"]) == {"a": 0, "c": 3}
+    index.record_now("a", hashed(), now=6.0)
+    assert index.info()["shared_blocks"] == 3 and index.info()["distinct_blocks"] == 4
 
 
 def test_capacity_from_engine_kv_pool() -> None:

@@ -41,14 +41,18 @@ def heap_mb(build: Callable[[], T]) -> tuple[float, T]:
     return (after - before) / 1e6, kept
 
 
-def full_index(capacity: int, seed: int = 1) -> MemoryPrefixIndex:
-    """One backend's index with `capacity` live blocks and as many trimmed ones."""
+def full_index(
+    capacity: int, seed: int = 1, backends: int = 1, trimmed: bool = True
+) -> MemoryPrefixIndex:
+    """`backends` backends' index, each with `capacity` live blocks no other holds (the worst
+    case) and, if `trimmed`, as many trimmed ones. Block hashes are 64-bit, as the hasher's."""
     rng = random.Random(seed)
     index = MemoryPrefixIndex(capacity_blocks=capacity, clock=lambda: 0.0)
-    recorded = 0
-    while recorded < 3 * capacity:  # prompts of 16 blocks, none shared: the worst case
-        index.record_now("b", [rng.getrandbits(63) for _ in range(16)], now=float(recorded))
-        recorded += 16
+    for name in [f"b{i}" for i in range(backends)]:
+        recorded = 0
+        while recorded < (3 if trimmed else 1) * capacity:  # prompts of 16 blocks
+            index.record_now(name, [rng.getrandbits(64) for _ in range(16)], now=float(recorded))
+            recorded += 16
     return index
 
 
@@ -97,11 +101,30 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
 
     mb, index = heap_mb(lambda: full_index(DEFAULT_CAPACITY_BLOCKS))
-    live, ghosts = index.occupancy("b"), len(index._ghost["b"])
+    live, ghosts = index.occupancy("b0"), len(index._ghost["b0"])
     rows.append(
         {
             "what": f"prefix index, 1 backend ({live:,} blocks + {ghosts:,} trimmed;"
             f" {mb * 1e6 / live:.0f} B a block)",
+            "mb": mb,
+        }
+    )
+    mb, index = heap_mb(lambda: full_index(DEFAULT_CAPACITY_BLOCKS, trimmed=False))
+    live = index.occupancy("b0")
+    rows.append(
+        {
+            "what": f"prefix index, 1 backend ({live:,} blocks, none trimmed;"
+            f" {mb * 1e6 / live:.0f} B a block)",
+            "mb": mb,
+        }
+    )
+    many = 64
+    mb, index = heap_mb(lambda: full_index(4096, backends=many, trimmed=False))
+    live = sum(index.occupancy(b) for b in index.backends())
+    rows.append(
+        {
+            "what": f"prefix index, {many} backends of {live // many:,} blocks, none shared or"
+            f" trimmed ({mb * 1e6 / live:.0f} B a (block, backend) entry)",
             "mb": mb,
         }
     )

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from functools import reduce
-from itertools import islice, repeat
+from itertools import repeat
 from operator import lshift, or_
 from typing import Any, NamedTuple, Protocol
+
+from proxy.routing.blockmap import KEEPS_KEY_OBJECTS, BlockMap
 
 DEFAULT_CAPACITY_BLOCKS = 32768  # ~2M chars ≈ 500k tokens: an 80 GB GPU's KV pool for an 8B model
 DEFAULT_TTL_S = 1800.0
@@ -122,23 +124,27 @@ class MemoryPrefixIndex:
         self.ttl_s = ttl_s
         self.touch_s = touch_s
         self.clock = clock
-        # Per backend, block -> when last recorded, least recently first: a plain dict keeps
-        # insertion order, and a moved block is popped and put back. An OrderedDict's links
-        # cost ~40 bytes a (block, backend) entry more (deploy/perf/memory_bounds.py).
-        self._lru: dict[str, dict[int, float]] = {}
-        self._ghost: dict[str, dict[int, None]] = {}
+        # Per backend, block -> when last recorded, least recently first: the map keeps
+        # insertion order, and a moved block is popped and put back. These tables and the
+        # holders' are BlockMaps (proxy/routing/blockmap.py): in C, ~30 bytes an entry against
+        # ~85 for a dict entry and its key's int object (deploy/perf/memory_bounds.py).
+        self._lru: dict[str, BlockMap[float]] = {}
+        self._ghost: dict[str, BlockMap[None]] = {}
         self._capacity: dict[str, int] = {}
         # Per backend, the first blocks of the prompts its LRU holds (a shared index's head
         # sets are refilled from them after Redis lost its data).
         self._heads: dict[str, set[int]] = {}
-        # Block hash -> bitmask of the slots of the backends whose LRU holds it.
-        self._held: dict[int, int] = {}
-        # Block hash -> the one int object that stands for it in every LRU from its second
-        # holder on. Each request hashes its prompt into int objects of its own (36 bytes each),
-        # so without it a block held by 16 backends was 16 objects; only blocks held by two or
-        # more backends are here, so blocks no two backends share cost nothing more.
-        self._canon: dict[int, int] = {}
+        # Block hash -> bitmask of the slots of the backends whose LRU holds it (a block one
+        # backend holds refers to that backend's one mask object, `_bit`).
+        self._held: BlockMap[int] = BlockMap()
+        self._shared = 0  # blocks two or more backends hold
+        # Where the maps are dicts, which keep their keys' int objects: block hash -> the one
+        # int object that stands for it in every LRU from its second holder on. Each request
+        # hashes its prompt into int objects of its own (36 bytes each), so without it a block
+        # held by 16 backends was 16 objects. The C maps keep no key objects: None.
+        self._canon: dict[int, int] | None = {} if KEEPS_KEY_OBJECTS else None
         self._slot: dict[str, int] = {}  # backend -> its slot (a bit in the masks)
+        self._bit: dict[str, int] = {}  # backend -> 1 << its slot
         self._names: list[str] = []  # slot -> backend
         self._free: list[int] = []  # slots given back (a heap: masks stay small)
         self._slots_changed = 0  # bumps whenever a slot is taken or given back
@@ -222,13 +228,13 @@ class MemoryPrefixIndex:
         if oldest <= self._floor and not self._unsorted:
             return
         if oldest > self._floor and now - self._floor_at >= 1.0:
-            fronts = [next(iter(lru.values())) for lru in self._lru.values() if lru]
+            fronts = [lru.first_value() for lru in self._lru.values() if lru]
             self._floor = min(fronts, default=float("inf"))
             self._floor_at = now
         lrus, unsorted, stale = self._lru, self._unsorted, oldest > self._floor
         for name in list(found):
             lru = lrus[name]
-            if name in unsorted or (stale and next(iter(lru.values())) < oldest):
+            if name in unsorted or (stale and lru.first_value() < oldest):
                 self.probes += 1
                 n = self._match(lru, blocks, oldest)
                 if n:
@@ -249,7 +255,7 @@ class MemoryPrefixIndex:
         return mask
 
     @staticmethod
-    def _match(lru: dict[int, float] | None, blocks: Sequence[int], oldest: float) -> int:
+    def _match(lru: BlockMap[float] | None, blocks: Sequence[int], oldest: float) -> int:
         if not lru or not blocks:
             return 0
         # Binary search for the last present block: a chain hash implies its whole prefix, and
@@ -288,11 +294,11 @@ class MemoryPrefixIndex:
         self.records += 1
         lru = self._lru.get(backend)
         if lru is None:
-            lru = self._lru[backend] = {}
+            lru = self._lru[backend] = BlockMap()
             self._heads[backend] = set()
             self._take_slot(backend)
         now = self.clock() if now is None else now
-        if lru and now < lru[next(reversed(lru))]:
+        if lru and now < lru[lru.last_key()]:
             self._unsorted.add(backend)  # dated before what it holds: the front is not oldest
         if now < self._floor:
             self._floor = now
@@ -300,39 +306,40 @@ class MemoryPrefixIndex:
         # the largest cost of a decision. Blocks touched within touch_s keep their place: LRU
         # order at one-second resolution is all an engine's cache estimate needs.
         fresh = self._match(lru, blocks, now - self.touch_s)
-        held, canon, bit = self._held, self._canon, 1 << self._slot[backend]
+        held, canon, bit, shared = self._held, self._canon, self._bit[backend], 0
         # Reversed: the first block ends up most recently used, so eviction takes tails first.
         for h in reversed(blocks[fresh:]):
             if lru.pop(h, None) is None:
                 others = held.get(h, 0)
                 if others:
-                    h = canon.setdefault(h, h)
-                held[h] = others | bit
+                    if not others & (others - 1):
+                        shared += 1  # its second holder
+                    if canon is not None:
+                        h = canon.setdefault(h, h)
+                    held[h] = others | bit
+                else:
+                    held[h] = bit
             elif canon:
                 h = canon.get(h, h)  # (re-inserted: keep the shared object)
             lru[h] = now
+        self._shared += shared
         if fresh == 0 and first == 0:
             self._heads[backend].add(blocks[0])
         cap = self._capacity.get(backend, self.default_capacity)
         if len(lru) > cap:
             self._trim(backend, lru, cap)
 
-    def _trim(self, backend: str, lru: dict[int, float], cap: int) -> None:
+    def _trim(self, backend: str, lru: BlockMap[float], cap: int) -> None:
         ghost = self._ghost.get(backend)
         if ghost is None:
-            ghost = self._ghost[backend] = {}
-        held, keep, heads = self._held, ~(1 << self._slot[backend]), self._heads[backend]
-        canon = self._canon
-        # The front of a plain dict is its least recently used blocks: taken in one C-level
-        # pass (which also steps over the slots earlier trims left, until the dict compacts).
-        gone = list(islice(lru, len(lru) - cap))
+            ghost = self._ghost[backend] = BlockMap()
+        keep, heads = ~self._bit[backend], self._heads[backend]
+        # The front of the map is its least recently used blocks: taken in one C-level pass
+        # (which also steps over the places earlier trims left, until the map compacts).
+        gone = lru.front(len(lru) - cap)
+        self._shared -= self._let_go(gone, keep)
         for h in gone:
             del lru[h]
-            others = held.pop(h, 0) & keep
-            if others:
-                held[h] = others
-            else:
-                canon.pop(h, None)
             heads.discard(h)
             ghost.pop(h, None)  # to the back
             ghost[h] = None
@@ -341,8 +348,22 @@ class MemoryPrefixIndex:
         # up to twice too small in one observation.
         over = len(ghost) - max(cap, GHOST_MIN)
         if over > 0:
-            for h in list(islice(ghost, over)):
+            for h in ghost.front(over):
                 del ghost[h]
+
+    def _let_go(self, blocks: Iterable[int], keep: int) -> int:
+        """Take a backend's bit (`keep` is every other) off the masks of `blocks`, which it
+        holds; how many of them other backends held with it and now only one does."""
+        held, canon, unshared = self._held, self._canon, 0
+        for h in blocks:
+            others = held.pop(h, 0) & keep
+            if others:
+                held[h] = others
+                if not others & (others - 1):
+                    unshared += 1
+            elif canon is not None:
+                canon.pop(h, None)
+        return unshared
 
     def set_capacity(self, backend: str, blocks: int) -> None:
         self._capacity[backend] = max(1, int(blocks))
@@ -358,13 +379,7 @@ class MemoryPrefixIndex:
         # the default capacity, as every backend does before its engine reports.
         lru = self._lru.pop(backend, None)
         if lru is not None:
-            held, keep, canon = self._held, ~(1 << self._slot[backend]), self._canon
-            for h in lru:
-                others = held.pop(h, 0) & keep
-                if others:
-                    held[h] = others
-                else:
-                    canon.pop(h, None)
+            self._shared -= self._let_go(lru, ~self._bit[backend])
             self._give_slot(backend)
         self._unsorted.discard(backend)
         self._heads.pop(backend, None)
@@ -378,6 +393,7 @@ class MemoryPrefixIndex:
         else:
             self._names[slot] = backend
         self._slot[backend] = slot
+        self._bit[backend] = 1 << slot
         self._slots_changed += 1
         kept = self._fleet_mask
         if kept is not None and kept[1] == self._slots_changed - 1:
@@ -387,6 +403,7 @@ class MemoryPrefixIndex:
 
     def _give_slot(self, backend: str) -> None:
         heapq.heappush(self._free, self._slot.pop(backend))
+        del self._bit[backend]
         self._slots_changed += 1
 
     def probe(self, backend: str, blocks: Sequence[int], matched: int) -> Probe:
@@ -437,7 +454,7 @@ class MemoryPrefixIndex:
             "records": self.records,
             "evictions": self.evictions,
             "distinct_blocks": len(self._held),
-            "shared_blocks": len(self._canon),
+            "shared_blocks": self._shared,
             "blocks": {b: len(lru) for b, lru in self._lru.items()},
             "capacity": dict(self._capacity),
             "default_capacity": self.default_capacity,
