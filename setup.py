@@ -3,10 +3,11 @@
 The modules a streamed chunk runs through (proxy.HOT_PATH: the meter, the relay's step, the
 SSE and JSON byte scans) are compiled with mypyc where the machine can (docs/hot-path.md,
 round 6), and the C helpers beside them (proxy.HOT_PATH_C: the meter's event scan, round 7;
-the prefix index's tables) with the same compiler, in the same step. Compiling is optional: with WARMROUTE_COMPILE=0, without mypyc, or when it fails (no
-C compiler), the same package is installed as pure Python, and one line says so. The sources
-are installed beside the compiled modules either way; proxy/__init__.py decides at import
-which of the two runs (WARMROUTE_PURE_PYTHON=1: the sources).
+the prefix index's tables) with the same compiler, in the same step. Compiling is optional:
+with WARMROUTE_COMPILE=0, without mypyc, or when it fails (no C compiler), the same package is
+installed as pure Python, and one line says so. The sources are installed beside the compiled
+modules either way; proxy/__init__.py decides at import which of the two runs
+(WARMROUTE_PURE_PYTHON=1: the sources).
 """
 
 from __future__ import annotations
@@ -122,6 +123,10 @@ class BuildHotPath(build_ext):
             if self.inplace:
                 remove_in_tree_outputs()
             self.extensions = []
+            return
+        if not self.extensions:  # nothing compiled (mypyc failed or was switched off)
+            if self.inplace:
+                remove_in_tree_outputs()
             return
         digests = "".join(
             f"{hashlib.sha256((ROOT / source(m)).read_bytes()).hexdigest()}  {source(m)}\n"
