@@ -168,9 +168,10 @@ find(const BlockMap *m, uint64_t key, uintptr_t neg, size_t *where)
 }
 
 /* Drop deleted entries (the order of the live ones kept) and size the arrays for `need` live
- * entries: the array grows to 1.5 times what it holds when at least three quarters of it is
- * live, else it is compacted in place; the index is 1.5 times the array (at most two thirds
- * full, dummies included, which linear probing needs). */
+ * entries: 1.5 times `need` when at least three quarters of the array would be live, or less
+ * than a quarter (a bound lowered: the room goes back), else the same array compacted; the
+ * index is 1.5 times the array (at most two thirds full, dummies included, which linear
+ * probing needs). */
 static int
 rebuild(BlockMap *m, Py_ssize_t need)
 {
@@ -183,7 +184,7 @@ rebuild(BlockMap *m, Py_ssize_t need)
     m->n = live;
     m->first = 0;
     Py_ssize_t cap = m->cap;
-    if (need > cap || need * 4 > cap * 3) {
+    if (need > cap || need * 4 > cap * 3 || need * 4 < cap) {
         cap = need + need / 2;
         if (cap < MIN_CAP) {
             cap = MIN_CAP;

@@ -185,6 +185,23 @@ def test_an_entry_costs_a_few_words_not_a_dict_entry_and_an_int() -> None:
     assert per_c <= 40 < per_dict
 
 
+@needs_c
+def test_a_map_that_shrank_gives_its_room_back_as_it_fills_again() -> None:
+    """The capacity learner lowers a backend's bound (32,768 blocks by default) to what its
+    engine holds: the trimmed map's arrays shrink at their next rebuild."""
+    m = _c()()
+    for k in range(32_768):
+        m[k] = 1.0
+    full = m.__sizeof__()
+    for k in m.front(32_768 - 1_000):
+        del m[k]
+    for k in range(10**6, 10**6 + 20_000):  # the LRU's churn at its new bound
+        m[k] = 1.0
+        del m[m.front(1)[0]]
+    assert len(m) == 1_000 and m.__sizeof__() < full / 8
+    assert m.front(2) == [10**6 + 19_000, 10**6 + 19_001]
+
+
 def test_the_index_uses_the_map_the_install_chose() -> None:
     want = "python" if proxy.hot_path()["implementation"] == "pure" else "c"
     assert blockmap.implementation == want
