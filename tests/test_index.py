@@ -579,3 +579,32 @@ def test_sentinel_url_names_hosts_service_db_and_credentials() -> None:
     assert auth == {"password": "s3cret", "sentinel_password": "x"}
     with pytest.raises(ValueError, match="service name"):
         _sentinel_parts("redis+sentinel://h1:26379")
+
+
+def test_the_index_reports_its_blocks_and_the_bytes_its_tables_take() -> None:
+    """What /metrics shows as warmroute.prefix.blocks and warmroute.prefix.index.memory: the
+    tables' bytes as tracemalloc counts them (deploy/perf/memory_bounds.py), within 10%."""
+    import gc
+    import tracemalloc
+
+    rng = random.Random(4)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = MemoryPrefixIndex(capacity_blocks=2048, clock=lambda: 0.0)
+    prompts = [[rng.getrandbits(64) for _ in range(16)] for _ in range(400)]
+    for i, prompt in enumerate(prompts):
+        index.record_now(f"b{i % 4}", prompt, now=float(i))
+        index.record_now("b4", prompt[:8], now=float(i))  # a backend sharing their heads
+    del prompts, prompt  # what the requests hashed: the index keeps what it needs of it
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    blocks = index.occupancies()
+    assert blocks == {**{f"b{i}": 1600 for i in range(4)}, "b4": 2048}
+    assert blocks == {b: index.occupancy(b) for b in blocks}
+    assert 0.9 * held < index.memory() < 1.1 * held, (index.memory(), held)
+    assert index.info()["memory_bytes"] == index.memory()
+    full = index.memory()
+    index.forget("b4")
+    assert "b4" not in index.occupancies() and index.memory() < full

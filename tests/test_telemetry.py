@@ -275,6 +275,7 @@ def test_metrics_come_from_the_facts_with_semconv_buckets_and_exemplars(tel: Any
     t.observe_routing("prefix", "highest score (rotated among 3 ties)", 0.00004)
     rec.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1)
     t.read_inflight(lambda: {"b1": 1})
+    t.read_index(lambda: {"b1": 12}, lambda: 4096)
     f = facts(chunks=64)
     rec.finish(f, status=200)
     p = points(reader)
@@ -318,6 +319,10 @@ def test_metrics_come_from_the_facts_with_semconv_buckets_and_exemplars(tel: Any
     )
     (inflight,) = p["warmroute.backend.inflight"]
     assert inflight.value == 1
+    (held,) = p["warmroute.prefix.blocks"]
+    assert held.value == 12 and dict(held.attributes) == {"warmroute.backend": "b1"}
+    (index_bytes,) = p["warmroute.prefix.index.memory"]
+    assert index_bytes.value == 4096 and not dict(index_bytes.attributes)
 
     # exemplars link the histogram to this request's trace
     (server,) = by_kind(spans.get_finished_spans(), SpanKind.SERVER)
@@ -473,6 +478,7 @@ def test_every_metric_on_the_grafana_dashboard_is_exported(tel: Any) -> None:
     rec.attempt(backend="b1", address="10.0.0.1", port=8001, attempt=1).fail("500", 500)
     rec.attempt(backend="b2", address="10.0.0.2", port=8002, attempt=2)
     t.read_inflight(lambda: {"b2": 1})
+    t.read_index(lambda: {"b2": 3}, lambda: 1000)
     rec.finish(facts(), status=200)
     t.refused(401, "invalid_api_key")  # a request the proxy answered itself
     text = t.prometheus_text()[0].decode()

@@ -10,6 +10,7 @@ lack, and each group's binary search is one probe of the masks, whatever the fle
 from __future__ import annotations
 
 import heapq
+import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from functools import reduce
@@ -22,6 +23,7 @@ from proxy.routing.blockmap import KEEPS_KEY_OBJECTS, BlockMap
 DEFAULT_CAPACITY_BLOCKS = 32768  # ~2M chars ≈ 500k tokens: an 80 GB GPU's KV pool for an 8B model
 DEFAULT_TTL_S = 1800.0
 GHOST_MIN = 1024  # trimmed blocks remembered per backend, at least
+_HASH_OBJECT = sys.getsizeof(2**64 - 1)  # a 64-bit block hash as an int object (36 bytes)
 
 
 def capacity_blocks_from_tokens(
@@ -92,6 +94,16 @@ class PrefixIndex(Protocol):
 
     def occupancy(self, backend: str) -> int:
         """Blocks held for `backend` (this process's view)."""
+        ...
+
+    def occupancies(self) -> dict[str, int]:
+        """occupancy() of every backend the index holds blocks for. Safe from another
+        thread (a metrics reader's) while the event loop changes the index."""
+        ...
+
+    def memory(self) -> int:
+        """Bytes of this process's tables (with Redis, the replica's copy), as
+        deploy/perf/memory_bounds.py measures them. Safe from another thread."""
         ...
 
     def info(self) -> dict[str, Any]:
@@ -433,6 +445,27 @@ class MemoryPrefixIndex:
     def occupancy(self, backend: str) -> int:
         return len(self._lru.get(backend, ()))
 
+    def occupancies(self) -> dict[str, int]:
+        return {b: len(lru) for b, lru in list(self._lru.items())}  # a copy first: see memory()
+
+    def memory(self) -> int:
+        # Another thread reads this while the loop records: each list() is one C call under
+        # the GIL, and a map's size or length is read in one too.
+        lrus, ghosts = list(self._lru.values()), list(self._ghost.values())
+        heads = list(self._heads.values())
+        size = sys.getsizeof(self._held) + sum(map(sys.getsizeof, lrus))
+        size += sum(map(sys.getsizeof, ghosts)) + sum(map(sys.getsizeof, heads))
+        # a block two or more hold has a mask of its own, about as wide as the slots (masks
+        # of eight slots or fewer are CPython's cached small ints)
+        slots = len(self._names)
+        size += self._shared * sys.getsizeof(1 << (slots - 1)) if slots > 8 else 0
+        canon = self._canon
+        if canon is None:  # the C maps hold no int objects; the prompts' heads are some
+            return size + sum(map(len, heads)) * _HASH_OBJECT
+        # dicts also hold their keys' int objects, about one a block
+        blocks = len(self._held) + sum(map(len, ghosts))
+        return size + sys.getsizeof(canon) + blocks * _HASH_OBJECT
+
     def backends(self) -> list[str]:
         return list(self._lru)
 
@@ -455,6 +488,7 @@ class MemoryPrefixIndex:
             "evictions": self.evictions,
             "distinct_blocks": len(self._held),
             "shared_blocks": self._shared,
+            "memory_bytes": self.memory(),
             "blocks": {b: len(lru) for b, lru in self._lru.items()},
             "capacity": dict(self._capacity),
             "default_capacity": self.default_capacity,

@@ -396,6 +396,18 @@ class RedisPrefixIndex:
         shared = self._held.get(backend)
         return local if shared is None or shared < local else shared
 
+    def occupancies(self) -> dict[str, int]:
+        """occupancy() of every backend either the copy or this replica's writes know."""
+        held = dict(self._held)  # one C call: a metrics reader's thread may be reading
+        out = self.local.occupancies()
+        for backend, shared in held.items():
+            if shared > out.get(backend, 0):
+                out[backend] = shared
+        return out
+
+    def memory(self) -> int:
+        return self.local.memory()
+
     # -- background --------------------------------------------------------------------------
 
     async def flush(self) -> None:
@@ -612,4 +624,5 @@ class RedisPrefixIndex:
             "capacity": dict(self._capacity),
             "default_capacity": self.default_capacity,
             "feed": {"read": self.local_lookups, **self.feed.info()},
+            "memory_bytes": self.local.memory(),  # the copy's tables
         }

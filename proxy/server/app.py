@@ -187,6 +187,8 @@ def _wire_routing(state: AppState) -> dict[str, Any]:
     board = state.routing.board
     state.telemetry.read_inflight(lambda: board.local)
     state.telemetry.read_cache(router.capacity.snapshot)
+    index = state.routing.index
+    state.telemetry.read_index(index.occupancies, index.memory)
     hasher = router.hasher
 
     def kv_capacity(backend: str, tokens: int) -> None:

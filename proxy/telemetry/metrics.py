@@ -111,6 +111,9 @@ class RequestMetrics:
         self.inflight: Callable[[], Mapping[str, int]] = dict
         # per backend: the learned prefix cache and how well the index predicts it
         self.cache: Callable[[], Mapping[str, Mapping[str, Any]]] = dict
+        # the prefix index: blocks it holds per backend, and the bytes its tables take
+        self.index_blocks: Callable[[], Mapping[str, int]] = dict
+        self.index_memory: Callable[[], int] | None = None
         # the doctor's current findings: (finding id, backend, severity)
         self.findings: Callable[[], Iterable[tuple[str, str, str]]] = tuple
         # passive health: backend -> 1 while ejected (outlier detection), and the failures the
@@ -242,6 +245,20 @@ class RequestMetrics:
             meter.create_observable_gauge(
                 name, [self._cache_gauge(field_)], unit=unit, description=text
             )
+        meter.create_observable_gauge(
+            "warmroute.prefix.blocks",
+            [self._observe_index_blocks],
+            unit="{block}",
+            description="Blocks the prefix index holds for each backend: what it believes the "
+            "engine's cache holds (warmroute.prefix.capacity bounds it).",
+        )
+        meter.create_observable_gauge(
+            "warmroute.prefix.index.memory",
+            [self._observe_index_memory],
+            unit="By",
+            description="Bytes the prefix index's tables take in this process (with Redis, "
+            "the replica's copy); about 55 per (block, backend) entry.",
+        )
         meter.create_observable_gauge(
             "warmroute.backend.ejected",
             [self._observe_ejected],
@@ -376,6 +393,14 @@ class RequestMetrics:
                     del counts.values[key]
                     dropped += 1
             return dropped
+
+    def _observe_index_blocks(self, _options: CallbackOptions) -> Iterable[Observation]:
+        for backend, n in self.index_blocks().items():
+            yield Observation(n, {"warmroute.backend": backend})
+
+    def _observe_index_memory(self, _options: CallbackOptions) -> Iterable[Observation]:
+        if self.index_memory is not None:
+            yield Observation(self.index_memory())
 
     def _observe_inflight(self, _options: CallbackOptions) -> Iterable[Observation]:
         # dict() copies in one C call: the event loop thread may be changing the counts

@@ -238,6 +238,15 @@ class Telemetry:
         /admin/routing) as the warmroute.prefix.* gauges in CACHE_GAUGES."""
         self.metrics.cache = source
 
+    def read_index(
+        self, blocks: Callable[[], Mapping[str, int]], memory: Callable[[], int]
+    ) -> None:
+        """Report the prefix index: `blocks()` (backend -> blocks held) as
+        warmroute.prefix.blocks and `memory()` (its tables' bytes) as
+        warmroute.prefix.index.memory. Both are read on the collecting thread."""
+        self.metrics.index_blocks = blocks
+        self.metrics.index_memory = memory
+
     def read_health(
         self, ejected: Callable[[], Mapping[str, int]], budget_exhausted: Callable[[], int]
     ) -> None:
