@@ -170,19 +170,12 @@ find(const BlockMap *m, uint64_t key, uintptr_t neg, size_t *where)
 /* Drop deleted entries (the order of the live ones kept) and size the arrays for `need` live
  * entries: 1.5 times `need` when at least three quarters of the array would be live, or less
  * than a quarter (a bound lowered: the room goes back), else the same array compacted; the
- * index is 1.5 times the array (at most two thirds full, dummies included, which linear
- * probing needs). */
+ * index is 1.5 times the array or more (at most two thirds full, dummies included, which
+ * linear probing needs, so a probe always ends at an empty slot). Out of memory, the map is
+ * as it was (growing) or keeps its larger arrays (shrinking). */
 static int
 rebuild(BlockMap *m, Py_ssize_t need)
 {
-    Py_ssize_t live = 0;
-    for (Py_ssize_t i = m->first; i < m->n; i++) {
-        if (m->entries[i].value) {
-            m->entries[live++] = m->entries[i];
-        }
-    }
-    m->n = live;
-    m->first = 0;
     Py_ssize_t cap = m->cap;
     if (need > cap || need * 4 > cap * 3 || need * 4 < cap) {
         cap = need + need / 2;
@@ -194,33 +187,61 @@ rebuild(BlockMap *m, Py_ssize_t need)
         PyErr_SetString(PyExc_OverflowError, "a BlockMap holds fewer than 2**31 entries");
         return -1;
     }
-    if (cap != m->cap) {
+    /* What can fail comes before anything changes: a larger index and a larger array. */
+    size_t nslots = (size_t)cap + (size_t)cap / 2 + 1;
+    uint32_t *slots = NULL;
+    if (nslots > m->nslots) {
+        slots = PyMem_Calloc(nslots, sizeof(uint32_t));
+        if (slots == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    if (cap > m->cap) {
         Entry *entries = PyMem_Realloc(m->entries, (size_t)cap * sizeof(Entry));
         if (entries == NULL) {
+            PyMem_Free(slots);
             PyErr_NoMemory();
             return -1;
         }
         m->entries = entries;
         m->cap = cap;
     }
-    size_t nslots = (size_t)cap + (size_t)cap / 2 + 1;
-    if (nslots != m->nslots) {
-        uint32_t *slots = PyMem_Calloc(nslots, sizeof(uint32_t));
-        if (slots == NULL) {
-            PyErr_NoMemory();
-            return -1;
+    Py_ssize_t live = 0;
+    for (Py_ssize_t i = m->first; i < m->n; i++) {
+        if (m->entries[i].value) {
+            m->entries[live++] = m->entries[i];
         }
+    }
+    m->n = live;
+    m->first = 0;
+    if (cap < m->cap) { /* a smaller array: if the allocator cannot, the larger one stays */
+        Entry *entries = PyMem_Realloc(m->entries, (size_t)cap * sizeof(Entry));
+        if (entries != NULL) {
+            m->entries = entries;
+            m->cap = cap;
+        }
+    }
+    if (slots == NULL) { /* the same index, or a smaller one for the array kept */
+        size_t want = (size_t)m->cap + (size_t)m->cap / 2 + 1;
+        if (want < m->nslots && (slots = PyMem_Calloc(want, sizeof(uint32_t))) != NULL) {
+            PyMem_Free(m->slots);
+            m->slots = slots;
+            m->nslots = want;
+        }
+        else {
+            memset(m->slots, 0, m->nslots * sizeof(uint32_t));
+        }
+    }
+    else {
         PyMem_Free(m->slots);
         m->slots = slots;
         m->nslots = nslots;
     }
-    else {
-        memset(m->slots, 0, nslots * sizeof(uint32_t));
-    }
     for (Py_ssize_t p = 0; p < m->n; p++) {
-        size_t i = home(m->entries[p].key, nslots);
+        size_t i = home(m->entries[p].key, m->nslots);
         while (m->slots[i] != EMPTY) {
-            if (++i == nslots) {
+            if (++i == m->nslots) {
                 i = 0;
             }
         }
