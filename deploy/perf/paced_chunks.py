@@ -14,10 +14,14 @@ completions, and the CPU per chunk is the slope between the shortest and the lon
   ITLS="20" CHUNKS="16 64" REQUESTS=100 deploy/perf/paced_chunks.py
   PIN=1 deploy/perf/paced_chunks.py               # proxy on core 1; mock and load on core 0
   PROXIES="warmroute nginx sglang-router vllm-router" deploy/perf/paced_chunks.py
+  ITLS=0 CHUNKS=64 CONCURRENCY=64 REQUESTS=3000 \
+    PROXIES="direct warmroute sglang-router" deploy/perf/paced_chunks.py   # vs direct, zero cost
 
 PROXIES puts each in front of the same mock in turn, one pace and stream length at a time, so
-that their figures come from one run: `nginx` (a plain reverse proxy: streaming, no
-buffering, kept-alive upstream connections; `apt-get install nginx`), and the Rust routers of
+that their figures come from one run (`direct`: no proxy, the load sent to one mock
+instance, the baseline each proxy's requests/s is divided by, "vs direct"): `nginx` (a plain
+reverse proxy: streaming, no buffering, kept-alive upstream connections; `apt-get install
+nginx`), and the Rust routers of
 SGLang (`pip install sglang-router`: `sglang-router launch`, round robin) and vLLM (`pip
 install vllm-router`, round robin), found on PATH or at $NGINX, $SGLANG_ROUTER,
 $VLLM_ROUTER. A proxy's CPU is that of every process of its session (nginx's workers too).
@@ -117,7 +121,7 @@ def _command(kind: str, port: int, backends: list[str], work: Path) -> tuple[lis
         exe = os.environ.get("VLLM_ROUTER") or shutil.which("vllm-router") or "vllm-router"
         cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
         return [*cmd, "--log-level", "warning", "--worker-urls", *backends], ready
-    known = "warmroute, nginx, sglang-router, vllm-router"
+    known = "direct, warmroute, nginx, sglang-router, vllm-router"
     raise SystemExit(f"paced_chunks: unknown proxy {kind!r} ({known})")
 
 
@@ -158,6 +162,16 @@ def run(
     with tempfile.TemporaryDirectory(prefix="paced-") as tmp:
         try:
             wait_ready(f"http://127.0.0.1:{mock_port + 1}/health", 60)
+            if kind == "direct":  # the baseline: the load generator straight at the mock
+                _bench(mock_port, warmup, concurrency, load_cpu)
+                t0 = time.monotonic()
+                _bench(mock_port, requests, concurrency, load_cpu)
+                wall = time.monotonic() - t0
+                return {
+                    "proxy": kind, "itl_ms": itl_ms, "chunks": chunks, "requests": requests,
+                    "concurrency": concurrency, "wall_s": round(wall, 2), "proxy_cpu_s": 0.0,
+                    "proxy_cpu_ms_per_request": 0.0,
+                }  # fmt: skip
             cmd, ready = _command(kind, proxy_port, backends, Path(tmp))
             proxy = subprocess.Popen(
                 [*proxy_cpu, *cmd], cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -202,14 +216,24 @@ def main() -> None:
             for kind in kinds:  # each length through every proxy in turn: one run's figures
                 row = run(itl, n, requests, concurrency, warmup, pin, kind)
                 rows[kind].append(row)
+                rate = requests / float(row["wall_s"])
+                direct = rows.get("direct")
+                versus = ""
+                if direct and kind != "direct" and len(direct) == len(rows[kind]):
+                    row["vs_direct"] = round(float(direct[-1]["wall_s"]) / float(row["wall_s"]), 3)
+                    versus = f"  {row['vs_direct']:.2f}x direct's"
                 print(
                     f"{kind:13s} itl {itl:g} ms  chunks {n:4d}"
                     f"  cpu/request {row['proxy_cpu_ms_per_request']:.3f} ms"
+                    f"  {rate:.0f} req/s{versus}"
                     f"  ({requests} requests, c={concurrency}, {row['wall_s']:.1f} s)",
                     flush=True,
                 )
         for kind in kinds:
             short, long = rows[kind][0], rows[kind][-1]
+            if kind == "direct" or short is long:
+                results.append({"proxy": kind, "itl_ms": itl, "rows": rows[kind]})
+                continue
             rise = float(long["proxy_cpu_ms_per_request"]) - float(
                 short["proxy_cpu_ms_per_request"]
             )
