@@ -27,7 +27,8 @@ install vllm-router`, round robin), found on PATH or at $NGINX, $SGLANG_ROUTER,
 $VLLM_ROUTER. A proxy's CPU is that of every process of its session (nginx's workers too).
 
 Environment: ITLS ("5 20", ms), CHUNKS ("16 64 256"), REQUESTS (200), CONCURRENCY (16), WARMUP
-(50 requests before each measurement), PIN, PROXIES ("warmroute"), OUT
+(50 requests before each measurement), PIN, PROXIES ("warmroute"), RUST_POLICY (the Rust
+routers' --policy: round_robin, or cache_aware for routing against routing), OUT
 (/tmp/warmroute-paced). Prints one line per run and a per-chunk line per pace and proxy, and
 writes OUT/paced_chunks.json. Instructions instead of CPU (a figure a noisy machine does not
 move): deploy/perf/count-instructions.sh with ITL_MS.
@@ -98,6 +99,11 @@ NGINX_CONF = (
 )
 
 
+# The Rust routers' policy (RUST_POLICY): round_robin, or cache_aware to compare routing with
+# routing (warmroute's own policy is its config's: WARMROUTE_ROUTING__POLICY=round_robin).
+RUST_POLICY = os.environ.get("RUST_POLICY", "round_robin")
+
+
 def _command(kind: str, port: int, backends: list[str], work: Path) -> tuple[list[str], str]:
     """The command line that runs proxy `kind` on `port` in front of `backends`, and the URL
     that answers once it is ready."""
@@ -115,11 +121,11 @@ def _command(kind: str, port: int, backends: list[str], work: Path) -> tuple[lis
         return [nginx, "-c", str(work / "nginx.conf"), "-g", "daemon off;"], ready
     if kind == "sglang-router":
         exe = os.environ.get("SGLANG_ROUTER") or shutil.which("sglang-router") or "sglang-router"
-        cmd = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+        cmd = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", RUST_POLICY]
         return [*cmd, "--log-level", "warn", "--worker-urls", *backends], ready
     if kind == "vllm-router":
         exe = os.environ.get("VLLM_ROUTER") or shutil.which("vllm-router") or "vllm-router"
-        cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+        cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", RUST_POLICY]
         return [*cmd, "--log-level", "warning", "--worker-urls", *backends], ready
     known = "direct, warmroute, nginx, sglang-router, vllm-router"
     raise SystemExit(f"paced_chunks: unknown proxy {kind!r} ({known})")
