@@ -241,24 +241,7 @@ class RequestMetrics:
             unit="{request}",
             description="Requests this proxy has open on each backend.",
         )
-        for name, field_, unit, text in CACHE_GAUGES:
-            meter.create_observable_gauge(
-                name, [self._cache_gauge(field_)], unit=unit, description=text
-            )
-        meter.create_observable_gauge(
-            "warmroute.prefix.blocks",
-            [self._observe_index_blocks],
-            unit="{block}",
-            description="Blocks the prefix index holds for each backend: what it believes the "
-            "engine's cache holds (warmroute.prefix.capacity bounds it).",
-        )
-        meter.create_observable_gauge(
-            "warmroute.prefix.index.memory",
-            [self._observe_index_memory],
-            unit="By",
-            description="Bytes the prefix index's tables take in this process (with Redis, "
-            "the replica's copy); about 55 per (block, backend) entry.",
-        )
+        self._observe_prefix_with(meter)
         meter.create_observable_gauge(
             "warmroute.backend.ejected",
             [self._observe_ejected],
@@ -304,6 +287,27 @@ class RequestMetrics:
             unit="{finding}",
             description="The doctor's current findings: 1 per finding id and backend "
             "(docs/doctor.md).",
+        )
+
+    def _observe_prefix_with(self, meter: Meter) -> None:
+        """The prefix cache's gauges: the capacity learner's per backend, and the index's."""
+        for name, field_, unit, text in CACHE_GAUGES:
+            meter.create_observable_gauge(
+                name, [self._cache_gauge(field_)], unit=unit, description=text
+            )
+        meter.create_observable_gauge(
+            "warmroute.prefix.blocks",
+            [self._observe_index_blocks],
+            unit="{block}",
+            description="Blocks the prefix index holds for each backend: what it believes the "
+            "engine's cache holds (warmroute.prefix.capacity bounds it).",
+        )
+        meter.create_observable_gauge(
+            "warmroute.prefix.index.memory",
+            [self._observe_index_memory],
+            unit="By",
+            description="Bytes the prefix index's tables take in this process (with Redis, "
+            "the replica's copy); about 55 per (block, backend) entry.",
         )
 
     def _cache_gauge(self, field_: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
