@@ -187,8 +187,15 @@ def _wire_routing(state: AppState) -> dict[str, Any]:
     board = state.routing.board
     state.telemetry.read_inflight(lambda: board.local)
     state.telemetry.read_cache(router.capacity.snapshot)
-    index = state.routing.index
-    state.telemetry.read_index(index.occupancies, index.memory)
+    index, registry = state.routing.index, state.registry
+
+    def index_blocks() -> dict[str, int]:
+        # every backend, 0 where the index holds nothing (a policy that records no prefixes)
+        held = dict.fromkeys([b.name for b in list(registry.backends.values())], 0)
+        held.update(index.occupancies())
+        return held
+
+    state.telemetry.read_index(index_blocks, index.memory)
     hasher = router.hasher
 
     def kv_capacity(backend: str, tokens: int) -> None:
