@@ -368,13 +368,15 @@ class MemoryPrefixIndex:
         holds; how many of them other backends held with it and now only one does."""
         held, canon, unshared = self._held, self._canon, 0
         for h in blocks:
-            others = held.pop(h, 0) & keep
+            others = held.get(h, 0) & keep
             if others:
-                held[h] = others
+                held[h] = others  # in place: the holders' map keeps no order that matters
                 if not others & (others - 1):
                     unshared += 1
-            elif canon is not None:
-                canon.pop(h, None)
+            else:
+                held.pop(h, None)
+                if canon is not None:
+                    canon.pop(h, None)
         return unshared
 
     def set_capacity(self, backend: str, blocks: int) -> None:
