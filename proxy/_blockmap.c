@@ -339,19 +339,32 @@ BlockMap_len(BlockMap *m)
     return m->used;
 }
 
-static PyObject *
-BlockMap_subscript(BlockMap *m, PyObject *k)
+/* Where the key object `k` is: its position (*where: its slot), -1 when absent (not an int, or
+ * an int the map cannot hold: as a dict of such keys would answer), -2 with an error set. */
+static Py_ssize_t
+locate(const BlockMap *m, PyObject *k, size_t *where)
 {
     uint64_t key;
     uintptr_t neg;
-    size_t where;
-    int r = as_key(k, &key, &neg);
-    if (r < 0) {
-        return NULL;
+    if (!PyLong_Check(k)) {
+        return -1;
     }
-    Py_ssize_t pos = r ? -1 : find(m, key, neg, &where);
+    int r = as_key(k, &key, &neg);
+    if (r) {
+        return r < 0 ? -2 : -1;
+    }
+    return find(m, key, neg, where);
+}
+
+static PyObject *
+BlockMap_subscript(BlockMap *m, PyObject *k)
+{
+    size_t where;
+    Py_ssize_t pos = locate(m, k, &where);
     if (pos < 0) {
-        PyErr_SetObject(PyExc_KeyError, k);
+        if (pos == -1) {
+            PyErr_SetObject(PyExc_KeyError, k);
+        }
         return NULL;
     }
     PyObject *v = VALUE(&m->entries[pos]);
@@ -362,21 +375,23 @@ BlockMap_subscript(BlockMap *m, PyObject *k)
 static int
 BlockMap_ass_subscript(BlockMap *m, PyObject *k, PyObject *v)
 {
-    uint64_t key;
-    uintptr_t neg;
     size_t where;
-    int r = as_key(k, &key, &neg);
-    if (r < 0) {
-        return -1;
-    }
     if (v == NULL) { /* del m[k] */
-        Py_ssize_t pos = r ? -1 : find(m, key, neg, &where);
+        Py_ssize_t pos = locate(m, k, &where);
         if (pos < 0) {
-            PyErr_SetObject(PyExc_KeyError, k);
+            if (pos == -1) {
+                PyErr_SetObject(PyExc_KeyError, k);
+            }
             return -1;
         }
         Py_DECREF(take(m, pos, where));
         return 0;
+    }
+    uint64_t key;
+    uintptr_t neg;
+    int r = as_key(k, &key, &neg);
+    if (r < 0) {
+        return -1;
     }
     if (r) {
         PyErr_SetString(PyExc_OverflowError, "a BlockMap's keys are in [-2**63, 2**64)");
@@ -400,17 +415,9 @@ BlockMap_ass_subscript(BlockMap *m, PyObject *k, PyObject *v)
 static int
 BlockMap_contains(BlockMap *m, PyObject *k)
 {
-    uint64_t key;
-    uintptr_t neg;
     size_t where;
-    if (!PyLong_Check(k)) {
-        return 0; /* as a dict of int keys: anything else is not in it */
-    }
-    int r = as_key(k, &key, &neg);
-    if (r) {
-        return r < 0 ? -1 : 0;
-    }
-    return find(m, key, neg, &where) >= 0;
+    Py_ssize_t pos = locate(m, k, &where);
+    return pos == -2 ? -1 : pos >= 0;
 }
 
 /* get and pop take a key and, optionally, a default. */
@@ -431,21 +438,12 @@ BlockMap_get(BlockMap *m, PyObject *const *args, Py_ssize_t nargs)
     if (!positional("get", nargs)) {
         return NULL;
     }
-    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
-    uint64_t key;
-    uintptr_t neg;
     size_t where;
-    Py_ssize_t pos = -1;
-    if (PyLong_Check(args[0])) {
-        int r = as_key(args[0], &key, &neg);
-        if (r < 0) {
-            return NULL;
-        }
-        if (r == 0) {
-            pos = find(m, key, neg, &where);
-        }
+    Py_ssize_t pos = locate(m, args[0], &where);
+    if (pos == -2) {
+        return NULL;
     }
-    PyObject *v = pos >= 0 ? VALUE(&m->entries[pos]) : dflt;
+    PyObject *v = pos >= 0 ? VALUE(&m->entries[pos]) : nargs == 2 ? args[1] : Py_None;
     Py_INCREF(v);
     return v;
 }
@@ -457,21 +455,13 @@ BlockMap_pop(BlockMap *m, PyObject *const *args, Py_ssize_t nargs)
     if (!positional("pop", nargs)) {
         return NULL;
     }
-    uint64_t key;
-    uintptr_t neg;
     size_t where;
-    Py_ssize_t pos = -1;
-    if (PyLong_Check(args[0])) {
-        int r = as_key(args[0], &key, &neg);
-        if (r < 0) {
-            return NULL;
-        }
-        if (r == 0) {
-            pos = find(m, key, neg, &where);
-        }
-    }
+    Py_ssize_t pos = locate(m, args[0], &where);
     if (pos >= 0) {
         return take(m, pos, where);
+    }
+    if (pos == -2) {
+        return NULL;
     }
     if (nargs == 2) {
         Py_INCREF(args[1]);
@@ -481,73 +471,18 @@ BlockMap_pop(BlockMap *m, PyObject *const *args, Py_ssize_t nargs)
     return NULL;
 }
 
-/* front(n, /): the first n keys, least recently inserted first. */
+enum { KEYS, VALUES, ITEMS };
+
+/* The first `want` (at most len) keys, values or (key, value) pairs, in insertion order. */
 static PyObject *
-BlockMap_front(BlockMap *m, PyObject *arg)
+listing(BlockMap *m, int what, Py_ssize_t want)
 {
-    Py_ssize_t want = PyLong_AsSsize_t(arg);
-    if (want == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (want < 0) {
-        want = 0;
-    }
-    if (want > m->used) {
-        want = m->used;
-    }
     PyObject *out = PyList_New(want);
     if (out == NULL) {
         return NULL;
     }
     Py_ssize_t got = 0;
-    for (Py_ssize_t i = m->first; got < want; i++) {
-        if (m->entries[i].value) {
-            PyObject *k = key_object(&m->entries[i]);
-            if (k == NULL) {
-                Py_DECREF(out);
-                return NULL;
-            }
-            PyList_SET_ITEM(out, got++, k);
-        }
-    }
-    return out;
-}
-
-static PyObject *
-BlockMap_first_value(BlockMap *m, PyObject *Py_UNUSED(ignored))
-{
-    if (m->used == 0) {
-        PyErr_SetString(PyExc_KeyError, "first_value(): the map is empty");
-        return NULL;
-    }
-    PyObject *v = VALUE(&m->entries[m->first]); /* first is always live while used > 0 */
-    Py_INCREF(v);
-    return v;
-}
-
-static PyObject *
-BlockMap_last_key(BlockMap *m, PyObject *Py_UNUSED(ignored))
-{
-    for (Py_ssize_t i = m->n - 1; i >= m->first; i--) {
-        if (m->entries[i].value) {
-            return key_object(&m->entries[i]);
-        }
-    }
-    PyErr_SetString(PyExc_KeyError, "last_key(): the map is empty");
-    return NULL;
-}
-
-enum { KEYS, VALUES, ITEMS };
-
-static PyObject *
-listing(BlockMap *m, int what)
-{
-    PyObject *out = PyList_New(m->used);
-    if (out == NULL) {
-        return NULL;
-    }
-    Py_ssize_t got = 0;
-    for (Py_ssize_t i = m->first; i < m->n && got < m->used; i++) {
+    for (Py_ssize_t i = m->first; i < m->n && got < want; i++) {
         const Entry *e = &m->entries[i];
         if (!e->value) {
             continue;
@@ -577,28 +512,63 @@ listing(BlockMap *m, int what)
     return out;
 }
 
+/* front(n, /): the first n keys, least recently inserted first. */
+static PyObject *
+BlockMap_front(BlockMap *m, PyObject *arg)
+{
+    Py_ssize_t want = PyLong_AsSsize_t(arg);
+    if (want == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    return listing(m, KEYS, want < 0 ? 0 : want > m->used ? m->used : want);
+}
+
+static PyObject *
+BlockMap_first_value(BlockMap *m, PyObject *Py_UNUSED(ignored))
+{
+    if (m->used == 0) {
+        PyErr_SetString(PyExc_KeyError, "first_value(): the map is empty");
+        return NULL;
+    }
+    PyObject *v = VALUE(&m->entries[m->first]); /* first is always live while used > 0 */
+    Py_INCREF(v);
+    return v;
+}
+
+static PyObject *
+BlockMap_last_key(BlockMap *m, PyObject *Py_UNUSED(ignored))
+{
+    for (Py_ssize_t i = m->n - 1; i >= m->first; i--) {
+        if (m->entries[i].value) {
+            return key_object(&m->entries[i]);
+        }
+    }
+    PyErr_SetString(PyExc_KeyError, "last_key(): the map is empty");
+    return NULL;
+}
+
 static PyObject *
 BlockMap_keys(BlockMap *m, PyObject *Py_UNUSED(ignored))
 {
-    return listing(m, KEYS);
+    return listing(m, KEYS, m->used);
 }
 
 static PyObject *
 BlockMap_values(BlockMap *m, PyObject *Py_UNUSED(ignored))
 {
-    return listing(m, VALUES);
+    return listing(m, VALUES, m->used);
 }
 
 static PyObject *
 BlockMap_items(BlockMap *m, PyObject *Py_UNUSED(ignored))
 {
-    return listing(m, ITEMS);
+    return listing(m, ITEMS, m->used);
 }
 
 static PyObject *
 BlockMap_iter(BlockMap *m)
 {
-    PyObject *keys = listing(m, KEYS); /* a snapshot: the map may change while it is walked */
+    PyObject *keys = listing(m, KEYS, m->used); /* a snapshot: the map may change while it is walked */
     if (keys == NULL) {
         return NULL;
     }

@@ -138,7 +138,11 @@ def test_the_c_map_refuses_what_it_cannot_hold_and_finds_nothing_there() -> None
             m[big]
     with pytest.raises(TypeError):
         m["a"] = 1.0
-    assert "a" not in m and m.get("a") is None
+    assert "a" not in m and m.get("a") is None and m.pop("a", 0) == 0
+    with pytest.raises(KeyError):  # as a dict of int keys answers
+        m["a"]
+    with pytest.raises(KeyError):
+        del m[2**64]
     with pytest.raises(TypeError):
         m[1] = [1]  # a container could refer back to the map, out of the collector's sight
     with pytest.raises(TypeError):
