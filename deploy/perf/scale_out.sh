@@ -17,6 +17,10 @@
 #   BALANCER=nginx deploy/perf/scale_out.sh        # nginx round robin in front (apt: nginx)
 #   RESTART_AT=3 BALANCER=nginx deploy/perf/scale_out.sh   # replica 1 restarted 3 s into a run
 #   RESTART_NICE=19 RESTART_AT=3 BALANCER=nginx ...        # ... its start at the lowest priority
+#   # What N processes cost this machine with nothing shared (the control for the above):
+#   # engines that prefill instantly, replicas that keep no state, the same N behind nginx
+#   RATE_TPS=1000000000 WARMROUTE_ROUTING__POLICY=round_robin SETUPS="1:none 3:none 8:none" \
+#     REQUESTS=12000 BALANCER=nginx deploy/perf/scale_out.sh
 #
 # Prints one line per run (hit ratio, of the first 50 requests too and, in runs of 2,000 or
 # more, of the worst 1,000 in a row after the first 1,000; TTFT p50/p99, and the p99 of the
@@ -238,14 +242,16 @@ for u in urls:
     for line in text.decode().splitlines():
         if line.startswith("warmroute_route_decisions") and "load over affinity" in line:
             spills += int(float(line.rsplit(" ", 1)[1]))
-views = [{h["prefix"]: tuple(sorted(h["homes"])) for h in i["cache"]["placement"]["hottest"][:8]}
+# (a policy that places nothing, round_robin say, has no placement: no homes to compare)
+views = [{h["prefix"]: tuple(sorted(h["homes"]))
+          for h in i.get("cache", {}).get("placement", {}).get("hottest", [])[:8]}
          for i in infos]
 per = {}
 for homes in views[0].values():
     for b in homes:
         per[b] = per.get(b, 0) + 1
 layout = "/".join(map(str, sorted(per.values(), reverse=True)))
-idx = [i["index"] for i in infos]
+idx = [i.get("index", {}) for i in infos]
 copy = sum(x.get("copy_lookups", 0) for x in idx)
 asked = copy + sum(x.get("lookups", 0) + x.get("fallback_lookups", 0) for x in idx)
 answered = f"  from the copy {copy / asked:4.0%}" if "copy_lookups" in idx[0] and asked else ""
@@ -256,7 +262,7 @@ hot = set(views[0])
 same = sum(1 for k in hot if all(v.get(k) == views[0][k] for v in views[1:]))
 caps = {}
 for i in infos:
-    for b, est in i["cache"]["backends"].items():
+    for b, est in i.get("cache", {}).get("backends", {}).items():
         caps.setdefault(b, []).append(est["capacity_blocks"])
 spread = max(max(v) / max(min(v), 1) for v in caps.values()) if caps else 1.0
 print(f"  prompts per engine {layout}  spills {spills}  homes agree {same}/{len(hot)}"
