@@ -35,6 +35,9 @@ class FakeResponse:
             raise self._error
         return b""
 
+    def at_end(self) -> bool:
+        return not self._chunks and self._error is None
+
     async def read(self, limit: int = -1) -> bytes:
         out = b""
         while data := await self.readany():

@@ -20,6 +20,7 @@ from proxy.types import FailureKind
 from proxy.upstream.pool import UpstreamFirstByteTimeout, UpstreamIdleTimeout, UpstreamPayloadError
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+DONE = b"data: [DONE]\n\n"
 
 
 def test_a_first_read_that_fails_is_retried_with_what_it_says_of_the_backend() -> None:
@@ -49,9 +50,12 @@ def test_a_stream_that_breaks_after_its_first_byte_says_how() -> None:
 class Reads:
     """An upstream response that hands out the given reads, then an end (or `error`)."""
 
-    def __init__(self, reads: list[bytes], error: BaseException | None = None) -> None:
+    def __init__(
+        self, reads: list[bytes], error: BaseException | None = None, *, end_with_last: bool = True
+    ) -> None:
         self.reads = list(reads)
         self.error = error
+        self.end_with_last = end_with_last  # False: the body's end comes in a read of its own
         self.timeouts: list[float] = []
 
     async def readany(self) -> bytes:
@@ -60,6 +64,9 @@ class Reads:
         if self.error is not None:
             raise self.error
         return b""
+
+    def at_end(self) -> bool:
+        return self.end_with_last and not self.reads and self.error is None
 
     def set_read_timeout(self, seconds: float) -> None:
         self.timeouts.append(seconds)
@@ -82,10 +89,24 @@ def _forward(reads: Reads) -> tuple[Any, list[bytes], Reads]:
 
 def test_the_loop_sends_whole_events_and_holds_back_the_start_of_one_until_its_end() -> None:
     half = len(EVENT) // 2
-    result, sent, reads = _forward(Reads([EVENT, EVENT[:half], EVENT[half:] + EVENT]))
+    reads = Reads([EVENT, EVENT[:half], EVENT[half:] + EVENT], end_with_last=False)
+    result, sent, reads = _forward(reads)
     assert result == (None, "", b"")
     assert sent == [EVENT, EVENT + EVENT]  # nothing of the cut event went out on its own
     assert reads.timeouts == [30.0]  # progress: the one read that completed events
+
+
+def test_the_last_reads_events_are_left_for_the_end_when_the_body_ended_with_them() -> None:
+    # (the relay's _finish writes them and the body's end at once: one write, one segment)
+    half = len(EVENT) // 2
+    result, sent, reads = _forward(Reads([EVENT, EVENT[:half], EVENT[half:] + EVENT + b"data:"]))
+    assert result == (None, "", EVENT + EVENT + b"data:")  # in order: events, then the cut one
+    assert sent == [EVENT] and reads.timeouts == []
+
+
+def test_a_first_read_that_is_the_whole_body_is_left_for_the_end_too() -> None:
+    result, sent, _ = _forward(Reads([EVENT + DONE]))
+    assert result == (None, "", EVENT + DONE) and sent == []
 
 
 def test_the_loop_returns_what_an_unfinished_event_held_when_the_stream_ends() -> None:

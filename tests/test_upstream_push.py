@@ -115,3 +115,30 @@ def test_no_sink_after_push_to_none_or_on_the_next_response() -> None:
         assert conn._sink is None
 
     asyncio.run(main())
+
+
+def test_at_end_is_true_once_the_body_ended_and_every_byte_of_it_was_read() -> None:
+    async def main() -> None:
+        conn, resp = await _open()
+        conn.data_received(_chunk(b"data: 1\n\n"))
+        assert not resp.at_end()  # bytes unread, and no end yet
+        assert await resp.readany() == b"data: 1\n\n"
+        assert not resp.at_end()  # read, but the body goes on
+        conn.data_received(_chunk(b"data: last\n\n") + b"0\r\n\r\n")
+        assert not resp.at_end()  # ended, but its last bytes are unread
+        assert await resp.readany() == b"data: last\n\n"
+        assert resp.at_end()  # the relay writes these with the end (relay._forward)
+        assert await resp.readany() == b""
+
+    asyncio.run(main())
+
+
+def test_at_end_is_false_for_a_body_that_broke() -> None:
+    async def main() -> None:
+        conn, resp = await _open()
+        conn.data_received(_chunk(b"data: 1\n\n"))
+        conn.connection_lost(None)  # cut before the terminating chunk
+        assert await resp.readany() == b"data: 1\n\n"
+        assert not resp.at_end()
+
+    asyncio.run(main())

@@ -286,7 +286,8 @@ class Relay:
         data: bytes,
     ) -> tuple[str | None, str, bytes]:
         """Forward the stream from its first read `data` on, in whole reads cut at the last
-        complete event, until it ends or breaks: (error code or None, reason, the start of an
+        complete event, until it ends or breaks: (error code or None, reason, what _finish writes
+        with the end: the last read's events if the end came with them, then the start of an
         event whose end never came). The per-read loop: one function, no call per read."""
         perf = time.perf_counter
         # Progress (the idle clock starts over) is a read that completes an event, not a byte
@@ -303,6 +304,7 @@ class Relay:
                 received = perf()
                 if (
                     first
+                    and not upstream.at_end()  # else it goes out with the end (_finish)
                     and data[-2:] == b"\n\n"
                     and meter.passes_through(data)
                     and (data.isascii() or _utf8_events(data) == len(data))
@@ -319,20 +321,19 @@ class Relay:
                 else:
                     first = False
                     out = meter.feed(data, received)
-                    if carry:
-                        out = carry + out
-                        carry = b""
+                    out, carry = carry + out, b""
                     if out and out[-2:] != b"\n\n":
                         cut = event_boundary(out)
                         out, carry = out[:cut], out[cut:]
-                    # Whole events only, so a multi-byte character is never cut here; one
-                    # C-speed scan, and a decode only for non-ASCII bytes.
+                    # Whole events: no character is cut; a decode only for non-ASCII bytes.
                     if out and not out.isascii() and (cut := _utf8_events(out)) < len(out):
                         reason = _not_utf8(backend, ex, out, cut)
                         if cut:
                             await send(_more(out[:cut]))
                             meter.mark_sent(perf())
                         return INVALID_RESPONSE, reason, b""
+                    if out and upstream.at_end():  # with the end, in one write (_finish)
+                        return None, "", out + carry
                     if out:  # ends on an event's end: whole events, at least one
                         progress(idle_s)
                         if write is None or not write(out):
@@ -403,15 +404,14 @@ class Relay:
         carry: bytes,
     ) -> StreamFacts:
         """The stream's end: the meter's last bytes and facts, a stream that ended before its
-        own end or broke turned into an error event (and a failure of its backend), the
-        record finished."""
+        own end or broke turned into an error event (and a failure of its backend), routing
+        taught (once the last bytes are out: not the client's wait), the record finished."""
         # A client that hangs up right after the last event got everything: not a cancel.
         cancelled = ex.client_gone and not meter.completed
         tail, facts = meter.finish(time.perf_counter(), error=error, cancelled=cancelled)
-        self.steering.observe_stream(backend.name, facts, ex.decision)
         if not ex.client_gone:
-            if carry:
-                tail = carry + tail  # the backend ended cleanly without a final blank line
+            if carry:  # the last read's events (they came with the end), or the backend
+                tail = carry + tail  # ended cleanly without a final blank line
             if tail and not tail.isascii() and (cut := _utf8_events(tail)) < len(tail):
                 why = _not_utf8(backend, ex, tail, cut)
                 error, reason = error or INVALID_RESPONSE, reason or why
@@ -442,6 +442,7 @@ class Relay:
                 ex.request_id,
                 backend.name,
             )
+        self.steering.observe_stream(backend.name, facts, ex.decision)
         ex.facts = facts
         record.finish(
             facts,

@@ -537,6 +537,13 @@ class UpstreamResponse:
             finally:
                 c._waiter = None
 
+    def at_end(self) -> bool:
+        """The body has ended and every byte of it was read: the next readany() returns b"".
+        (The relay sends a stream's last bytes and its end in one write when they came in
+        one read.)"""
+        c = self._conn
+        return c._eof and not c._buffer and c.error is None
+
     async def read(self, limit: int = -1) -> bytes:
         """The whole body (or its first `limit` bytes, waiting no longer than needed).
 
