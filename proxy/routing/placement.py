@@ -28,7 +28,8 @@ The assignment is recomputed every `rebalance_every` requests (hottest `max_keys
 the work spread over the requests that follow (`REBALANCE_STEP` units each: at 1,024 backends
 a whole recomputation is milliseconds); in between, a prefix seen for the first time is placed
 at once against the current loads, and one whose traffic grew past a tenth more than its homes
-carry gains homes then.
+carry gains homes then. (The router places a prompt shorter than its head's eight blocks, keyed
+by its whole text, only when that head comes again: Router._placed.)
 
 Replicas that share it (proxy.routing.shared_placement does the I/O) exchange the homes this
 module decided: `take_changes` hands over what changed since the last exchange, `adopt` takes
@@ -747,6 +748,12 @@ class Placement:
         per_copy = share / need
         if most and need > most:
             need = most  # (each copy still counted as carrying its part of the whole need)
+        chosen = self._kept(
+            p, previous, need, backends, weights, loads, room, per_copy, total, weight_sum
+        )
+        if len(chosen) >= need:
+            # Its homes stay (most prefixes at most rebalances): no order to read.
+            return tuple(chosen), False
         hrw = order(key, backends)
         rank = rank_of(order, key, backends, hrw)
 
@@ -758,9 +765,6 @@ class Placement:
         def fits(b: str) -> bool:
             return room[b] >= p.size
 
-        chosen = self._kept(
-            p, previous, need, backends, weights, loads, room, per_copy, total, weight_sum
-        )
         taken = set(chosen)
         # Then backends that already hold it (with a shared index, what another replica
         # placed), then the first within the bound and with room in the prefix's rendezvous
