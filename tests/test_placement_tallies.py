@@ -131,22 +131,23 @@ def view(name: str) -> BackendView:
 
 
 async def test_a_first_sighting_asks_for_one_share_not_one_per_placed_prefix() -> None:
-    """Short system prompts give every request a head of its own (its last block holds the
-    user's text), so every request is placed at first sight into a full placement. Between
-    rebalances each one reads a share or two, however many prefixes are placed."""
+    """Prompts whose first eight blocks are their own (a document, a case file ahead of the
+    question) each have a head of their own, so every request is placed at first sight into a
+    full placement. Between rebalances each one reads a share or two, however many prefixes
+    are placed."""
     r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
     assert r.placement is not None
     asked = []
     current = r.popularity.current
     r.popularity.current = lambda key: asked.append(key) or current(key)  # type: ignore[method-assign]
     views = [view(n) for n in NAMES]
-    system = "You are a terse assistant. " * 8  # ~200 characters: three 64-character blocks
+    text = "You are a terse assistant. " * 24  # ~650 characters: ten 64-character blocks
     per_request = []
     for i in range(400):
         body = {
             "model": "m",
             "messages": [
-                {"role": "system", "content": system},
+                {"role": "system", "content": f"Case {i}. {text}"},
                 {"role": "user", "content": f"Request {i}: what is {i} squared?"},
             ],
         }
@@ -159,6 +160,34 @@ async def test_a_first_sighting_asks_for_one_share_not_one_per_placed_prefix() -
             per_request.append(len(asked))
     assert len(r.placement.placed) == r.placement.max_keys  # full of one-off prompts
     assert max(per_request[-100:]) <= 2
+
+
+async def test_a_short_prompt_is_placed_when_its_head_comes_again_not_at_first_sight() -> None:
+    """A prompt under eight blocks is keyed by its whole text, the user's turn included: most
+    such heads never come again, and placing each one (with the rebalances that re-place it)
+    was a third of a short request's routing. So it is routed by the rules for prompts not
+    placed at first sight, and placed when the same head comes again; a long prompt is placed
+    at first sight, as before."""
+    r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())
+    assert r.placement is not None
+    views = [view(n) for n in NAMES]
+
+    def ctx(rid: str, system: str, user: str) -> RouteContext:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return RouteContext(rid, "m", "chat", {"model": "m", "messages": messages}, {}, 0.0)
+
+    short = "You are a terse assistant. " * 8  # ~200 characters: three 64-character blocks
+    for i in range(20):
+        decision = await r.route(ctx(f"s{i}", short, f"Request {i}: what is {i} squared?"), views)
+        assert not decision.reason.startswith("placed prefix")
+    assert not r.placement.placed
+    again = await r.route(ctx("again", short, "Request 7: what is 7 squared?"), views)
+    assert again.reason.startswith("placed prefix")
+    assert len(r.placement.placed) == 1
+    long = "You are a terse assistant. " * 24  # ten blocks: the head is the system prompt's
+    first = await r.route(ctx("long", long, "What is 3 squared?"), views)
+    assert first.reason.startswith("placed prefix")
+    assert len(r.placement.placed) == 2
 
 
 def test_forgetting_a_backend_keeps_the_tallies_what_counting_the_placed_prefixes_gives() -> None:

@@ -62,6 +62,10 @@ class PrefixPopularity:
             if listener is not None:
                 listener(gone)
 
+    def seen(self, key: int) -> bool:
+        """Whether `key` was observed among the heads still tracked."""
+        return key in self._counts
+
     def weight(self, key: int) -> float:
         """The head's decayed count at the tick `base`: its share is weight x scale()."""
         entry = self._counts.get(key)

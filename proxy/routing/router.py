@@ -228,6 +228,7 @@ class Router:
                 n = len(ctx.prefix_blocks)  # (no min(): it parses its arguments, every call)
                 head = ctx.prefix_blocks[(n if n < self.head_blocks else self.head_blocks) - 1]
                 ctx.head = head
+                placed = self._placed(head, n)
                 if record:
                     self.popularity.observe(head)
                 ctx.prefix_share = self.popularity.share(head)
@@ -235,7 +236,6 @@ class Router:
                     inflight = candidates.inflight
                 else:
                     inflight = [b.inflight for b in candidates]
-                placed = self.placement is not None and n >= self.warm_blocks
                 if placed:
                     if record and self.claims is not None:
                         await self._claim(ctx, head, fleet, held)
@@ -255,6 +255,18 @@ class Router:
         if record and self.record_on_route and decision.winner is not None:
             self.record(decision, decision.winner)
         return decision
+
+    def _placed(self, head: int, n: int) -> bool:
+        """Whether a prompt of `n` blocks with this head is placed (asked before the head's
+        request is counted). A prompt under head_blocks is keyed by its whole text, the
+        user's turn in it: most such heads never come again, and placing each (re-placed at
+        every rebalance) was a third of a short request's routing. So one is placed when its
+        head comes again (or is placed already: another replica's, or forgotten by the
+        popularity since), and routed meanwhile by the picker's rules for prompts not placed."""
+        placement = self.placement
+        if placement is None or n < self.warm_blocks:
+            return False
+        return n >= self.head_blocks or self.popularity.seen(head) or head in placement.placed
 
     async def _match(
         self, ctx: RouteContext, candidates: list[BackendView], fleet: Fleet
