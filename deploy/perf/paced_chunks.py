@@ -14,6 +14,7 @@ completions, and the CPU per chunk is the slope between the shortest and the lon
   ITLS="20" CHUNKS="16 64" REQUESTS=100 deploy/perf/paced_chunks.py
   PIN=1 deploy/perf/paced_chunks.py               # proxy on core 1; mock and load on core 0
   PROXIES="warmroute nginx sglang-router vllm-router" deploy/perf/paced_chunks.py
+  PROXIES="warmroute@/tmp/before warmroute sglang-router" deploy/perf/paced_chunks.py  # 2 builds
   ITLS=0 CHUNKS=64 CONCURRENCY=64 REQUESTS=3000 \
     PROXIES="direct warmroute sglang-router" deploy/perf/paced_chunks.py   # vs direct, zero cost
 
@@ -108,7 +109,7 @@ def _command(kind: str, port: int, backends: list[str], work: Path) -> tuple[lis
     """The command line that runs proxy `kind` on `port` in front of `backends`, and the URL
     that answers once it is ready."""
     ready = f"http://127.0.0.1:{port}/health"
-    if kind == "warmroute":
+    if kind == "warmroute" or kind.startswith("warmroute@"):
         cmd = [sys.executable, "-m", "proxy", "serve", "--port", str(port)]
         cmd += ["--log-level", "warning"]
         for b in backends:
@@ -127,8 +128,20 @@ def _command(kind: str, port: int, backends: list[str], work: Path) -> tuple[lis
         exe = os.environ.get("VLLM_ROUTER") or shutil.which("vllm-router") or "vllm-router"
         cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", RUST_POLICY]
         return [*cmd, "--log-level", "warning", "--worker-urls", *backends], ready
-    known = "direct, warmroute, nginx, sglang-router, vllm-router"
+    known = "direct, warmroute, warmroute@DIR, nginx, sglang-router, vllm-router"
     raise SystemExit(f"paced_chunks: unknown proxy {kind!r} ({known})")
+
+
+def _tree(kind: str) -> Path:
+    """Where proxy `kind` runs from: `warmroute@DIR` runs the checkout at DIR (its own `proxy`
+    package, compiled parts built in place: `python setup.py build_ext --inplace`), so that
+    two builds are measured in one run; every other kind, this checkout."""
+    if kind.startswith("warmroute@"):
+        tree = Path(kind.split("@", 1)[1]).resolve()
+        if not (tree / "proxy" / "__main__.py").is_file():
+            raise SystemExit(f"paced_chunks: {kind!r}: no warmroute checkout at {tree}")
+        return tree
+    return ROOT
 
 
 def session_cpu_s(sid: int) -> float:
@@ -180,7 +193,7 @@ def run(
                 }  # fmt: skip
             cmd, ready = _command(kind, proxy_port, backends, Path(tmp))
             proxy = subprocess.Popen(
-                [*proxy_cpu, *cmd], cwd=ROOT, stdout=subprocess.DEVNULL,
+                [*proxy_cpu, *cmd], cwd=_tree(kind), stdout=subprocess.DEVNULL,
                 stderr=open(Path(tmp) / "stderr", "wb"), start_new_session=True,
             )  # fmt: skip
             try:
