@@ -134,6 +134,42 @@ def test_the_c_scan_answers_as_the_python_one(
         start = search = want[2] + len(sep)
 
 
+def _anchored(n: int) -> list[bytes]:
+    """Reads whose searches meet each needle's anchor byte (its first that is not a quote)
+    `n` times where the rest of the needle does not follow."""
+    pad = {"id": "c" * n, "object": '"c' * n, "model": "f" * n}
+    common = b"data: " + orjson.dumps(
+        {**pad, "choices": [{"index": 0, "delta": {"content": "f" * n}, "finish_reason": None}]}
+    )
+    stop = b"data: " + orjson.dumps(
+        {**pad, "choices": [{"index": 0, "delta": {"content": "."}, "finish_reason": "stop"}]}
+    )
+    lines = b"\n".join([b": keep-alive"] * n)  # single newlines before the separator
+    return [
+        read(common, common, stop),
+        read(common, stop, sep=b"\r\n\r\n"),
+        read(lines, common),
+        read(common, tail=b"\r" * n + b"\n" * n),
+    ]
+
+
+@needs_c
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 200])
+def test_the_c_scan_answers_as_the_python_one_where_anchors_repeat(n: int) -> None:
+    """The C search memchr's to each place of a needle's anchor byte and hands the rest of the
+    range to memmem after FALSE_HITS misses: both ways give bytes.find's answers."""
+    c = _c()
+    for buf in _anchored(n):
+        sep = b"\r\n\r\n" if b"\r\n\r\n" in buf else SEP
+        start = search = 0
+        while True:
+            got, want = c(buf, start, search, sep), chat_events_py(buf, start, search, sep)
+            assert got == want, (n, buf[:80], start)
+            if want[2] < 0:
+                break
+            start = search = want[2] + len(sep)
+
+
 @needs_c
 def test_the_c_scan_refuses_what_the_meter_never_passes() -> None:
     c = _c()
