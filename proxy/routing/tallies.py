@@ -3,12 +3,12 @@ prefixes homed there, how many, their sizes and their traffic weights; and the c
 prefix, in a heap.
 
 Where prompts' first eight blocks are their own (a document or a case file ahead of the
-question), every request is placed into a full placement, and summing over every placed prefix
-took ~53,000 of ~56,000 bytecodes a request; these tallies make it a few dictionary reads. Sizes and weights are
-fixed point (units of 2**-128), so a prefix counted in and out again leaves exactly nothing.
-Traffic is counted from shares that decay alike (a PrefixPopularity: share = weight x one
-scale), which add up without reading every share; when their base moves, every weight does,
-and the tallies are counted again.
+question), every request is placed into a full placement, and summing over every placed
+prefix took ~53,000 of ~56,000 bytecodes a request; these tallies make it a few dictionary
+reads. Sizes and weights are fixed point (units of 2**-128), so a prefix counted in and out
+again leaves exactly nothing. Traffic is counted from shares that decay alike (a
+PrefixPopularity: share = weight x one scale), which add up without reading every share; when
+their base moves, every weight does, and the tallies are counted again.
 """
 
 from __future__ import annotations
