@@ -9,6 +9,8 @@
 #   deploy/perf/cache_routing.sh                    # seeds 1-5, caches of ~3 and ~5 of 8 prompts
 #   SEEDS="1 2" CACHES="8500" deploy/perf/cache_routing.sh
 #   PIN=1 deploy/perf/cache_routing.sh    # the proxy on core 0, the engines and the load on core 1
+#   SYSTEM_CHARS=250 CACHES="400 1000" POLICIES=prefix_aware deploy/perf/cache_routing.sh
+#     # short prompts: under the eight blocks that key a placement with their user turn
 #
 # Prints one line per run (hit ratio, TTFT p50/p99) and writes results JSON under $OUT.
 set -euo pipefail
@@ -19,6 +21,8 @@ CACHES="${CACHES:-8500 14000}"     # mock tokens per engine: a 2k-token prompt i
 REQUESTS="${REQUESTS:-400}"
 CONCURRENCY="${CONCURRENCY:-32}"
 RATE_TPS="${RATE_TPS:-20000}"      # prefill tokens/s of each engine
+SYSTEM_CHARS="${SYSTEM_CHARS:-8000}"  # each of the 8 system prompts (8000 chars: ~2k tokens)
+POLICIES="${POLICIES:-prefix_aware round_robin}"
 OUT="${OUT:-/tmp/warmroute-cache-routing}"
 PROXY_CPU=(); OTHERS_CPU=()
 if [[ "${PIN:-0}" == 1 ]]; then PROXY_CPU=(taskset -c 0); OTHERS_CPU=(taskset -c 1); fi
@@ -45,7 +49,7 @@ start_mock() {
 start_proxy() {
   local backends=()
   for i in 0 1 2 3; do backends+=(--backend "http://127.0.0.1:$((MOCK_PORT + i))"); done
-  "${PROXY_CPU[@]}" warmroute serve --port "$PROXY_PORT" --policy "$1" "${backends[@]}" \
+  "${PROXY_CPU[@]}" python -m proxy serve --port "$PROXY_PORT" --policy "$1" "${backends[@]}" \
     >"$OUT/proxy.log" 2>&1 &
   pids+=($!)
   wait_http "http://127.0.0.1:$PROXY_PORT/ready"
@@ -55,7 +59,7 @@ stop_all() { cleanup; pids=(); }
 
 bench() {  # label, extra args...
   local label=$1; shift
-  "${OTHERS_CPU[@]}" warmroute bench --workload shared-prefix --prefixes 8 --system-chars 8000 --zipf 0 \
+  "${OTHERS_CPU[@]}" warmroute bench --workload shared-prefix --prefixes 8 --system-chars "$SYSTEM_CHARS" --zipf 0 \
     --requests "$REQUESTS" --concurrency "$CONCURRENCY" --max-tokens 16 --seed "$seed" \
     --no-progress --label "$label" --out "$OUT/$label-c$cache-s$seed.json" "$@" >/dev/null
   python - "$OUT/$label-c$cache-s$seed.json" "$label" "$cache" "$seed" <<'EOF'
@@ -78,7 +82,7 @@ for i in 0 1 2 3; do direct+=(--direct "http://127.0.0.1:$((MOCK_PORT + i))"); d
 for cache in $CACHES; do
   for seed in $SEEDS; do
     start_mock "$cache"; bench static_affinity "${direct[@]}" --direct-affinity system; stop_all
-    for policy in prefix_aware round_robin; do
+    for policy in $POLICIES; do
       start_mock "$cache"; start_proxy "$policy"
       bench "$policy" --base-url "http://127.0.0.1:$PROXY_PORT"
       stop_all
