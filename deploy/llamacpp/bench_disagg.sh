@@ -65,8 +65,9 @@ for seed in $SEEDS; do
     } >"$config"
     pport=$(free_port)
     aport=$(free_port)
-    warmroute serve --config "$config" --port "$pport" --admin-port "$aport" --log-level info \
-      >"$OUT/warmroute-$label.log" 2>&1 &
+    # exec: the pid kept is the proxy's own, so stop_all stops it (see bench_policies.sh).
+    (exec "$PYTHON" -m proxy serve --config "$config" --port "$pport" --admin-port "$aport" \
+      --log-level info) >"$OUT/warmroute-$label.log" 2>&1 &
     PIDS+=($!)
     wait_http "http://127.0.0.1:$pport/ready" $!
 

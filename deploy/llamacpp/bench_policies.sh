@@ -13,7 +13,9 @@
 # Knobs (environment): POLICIES, ENGINES (instances, default 2), THREADS (per instance, 1),
 # CTX (total context per instance, 8192), PARALLEL (slots per instance, 2), REQUESTS (120),
 # CONCURRENCY (2), PREFIXES (4), SYSTEM_CHARS (6000), MAX_TOKENS (8), SEED (0),
-# OUT (results directory, default a new temp dir), PYTHON (interpreter with warmroute).
+# OUT (results directory, default a new temp dir), PYTHON (interpreter with warmroute),
+# PROXY_TREE (a checkout whose proxy to run, e.g. `git archive <commit>` built in place with
+# `python setup.py build_ext --inplace`: two builds on the same engines and prompts).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -31,6 +33,7 @@ SEED="${SEED:-0}"
 PYTHON="${PYTHON:-python3}"
 OUT="${OUT:-$(mktemp -d -t warmroute-bench-policies.XXXXXX)}"
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: the proxy may start in PROXY_TREE
 
 log() { printf '[bench-policies] %s\n' "$*" >&2; }
 
@@ -73,8 +76,10 @@ for policy in $POLICIES; do
     printf 'routing: {policy: %s}\n' "$policy"
   } >"$config"
   pport=$(free_port)
-  warmroute serve --config "$config" --port "$pport" --log-level warning \
-    >"$OUT/warmroute-$policy.log" 2>&1 &
+  # exec: the pid kept is the proxy's own, so stop_all stops it (a backgrounded shell
+  # function's pid is its subshell's, and the proxy outlived the script).
+  (cd "${PROXY_TREE:-.}" && exec "$PYTHON" -m proxy serve --config "$config" --port "$pport" \
+    --log-level warning) >"$OUT/warmroute-$policy.log" 2>&1 &
   PIDS+=($!)
   wait_http "http://127.0.0.1:$pport/health" $!
 
