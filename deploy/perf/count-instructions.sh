@@ -23,6 +23,10 @@
 # API_KEY (in this script's environment): the load presents it as a bearer token; give the proxy
 # its digest, e.g. API_KEY=k deploy/perf/count-instructions.sh keyed \
 #   WARMROUTE_SERVER__API_KEYS=bench:$(printf %s k | sha256sum | cut -d' ' -f1)
+# IDLE_S (seconds): after the counted requests, count as long with none, and print the proxy's
+# own per-second work (polls, timers) and the requests' count net of it: at an engine's pace
+# a long stream lasts seconds, and the slope between stream lengths would count that work
+# as the chunks' (PROFILE then keeps the requests' window alone).
 # Kernel time (the socket calls) is not counted. Example, telemetry off against the default:
 #   deploy/perf/count-instructions.sh off WARMROUTE_TELEMETRY__ENABLED=false
 #   deploy/perf/count-instructions.sh metrics
@@ -74,13 +78,35 @@ if [ -n "${API_KEY:-}" ]; then  # the client presents it (give the proxy its SHA
   export API_KEY
   bench+=(--api-key-env API_KEY)
 fi
+counted() {  # instructions counted since the last zero or dump, every thread
+  callgrind_control -e Ir "$proxy" 2>/dev/null | awk '/^ *Th /{gsub(",", "", $3); s += $3} END {print s + 0}'
+}
 "${bench[@]}" --requests "${WARMUP:-200}" >/dev/null
 callgrind_control -i on "$proxy" >/dev/null 2>&1
+t0=$(date +%s.%N)
 "${bench[@]}" --requests "${REQUESTS:-400}" >/dev/null
+t1=$(date +%s.%N)
+out="$work/out"
+if [ -n "${IDLE_S:-}" ]; then
+  # The window's count, dumped (and zeroed), then IDLE_S seconds with no request: the proxy's
+  # own per-second work (health and load polls, timers), which the window also holds.
+  window=$(counted)
+  callgrind_control --dump=window "$proxy" >/dev/null 2>&1
+  sleep "$IDLE_S"
+  idle=$(counted)
+  out=$(ls "$work"/out.* 2>/dev/null | head -1)
+fi
 callgrind_control -i off "$proxy" >/dev/null 2>&1
 kill -INT "$proxy"
 wait "$proxy" || true
-total=$(grep -o "Collected : [0-9]*" "$work/log" | awk '{print $3}')
-if [ -n "${PROFILE:-}" ]; then cp "$work/out" "$PROFILE"; fi
+total=${window:-$(grep -o "Collected : [0-9]*" "$work/log" | awk '{print $3}')}
+if [ -n "${PROFILE:-}" ]; then cp "$out" "$PROFILE"; fi
 awk -v l="$label" -v t="$total" -v n="${REQUESTS:-400}" \
   'BEGIN { printf "%-12s %.4f M instructions per request\n", l, t / n / 1e6 }'
+if [ -n "${IDLE_S:-}" ]; then
+  awk -v l="$label" -v t="$total" -v n="${REQUESTS:-400}" -v i="$idle" -v s="$IDLE_S" \
+    -v w="$(echo "$t1 - $t0" | bc)" 'BEGIN {
+      bg = i / s * w  # the per-second work over the window
+      printf "%-12s idle %.0f k instructions/s; the window'"'"'s %.1f s of it %.4f M per request;" \
+        " %.4f M per request net of it\n", l, i / s / 1e3, w, bg / n / 1e6, (t - bg) / n / 1e6 }'
+fi
