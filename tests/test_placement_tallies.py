@@ -165,7 +165,7 @@ async def test_a_first_sighting_asks_for_one_share_not_one_per_placed_prefix() -
 async def test_a_short_prompt_is_placed_when_its_head_comes_again_not_at_first_sight() -> None:
     """A prompt under eight blocks is keyed by its whole text, the user's turn included: most
     such heads never come again, and placing each one (with the rebalances that re-place it)
-    was a third of a short request's routing. So it is routed by the rules for prompts not
+    was over half a short request's routing. So it is routed by the rules for prompts not
     placed at first sight, and placed when the same head comes again; a long prompt is placed
     at first sight, as before."""
     r = build_router(RoutingConfig(policy="prefix_aware"), index=MemoryPrefixIndex())

@@ -94,7 +94,7 @@ if [ -n "${IDLE_S:-}" ]; then
   callgrind_control --dump=window "$proxy" >/dev/null 2>&1
   sleep "$IDLE_S"
   idle=$(counted)
-  out=$(ls "$work"/out.* 2>/dev/null | head -1)
+  out=$(ls "$work"/out.* 2>/dev/null | head -1); out=${out:-$work/out}
 fi
 callgrind_control -i off "$proxy" >/dev/null 2>&1
 kill -INT "$proxy"

@@ -260,7 +260,7 @@ class Router:
         """Whether a prompt of `n` blocks with this head is placed (asked before the head's
         request is counted). A prompt under head_blocks is keyed by its whole text, the
         user's turn in it: most such heads never come again, and placing each (re-placed at
-        every rebalance) was a third of a short request's routing. So one is placed when its
+        every rebalance) was over half a short request's routing. So one is placed when its
         head comes again (or is placed already: another replica's, or forgotten by the
         popularity since), and routed meanwhile by the picker's rules for prompts not placed."""
         placement = self.placement
