@@ -10,6 +10,7 @@ stay on their own.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -19,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from proxy.sse import SSE_DONE, sse
 
 __all__ = [
+    "DISCONNECT_HOOK",
     "JSON",
     "SSE",
     "SSE_DONE",
@@ -30,7 +32,9 @@ __all__ = [
     "Receive",
     "Scope",
     "Send",
+    "Watch",
     "body_writer",
+    "disconnect_watch",
     "end_stream",
     "header",
     "headers_of",
@@ -45,6 +49,12 @@ __all__ = [
 ]
 
 Headers = Iterable[tuple[bytes, bytes]]
+# `watch(callback)`: call `callback()` once if the client leaves before its response ends;
+# returns the function that stops watching (disconnect_watch)
+Watch = Callable[[Callable[[], object]], Callable[[], object]]
+# The scope extension a server offers it under ({"watch": Watch}): warmroute's HTTP protocol
+# (proxy/edge/limits.py)
+DISCONNECT_HOOK = "warmroute.disconnect"
 
 JSON = b"application/json"
 SSE = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
@@ -122,6 +132,24 @@ async def watch_disconnect(receive: Receive, on_disconnect: Callable[[], object]
         if message["type"] == "http.disconnect":
             on_disconnect()
             return
+
+
+def disconnect_watch(scope: Scope, receive: Receive) -> Watch:
+    """How this request learns that its client left (a `Watch`): the server's own hook where
+    it offers one (the DISCONNECT_HOOK extension: warmroute's protocol calls back from the
+    connection's loss, no task per request), else a task running `watch_disconnect`."""
+    extensions = scope.get("extensions")
+    if extensions:
+        hook = extensions.get(DISCONNECT_HOOK)
+        if hook is not None:
+            watch: Watch = hook["watch"]
+            return watch
+
+    def by_task(callback: Callable[[], object]) -> Callable[[], object]:
+        task = asyncio.get_running_loop().create_task(watch_disconnect(receive, callback))
+        return task.cancel
+
+    return by_task
 
 
 # -- response ---------------------------------------------------------------------------------

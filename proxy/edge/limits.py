@@ -15,8 +15,9 @@ connections were all still open after 75 s. Here, per connection:
   `write_timeout_s`: else it would hold its admission slot and the upstream connection (the
   engine's KV cache) for as long as it liked. The timer is armed when the transport's buffer
   passes its high-water mark (pause_writing) and cancelled when it drains (resume_writing),
-  so a chunk written costs nothing; closing the connection makes uvicorn hand the app
-  http.disconnect, and the proxy's disconnect watcher closes the upstream.
+  so a chunk written costs nothing; the connection's loss is told to the request at once
+  (the DISCONNECT_HOOK extension below, no task per request), and the forwarder closes the
+  upstream.
 
 Never two answers to one request, and every request answered in order: a body that times out
 after the app has answered (a 404, a 413, /health) just closes the connection; a refusal of a
@@ -34,15 +35,17 @@ app with this protocol enforces the app's configured limits.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import resource
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from proxy.asgi import DISCONNECT_HOOK
 from proxy.errors import error_body
 from proxy.redact import sane_request_id
 
@@ -136,6 +139,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._upgrade_asked = False  # the head asks to switch protocols: answered over HTTP/1.1
         self._deferred: bytes | None = None  # a refusal sent once earlier answers are
         self._stalled: asyncio.TimerHandle | None = None  # armed while writes are paused
+        # The running request's callback for its client leaving (proxy.asgi.disconnect_watch),
+        # offered to the app in each request's scope: one dict per connection.
+        self._left: Callable[[], object] | None = None
+        self._extensions: dict[str, dict[object, object]] = {
+            DISCONNECT_HOOK: {"watch": self._watch_left}
+        }
 
     # -- connection ------------------------------------------------------------------------
     def connection_made(self, transport: Any) -> None:
@@ -164,7 +173,26 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._stalled is not None:
             self._stalled.cancel()
             self._stalled = None
+        left, self._left = self._left, None
+        cycle = self.cycle
+        answered = cycle is None or cycle.response_complete
         super().connection_lost(exc)
+        if left is not None and not answered:
+            try:
+                left()
+            except Exception:
+                log.exception("the handler of a client's leaving failed")
+
+    # -- the app's disconnect watch (proxy.asgi.DISCONNECT_HOOK) ---------------------------
+    def _watch_left(self, callback: Callable[[], object]) -> Callable[[], object]:
+        """Call `callback()` if the connection is lost before the running response ends
+        (what http.disconnect would say, without a task awaiting it); returns the stop."""
+        self._left = callback
+        return functools.partial(self._unwatch_left, callback)
+
+    def _unwatch_left(self, callback: Callable[[], object]) -> None:
+        if self._left is callback:  # (a pipelined request after it may have its own)
+            self._left = None
 
     # -- flow control: called at the transport's water marks, never per write -----------------
     def pause_writing(self) -> None:
@@ -236,6 +264,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # -- parser callbacks (once per request: the base class's named, not a super() object) --
     def on_message_begin(self) -> None:
         HttpToolsProtocol.on_message_begin(self)
+        self.scope["extensions"] = self._extensions
         if self._phase != _HEAD:
             self._phase, self._since = _HEAD, self.loop.time()
         self._head_bytes = 0

@@ -38,9 +38,10 @@ from proxy.asgi import (
     Receive,
     Scope,
     Send,
+    Watch,
+    disconnect_watch,
     headers_of,
     read_body,
-    watch_disconnect,
 )
 from proxy.config import Config
 from proxy.errors import RequestError, error_body
@@ -131,17 +132,18 @@ class ProxyEndpoint:
                 await respond(send, e.status, e.body(), request_id)
                 return
             client = scope.get("client")
+            watch = disconnect_watch(scope, receive)
             if fw.budgets is None:
-                await self._handle(ex, client, receive, send)
+                await self._handle(ex, client, watch, send)
             else:
-                handle = functools.partial(self._handle, ex, client, receive)
+                handle = functools.partial(self._handle, ex, client, watch)
                 await through_budgets(fw.budgets, ex, send, handle, fw.recorder.refused)
             served(ex.facts)  # the admission's fair share counts the engine's tokens
         finally:
             fw.open_requests -= 1
 
     # -- routing and attempts -------------------------------------------------------------
-    async def _handle(self, ex: Exchange, client: Any, receive: Receive, send: Send) -> None:
+    async def _handle(self, ex: Exchange, client: Any, watch: Watch, send: Send) -> None:
         """The request's straight path: route, then attempts (or the P/D flow) to the end."""
         fw = self.fw
         decision = await self._route(ex, send)
@@ -158,7 +160,7 @@ class ProxyEndpoint:
             await self._refuse_unranked(ex, send, record, decision.filtered_out)
             return
         try:
-            await self._run(ex, record, receive, send)
+            await self._run(ex, record, watch, send)
         finally:
             fw.steering.finished(ex.decision)
 
@@ -244,18 +246,17 @@ class ProxyEndpoint:
         await self._refuse_unranked(ex, send, record, decision.filtered_out, waiter.waited_s)
         return False
 
-    async def _run(self, ex: Exchange, record: RequestRecord, receive: Receive, send: Send) -> None:
-        """The attempts (or the P/D flow) under one disconnect watcher, to an answer, an error
+    async def _run(self, ex: Exchange, record: RequestRecord, watch: Watch, send: Send) -> None:
+        """The attempts (or the P/D flow) under one disconnect watch, to an answer, an error
         the client is told, or a cut (the client left, shutdown) that ends the record. A
         request whose every backend is at its bound waits for one here, where the client's
         leaving is watched."""
-        # One watcher for the whole request: `send()` does not report a departed client, and
-        # an engine must hear of the abort even while it is still queueing or prefilling.
+        # One watch for the whole request: `send()` does not report a departed client, and an
+        # engine must hear of the abort even while it is still queueing or prefilling.
         task = asyncio.current_task()
         assert task is not None
         ex.task = task
-        left = functools.partial(_client_left, ex, task)
-        watcher = task.get_loop().create_task(watch_disconnect(receive, left))
+        unwatch = watch(functools.partial(_client_left, ex, task))
         try:
             assert ex.decision is not None
             if not ex.decision.ranking:
@@ -276,7 +277,7 @@ class ProxyEndpoint:
                 await respond(send, 500, internal_error(e), ex.request_id)
             record.finish(None, status=500, error_type=type(e).__name__)
         finally:
-            watcher.cancel()
+            unwatch()
 
     async def _cancelled(self, ex: Exchange, record: RequestRecord, send: Send) -> None:
         """The request's task was cancelled: the client left, or the server is shutting down."""
