@@ -36,6 +36,7 @@ from proxy.telemetry import Telemetry
 from proxy.tenants import http as tenants_http
 from proxy.tenants.budgets import DEFAULT_TENANT, Budgets
 from proxy.upstream.backends import CONTROL_LIMITS, Backend, BackendRegistry
+from proxy.upstream.control import ControlClient
 from proxy.upstream.pool import Upstream, client_ssl_context
 
 log = logging.getLogger("warmroute")
@@ -150,6 +151,7 @@ def _build_state(config: Config, telemetry: Telemetry | None) -> AppState:
         config,
         http,
         lambda: httpx.AsyncClient(limits=CONTROL_LIMITS, verify=tls, trust_env=False),
+        ControlClient(config.timeouts, tls),
     )
     routing = build_routing(config)
     return AppState(

@@ -16,19 +16,23 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
 
 from proxy import engines
-from proxy.config import BackendConfig, Config, HealthConfig
+from proxy.config import BackendConfig, Config
 from proxy.routing.slots import SlotLayout
 from proxy.routing.types import BackendView, Changes, EngineLoad, one_copy
 from proxy.types import FailureKind
 from proxy.upstream import slot_scrape
+from proxy.upstream.cadence import check_interval, has_work, scrape_due
 from proxy.upstream.engine_metrics import LOAD_METRICS, counters_reset, parse_load
 from proxy.upstream.outlier import Breaker
+
+if TYPE_CHECKING:
+    from proxy.upstream.control import ControlClient
 
 log = logging.getLogger("warmroute.backends")
 
@@ -182,54 +186,22 @@ STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError
 JITTER: Callable[[], float] = random.random
 
 
-def has_work(b: Backend, seen: int) -> bool:
-    """Whether `b` has traffic: a request routed to it since the last scrape (`seen`: its
-    `attached` count then), one on it now, or requests on it at the last scrape (an engine
-    busy with other replicas' traffic says so)."""
-    if b.attached != seen or b.streams:
-        return True
-    return bool(b.load.waiting) or bool(b.load.running)
-
-
-def scrape_due(b: Backend, seen: int, checked: bool) -> bool:
-    """Whether a poll round scrapes `b`'s load: always with its health check, and between
-    health checks only while it has work (has_work). An idle engine costs one health check
-    and one scrape per idle interval, so the background cost of a fleet grows with its busy
-    engines, not with every engine (deploy/perf/idle_cpu.py)."""
-    return checked or has_work(b, seen)
-
-
-def check_interval(
-    h: HealthConfig, *, healthy: bool, busy: bool, ejected: bool, idle_backends: int
-) -> float:
-    """Seconds from a backend's last health check to its next: proportional to need.
-
-    Unhealthy: as often as the scrape interval allows (to see it come back; it gets no
-    request until then). With traffic (has_work) or an open breaker: `interval_s`. Idle and
-    healthy: `idle_interval_s` (never more often than `interval_s`), stretched to
-    `idle_backends / idle_checks_per_s` so the idle checks of a whole fleet cost at most that
-    many a second however many engines idle (Envoy's no_traffic_interval, with a fleet-wide
-    cap). A request routed to an idle backend wakes its poll task: it is busy from then on.
-    """
-    if not healthy:
-        return min(h.interval_s, h.metrics_scrape_s)
-    if busy or ejected:
-        return h.interval_s
-    return max(h.interval_s, h.idle_interval_s, idle_backends / h.idle_checks_per_s)
-
-
 class BackendRegistry:
     def __init__(
         self,
         config: Config,
         http: httpx.AsyncClient,
         control: Callable[[], httpx.AsyncClient] | None = None,
+        fetch: ControlClient | None = None,
     ) -> None:
         """`http` is the shared client; `control` makes each backend's own client for its
-        health checks, model lists and scrapes (without it, they use `http`)."""
+        health checks, model lists and scrapes (without it, they use `http`); `fetch`, where
+        given, sends those over the proxy's own pooled connections instead (a fraction of
+        httpx's CPU: proxy/upstream/control.py). Engine detection stays on httpx."""
         self.config = config
         self.http = http
         self._control = control
+        self._fetch = fetch
         self._clients: dict[str, httpx.AsyncClient] = {}
         self.backends: dict[str, Backend] = {}
         # Whose view changed since the ViewCache last read them (routing.types.Changes).
@@ -300,6 +272,8 @@ class BackendRegistry:
         if task is not None:
             task.cancel()
         self._idle.discard(name)
+        if b is not None and self._fetch is not None:
+            self._fetch.forget(b.url)
         client = self._clients.pop(name, None)
         if client is not None:
             closing = asyncio.create_task(client.aclose(), name=f"close {name}")
@@ -378,6 +352,8 @@ class BackendRegistry:
     # -- background work ------------------------------------------------------------------
     async def start(self) -> None:
         """Discover models and health once (bounded), then keep polling in the background."""
+        if self._fetch is not None:
+            await self._fetch.start()
         timeout = self.config.timeouts.health_s + 0.5
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(
@@ -400,6 +376,8 @@ class BackendRegistry:
         clients, self._clients = list(self._clients.values()), {}
         for c in clients:
             await c.aclose()
+        if self._fetch is not None:
+            await self._fetch.close()
 
     def client(self, b: Backend) -> httpx.AsyncClient:
         """The client for `b`'s background requests: its own pool, made on first use."""
@@ -420,6 +398,8 @@ class BackendRegistry:
         closed under it (the server's keep-alive ran out first): a race, not an outage. One
         such lost check used to mark a busy engine unhealthy, and placement moved its prompts
         away and back, each move a cold prefill."""
+        if self._fetch is not None:  # (which retries a stale pooled connection itself)
+            return await self._fetch.get(url, headers, limit_s)
         client = self.client(b)
         try:
             return await client.get(url, headers=headers, timeout=limit_s)

@@ -134,7 +134,7 @@ class Target:
 
     __slots__ = ("host", "key", "port", "prefix", "ssl")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, method: str = "POST") -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https"):
             raise ValueError(f"unsupported backend URL scheme in {url!r}")
@@ -149,7 +149,7 @@ class Target:
         if parts.query:
             path += "?" + parts.query
         # "POST <path> HTTP/1.1\r\nhost: <netloc>\r\n", built once per (backend, endpoint)
-        self.prefix = f"POST {path} HTTP/1.1\r\nhost: {netloc}\r\n".encode("latin-1")
+        self.prefix = f"{method} {path} HTTP/1.1\r\nhost: {netloc}\r\n".encode("latin-1")
         self.key = (self.host, self.port, self.ssl)
 
     def __repr__(self) -> str:

@@ -1,0 +1,95 @@
+"""The proxy's background requests to its backends over its own HTTP/1.1 connections.
+
+Health checks, model lists and metric and slot scrapes are small GETs, a few a second per
+busy engine (proxy/upstream/backends.py). Through httpx each cost ~0.6 ms of CPU on a kept-alive
+connection and ~1 ms on a new one (anyio, httpcore and the thread pool's name lookup), several
+times a proxied request's whole cost: with one busy engine a proxy spent ~0.8 M instructions
+a second on its checks alone, and a fleet of busy engines scales that with its size. Sent over
+the connection pool the forwarder uses (its own instance: a check never waits for, or takes, a
+request's connection) a GET costs ~0.1 ms, ~0.2 ms on a new connection (docs/hot-path.md,
+round 10).
+
+`ControlClient.get` answers as httpx does, an `httpx.Response` or an `httpx.HTTPError`, so the
+registry's checks, scrapes and the slot scrape read it as before. A pooled connection the server
+closed under the request (the engines' keep-alive is 5 s, a busy engine's check interval too)
+is retried once at once on a new connection, as httpx's callers did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+
+import httpx
+
+from proxy.config import TimeoutsConfig
+from proxy.upstream.errors import (
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamDisconnected,
+    UpstreamError,
+)
+from proxy.upstream.pool import Target, Upstream
+
+# The most of one answer read (a vLLM's /metrics with many LoRA adapters is a few hundred kB)
+MAX_CONTROL_BYTES = 16 * 1024 * 1024
+
+
+class ControlClient:
+    """GETs to the backends within a deadline, on pooled connections of their own."""
+
+    def __init__(self, timeouts: TimeoutsConfig, ssl_context: ssl.SSLContext | None = None):
+        self._pool = Upstream(
+            timeouts, max_per_host=2, ssl_context=ssl_context, max_response_bytes=MAX_CONTROL_BYTES
+        )
+        self._targets: dict[str, Target] = {}
+
+    async def start(self) -> None:
+        await self._pool.start()
+
+    async def close(self) -> None:
+        await self._pool.close()
+        self._targets.clear()
+
+    def forget(self, base_url: str) -> None:
+        """A backend left: its idle connections close, its parsed URLs go."""
+        self._pool.forget_backend(base_url)
+        for url in [u for u in self._targets if u.startswith(base_url)]:
+            del self._targets[url]
+
+    async def get(
+        self, url: str, headers: dict[str, str] | None = None, limit_s: float = 5.0
+    ) -> httpx.Response:
+        """The answer to a GET of `url`, read whole within `limit_s` seconds."""
+        target = self._targets.get(url)
+        if target is None:
+            target = self._targets[url] = Target(url, "GET")
+        request = httpx.Request("GET", url)
+        try:
+            async with asyncio.timeout(limit_s):
+                try:
+                    status, content = await self._once(target, headers or {}, fresh=False)
+                except UpstreamDisconnected as e:
+                    if not e.reused:
+                        raise
+                    status, content = await self._once(target, headers or {}, fresh=True)
+        except UpstreamConnectTimeout as e:
+            raise httpx.ConnectTimeout(str(e), request=request) from e
+        except TimeoutError as e:  # the deadline, or the pool's first-byte or idle one
+            raise httpx.ReadTimeout(f"no whole answer within {limit_s:g}s", request=request) from e
+        except UpstreamConnectError as e:
+            raise httpx.ConnectError(str(e), request=request) from e
+        except UpstreamDisconnected as e:
+            raise httpx.RemoteProtocolError(str(e), request=request) from e
+        except (UpstreamError, OSError) as e:
+            raise httpx.ReadError(f"{type(e).__name__}: {e}", request=request) from e
+        return httpx.Response(status, content=content, request=request)
+
+    async def _once(
+        self, target: Target, headers: dict[str, str], fresh: bool
+    ) -> tuple[int, bytes]:
+        response = await self._pool.post(target, b"", headers, fresh=fresh)
+        try:
+            return response.status, await response.read()
+        finally:
+            response.release()
