@@ -32,7 +32,7 @@ from proxy.upstream.engine_metrics import LOAD_METRICS, counters_reset, parse_lo
 from proxy.upstream.outlier import Breaker
 
 if TYPE_CHECKING:
-    from proxy.upstream.control import ControlClient
+    from proxy.upstream.control import Answer, ControlClient
 
 log = logging.getLogger("warmroute.backends")
 
@@ -393,7 +393,7 @@ class BackendRegistry:
 
     async def _get(
         self, b: Backend, url: str, limit_s: float, headers: dict[str, str] | None = None
-    ) -> httpx.Response:
+    ) -> httpx.Response | Answer:
         """A background GET, sent again once at once if the connection it went out on was
         closed under it (the server's keep-alive ran out first): a race, not an outage. One
         such lost check used to mark a busy engine unhealthy, and placement moved its prompts

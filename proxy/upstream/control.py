@@ -1,24 +1,27 @@
 """The proxy's background requests to its backends over its own HTTP/1.1 connections.
 
 Health checks, model lists and metric and slot scrapes are small GETs, a few a second per
-busy engine (proxy/upstream/backends.py). Through httpx each cost ~0.6 ms of CPU on a kept-alive
-connection and ~1 ms on a new one (anyio, httpcore and the thread pool's name lookup), several
-times a proxied request's whole cost: with one busy engine a proxy spent ~0.8 M instructions
-a second on its checks alone, and a fleet of busy engines scales that with its size. Sent over
-the connection pool the forwarder uses (its own instance: a check never waits for, or takes, a
-request's connection) a GET costs ~0.1 ms, ~0.2 ms on a new connection (docs/hot-path.md,
-round 10).
+busy engine (proxy/upstream/backends.py). Through httpx each cost ~0.7 ms of CPU on a kept-alive
+connection and ~1 ms on a new one on the machine that measured it, more than a proxied request's
+whole cost: with one busy engine a proxy spent ~0.8 M instructions a second on its checks
+alone, and a fleet of busy engines scales that with its size. Sent over a connection pool like
+the forwarder's (its own instance: a check never waits for, or takes, a request's connection)
+a GET costs a fifth of that or less (deploy/perf/control_get.py; docs/hot-path.md, round 10).
 
-`ControlClient.get` answers as httpx does, an `httpx.Response` or an `httpx.HTTPError`, so the
-registry's checks, scrapes and the slot scrape read it as before. A pooled connection the server
-closed under the request (the engines' keep-alive is 5 s, a busy engine's check interval too)
-is retried once at once on a new connection, as httpx's callers did.
+`ControlClient.get` answers as httpx does, so the registry's checks, scrapes and the slot scrape
+read it as before: an `Answer` (the part of `httpx.Response` they read: `status_code`, `content`,
+`text`, `json()`, `raise_for_status()`, which raises httpx's own error) or an `httpx.HTTPError`.
+Building an `httpx.Response` for every answer was ~40% of a GET's CPU. A pooled connection the
+server closed under the request (the engines' keep-alive is 5 s, a busy engine's check interval
+too) is retried once at once on a new connection, as httpx's callers did.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
+from typing import Any
 
 import httpx
 
@@ -31,6 +34,34 @@ from proxy.upstream.errors import (
 )
 from proxy.upstream.pool import Target, Upstream
 
+
+class Answer:
+    """An answer to a background GET, read as an `httpx.Response` is."""
+
+    __slots__ = ("content", "request", "status_code")
+
+    def __init__(self, status_code: int, content: bytes, request: httpx.Request) -> None:
+        self.status_code = status_code
+        self.content = content
+        self.request = request
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")  # (httpx's default without a charset)
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+    def raise_for_status(self) -> Answer:
+        """Itself for a 2xx; else httpx's HTTPStatusError, as httpx.Response raises it."""
+        if 200 <= self.status_code < 300:
+            return self
+        httpx.Response(
+            self.status_code, content=self.content, request=self.request
+        ).raise_for_status()
+        return self  # (unreached: every other status raises)
+
+
 # The most of one answer read (a vLLM's /metrics with many LoRA adapters is a few hundred kB)
 MAX_CONTROL_BYTES = 16 * 1024 * 1024
 
@@ -42,7 +73,9 @@ class ControlClient:
         self._pool = Upstream(
             timeouts, max_per_host=2, ssl_context=ssl_context, max_response_bytes=MAX_CONTROL_BYTES
         )
-        self._targets: dict[str, Target] = {}
+        # per URL: its parsed target, and the httpx request its answers name (parsing a URL
+        # in httpx costs as much as the rest of an answer's object)
+        self._targets: dict[str, tuple[Target, httpx.Request]] = {}
 
     async def start(self) -> None:
         await self._pool.start()
@@ -59,12 +92,12 @@ class ControlClient:
 
     async def get(
         self, url: str, headers: dict[str, str] | None = None, limit_s: float = 5.0
-    ) -> httpx.Response:
+    ) -> Answer:
         """The answer to a GET of `url`, read whole within `limit_s` seconds."""
-        target = self._targets.get(url)
-        if target is None:
-            target = self._targets[url] = Target(url, "GET")
-        request = httpx.Request("GET", url)
+        known = self._targets.get(url)
+        if known is None:
+            known = self._targets[url] = (Target(url, "GET"), httpx.Request("GET", url))
+        target, request = known
         try:
             async with asyncio.timeout(limit_s):
                 try:
@@ -83,7 +116,7 @@ class ControlClient:
             raise httpx.RemoteProtocolError(str(e), request=request) from e
         except (UpstreamError, OSError) as e:
             raise httpx.ReadError(f"{type(e).__name__}: {e}", request=request) from e
-        return httpx.Response(status, content=content, request=request)
+        return Answer(status, content, request)
 
     async def _once(
         self, target: Target, headers: dict[str, str], fresh: bool

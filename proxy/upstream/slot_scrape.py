@@ -7,11 +7,14 @@ routing (proxy.routing.slots explains what routing does with it)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from proxy.routing.slots import SlotLayout, from_props, from_slots
+
+if TYPE_CHECKING:
+    from proxy.upstream.control import Answer
 
 # Where a llama-server says it, and how each answer reads.
 SOURCES: tuple[tuple[str, Callable[[Any], SlotLayout | None]], ...] = (
@@ -20,7 +23,7 @@ SOURCES: tuple[tuple[str, Callable[[Any], SlotLayout | None]], ...] = (
 )
 
 
-async def ask(get: Callable[[str], Awaitable[httpx.Response]]) -> SlotLayout | None:
+async def ask(get: Callable[[str], Awaitable[httpx.Response | Answer]]) -> SlotLayout | None:
     """The layout the engine publishes (`get` fetches one of its paths), or None."""
     for path, parse in SOURCES:
         try:
