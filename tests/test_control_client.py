@@ -120,3 +120,14 @@ def test_the_cost_script_runs_both_clients_both_ways() -> None:
         "own pool, a new connection",
     ]
     assert all(float(r[28:]) > 0 for r in rows)
+
+
+async def test_a_backend_forgotten_drops_its_own_urls_only() -> None:
+    body = b"ok"
+    async with _server(lambda n, head: OK % (len(body), body)) as (url, _), _client() as c:
+        other = url + "0"  # the same host, a port whose digits begin with this one's
+        c._targets[other + "/health"] = None  # type: ignore[assignment]  # (never sent)
+        await c.get(url + "/health")
+        c.forget(url)
+        assert list(c._targets) == [other + "/health"]
+        assert (await c.get(url + "/health")).text == "ok"  # parsed again when next asked

@@ -87,8 +87,9 @@ class ControlClient:
     def forget(self, base_url: str) -> None:
         """A backend left: its idle connections close, its parsed URLs go."""
         self._pool.forget_backend(base_url)
-        for url in [u for u in self._targets if u.startswith(base_url)]:
-            del self._targets[url]
+        base = base_url.rstrip("/")
+        for url in [u for u in self._targets if u == base or u.startswith(base + "/")]:
+            del self._targets[url]  # (not another port's: :800 is no prefix of :8000/...)
 
     async def get(
         self, url: str, headers: dict[str, str] | None = None, limit_s: float = 5.0
