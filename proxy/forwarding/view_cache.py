@@ -170,6 +170,8 @@ class ViewCache:
         """Read the backends at positions `at` only."""
         if not at:
             return []
+        if len(at) == 1:  # the usual read: the last request's backend, its count moved
+            return self._one(backends[at[0]], at[0], now, board, learner, router)
         names = [self._names[i] for i in at]
         subset = [backends[i] for i in at]
         return self._reread(subset, at, names, now, board, learner, router, False)
@@ -214,6 +216,38 @@ class ViewCache:
             self._unsettled.difference_update(names)
             self._unsettled.update(names[j] for j in unsettled)
         return remade
+
+    def _one(
+        self,
+        backend: Backend,
+        i: int,
+        now: float,
+        board: InflightBoard,
+        learner: PrefillLearner,
+        router: Router,
+    ) -> list[int]:
+        """_reread for the one backend at position `i`, without the passes' lists (what it
+        reads, and how, is _reread's and _up's for a fleet of one)."""
+        name = self._names[i]
+        up = backend.healthy
+        breaker = backend.breaker
+        settled = breaker is None or breaker.state == CLOSED
+        if not settled and up and breaker is not None:
+            up = breaker.allows(now)
+        inflight = board.get(name)
+        rate, mean = learner.fits((name,))[0]
+        backlog = router.backlog.levels({name: 0}, (rate,), DEFAULT_PREFILL_TOKENS_PER_S)[0]
+        key = (up, inflight, backend.load, backend.models, rate, mean, backlog, backend.cfg)
+        if settled:
+            self._unsettled.discard(name)
+        else:
+            self._unsettled.add(name)
+        if key == self._keys[i]:
+            return []
+        self._keys[i] = key
+        self._views[i] = backend.view(now, inflight, rate, mean, backlog, up=up)
+        self.made += 1
+        return [i]
 
 
 def _up(backends: Sequence[Backend], now: float) -> tuple[list[bool], list[int]]:
