@@ -7,6 +7,8 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from proxy.forwarding.meter import StreamMeter
 from proxy.forwarding.relay import (
     IDLE_TIMEOUT,
@@ -72,14 +74,34 @@ class Reads:
         self.timeouts.append(seconds)
 
 
-def _forward(reads: Reads) -> tuple[Any, list[bytes], Reads]:
-    relay = Relay("chat", steering=None, idle_s=30.0, debug_headers=False, fleet=None)  # type: ignore[arg-type]
-    ex = SimpleNamespace(request_id="r1", client_gone=False)
+class FirstByte:
+    """The fleet and the steering as the relay tells them of a stream's first byte; each
+    note is logged in `log` beside the sends, in order."""
+
+    def __init__(self, log: list[Any]) -> None:
+        self.log = log
+
+    def mark_success(self, backend: Any) -> None:
+        self.log.append(("success", backend.name))
+
+    def prefilled(self, decision: Any) -> None:
+        self.log.append(("prefilled", decision))
+
+
+def _forward(
+    reads: Reads, log: list[Any] | None = None, send_fails: bool = False
+) -> tuple[Any, list[bytes], Reads]:
+    notes = FirstByte([] if log is None else log)
+    relay = Relay("chat", steering=notes, idle_s=30.0, debug_headers=False, fleet=notes)  # type: ignore[arg-type]
+    ex = SimpleNamespace(request_id="r1", client_gone=False, decision="d1")
     backend = SimpleNamespace(name="b1")
     sent: list[bytes] = []
 
     async def send(message: dict[str, Any]) -> None:
+        if send_fails:
+            raise OSError("the client is gone")
         sent.append(message["body"])
+        notes.log.append(("sent", message["body"]))
 
     meter = StreamMeter("chat", t0=0.0, strip_usage=False)
     first = reads.reads.pop(0)
@@ -124,3 +146,27 @@ def test_an_event_that_is_not_utf8_ends_the_loop_after_the_events_before_it() ->
     result, sent, _ = _forward(Reads([EVENT, EVENT + bad]))
     assert result[0] == INVALID_RESPONSE and result[2] == b""
     assert sent == [EVENT, EVENT]  # the whole event before it, not the bad one
+
+
+def test_the_first_byte_is_noted_once_and_after_its_write_when_it_goes_out_unmetered() -> None:
+    # The breaker's success and the prompt's prefill over: off the client's TTFT.
+    log: list[Any] = []
+    _forward(Reads([EVENT, EVENT], end_with_last=False), log)
+    assert log == [("sent", EVENT), ("success", "b1"), ("prefilled", "d1"), ("sent", EVENT)]
+
+
+def test_a_first_read_that_is_metered_is_noted_before_its_write_and_once() -> None:
+    log: list[Any] = []
+    _forward(Reads([EVENT + EVENT[:5], EVENT[5:]], end_with_last=False), log)
+    assert log == [("success", "b1"), ("prefilled", "d1"), ("sent", EVENT), ("sent", EVENT)]
+    log.clear()
+    _forward(Reads([EVENT + DONE]), log)  # the whole body in one read: it goes with the end
+    assert log == [("success", "b1"), ("prefilled", "d1")]
+
+
+def test_the_first_byte_is_noted_even_when_its_write_fails() -> None:
+    # (a half-open breaker's probe is over either way: it must not wait for a verdict)
+    log: list[Any] = []
+    with pytest.raises(OSError):
+        _forward(Reads([EVENT, EVENT], end_with_last=False), log, send_fails=True)
+    assert log == [("success", "b1"), ("prefilled", "d1")]

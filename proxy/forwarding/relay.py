@@ -36,6 +36,15 @@ import orjson
 from proxy import asgi
 from proxy.asgi import Message, Send
 from proxy.errors import error_body, sse_error_event
+from proxy.forwarding.answer_shape import (
+    SSE_TYPES,
+    content_type,
+    error_instead,
+    is_event_stream,
+    is_json,
+    not_an_object,
+    utf8_events,
+)
 from proxy.forwarding.exchange import Exchange
 from proxy.forwarding.meter import MAX_EVENT_BYTES, EventTooLarge, StreamMeter, meter_json
 from proxy.forwarding.push import direct
@@ -69,11 +78,6 @@ RESPONSE_TOO_LARGE, INVALID_RESPONSE = "upstream_response_too_large", "upstream_
 OVER_BUDGET = "upstream_responses_over_budget"
 OVER_BUDGET_RETRY_AFTER_S = b"1"
 JSON_HEADER = (b"content-type", b"application/json")
-# The usual event-stream heads, found by one C-level search each: the per-request check
-SSE_TYPES = (
-    (b"content-type", b"text/event-stream"),
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-)
 
 
 def response_headers(
@@ -153,8 +157,8 @@ class Relay:
         if status == 200:
             if self.api != "embeddings":
                 facts = meter_json(self.api, payload, t0=ex.t0, now=time.perf_counter())
-            if _not_an_object(payload, facts):
-                ct = _content_type(upstream)[:64].decode("latin-1")
+            if not_an_object(payload, facts):
+                ct = content_type(upstream)[:64].decode("latin-1")
                 reason = (
                     f"{backend.name} answered 200 with a body that is not a JSON object "
                     f"(content-type {ct!r}, {len(payload)} bytes)."
@@ -162,7 +166,7 @@ class Relay:
                 await self._refuse(ex, backend, upstream, record, send, INVALID_RESPONSE, reason)
                 return None
             if facts is not None and facts.error is not None and self.api != "responses":
-                said = _error_instead(payload)
+                said = error_instead(payload)
                 if said is not None:
                     reason = (
                         f"{backend.name} answered 200 with an error instead of an answer ({said})."
@@ -171,7 +175,7 @@ class Relay:
                         ex, backend, upstream, record, send, INVALID_RESPONSE, reason
                     )
                     return None
-            if not _is_json(_content_type(upstream)):  # a JSON answer, whatever its label
+            if not is_json(content_type(upstream)):  # a JSON answer, whatever its label
                 headers = [h for h in headers if h[0] != b"content-type"]
                 headers.append(JSON_HEADER)
         self.fleet.mark_success(backend)  # a whole answer, whatever its status
@@ -239,8 +243,8 @@ class Relay:
         """A streamed answer: checked, committed to at its first byte (a failure before it
         raises Retry: nothing reached the client), forwarded event-aligned, then finished."""
         h = upstream.headers
-        if SSE_TYPES[0] not in h and SSE_TYPES[1] not in h and not _is_event_stream(h):
-            ct = _content_type(upstream)[:64].decode("latin-1")
+        if SSE_TYPES[0] not in h and SSE_TYPES[1] not in h and not is_event_stream(h):
+            ct = content_type(upstream)[:64].decode("latin-1")
             reason = (
                 f"{backend.name} answered a streamed request with content-type {ct!r}, "
                 "not an event stream."
@@ -257,8 +261,7 @@ class Relay:
             raise first_read_failure(e, ex.client_gone) from None
         if not data:
             raise first_read_failure(None, ex.client_gone)
-        self.fleet.mark_success(backend)  # the first byte, not the head: the engine works
-        self.steering.prefilled(ex.decision)
+        # (the first byte, not the head, says the engine works: _forward notes it, _first_byte)
         upstream.idle_budget(self.idle_s)
         await send(
             {
@@ -275,6 +278,35 @@ class Relay:
                 await self._cut(ex, backend, upstream, meter, record, send)
             raise
         return await self._finish(ex, backend, upstream, meter, record, send, error, reason, carry)
+
+    def _first_byte(self, ex: Exchange, backend: Backend) -> None:
+        """A stream's first byte came: the engine works, its prompt's prefill is over. Noted
+        once that byte is written where the first read goes out unmetered (off the TTFT)."""
+        self.fleet.mark_success(backend)
+        self.steering.prefilled(ex.decision)
+
+    async def _first_out(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        upstream: UpstreamResponseLike,
+        meter: StreamMeter,
+        send: Send,
+        data: bytes,
+        received: float,
+    ) -> tuple[Callable[[bytes], bool] | None, Callable[[bytes], bool] | None]:
+        """The first read `data` (read at `received`), sent before it is metered where metering
+        cannot change it (the usual case: the meter's parse of the first event stays off the
+        client's TTFT; later reads are metered first, the check costs more); returns
+        _forward's writer and push."""
+        try:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+            sent = time.perf_counter()
+        finally:  # (a half-open breaker must hear of its probe whatever the send did)
+            self._first_byte(ex, backend)
+        meter.feed(data, received)
+        meter.mark_sent(sent)
+        return direct(send, meter, upstream, self.idle_s)
 
     async def _forward(
         self,
@@ -307,26 +339,23 @@ class Relay:
                     and not upstream.at_end()  # else it goes out with the end (_finish)
                     and data[-2:] == b"\n\n"
                     and meter.passes_through(data)
-                    and (data.isascii() or _utf8_events(data) == len(data))
+                    and (data.isascii() or utf8_events(data) == len(data))
                 ):
-                    # The first read goes out before it is metered when metering cannot change
-                    # it (the usual case): the meter's parse of the first event stays off the
-                    # client's TTFT. Later reads are metered first (the check costs more).
                     first = False
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
-                    sent = perf()
-                    meter.feed(data, received)
-                    meter.mark_sent(sent)
-                    write, push = direct(send, meter, upstream, idle_s)
+                    write, push = await self._first_out(
+                        ex, backend, upstream, meter, send, data, received
+                    )
                 else:
-                    first = False
+                    if first:
+                        first = False
+                        self._first_byte(ex, backend)
                     out = meter.feed(data, received)
                     out, carry = carry + out, b""
                     if out and out[-2:] != b"\n\n":
                         cut = event_boundary(out)
                         out, carry = out[:cut], out[cut:]
                     # Whole events: no character is cut; a decode only for non-ASCII bytes.
-                    if out and not out.isascii() and (cut := _utf8_events(out)) < len(out):
+                    if out and not out.isascii() and (cut := utf8_events(out)) < len(out):
                         reason = _not_utf8(backend, ex, out, cut)
                         if cut:
                             await send(_more(out[:cut]))
@@ -412,7 +441,7 @@ class Relay:
         if not ex.client_gone:
             if carry:  # the last read's events (they came with the end), or the backend
                 tail = carry + tail  # ended cleanly without a final blank line
-            if tail and not tail.isascii() and (cut := _utf8_events(tail)) < len(tail):
+            if tail and not tail.isascii() and (cut := utf8_events(tail)) < len(tail):
                 why = _not_utf8(backend, ex, tail, cut)
                 error, reason = error or INVALID_RESPONSE, reason or why
                 tail = tail[:cut]
@@ -499,77 +528,6 @@ def stream_break(e: BaseException, backend: str, idle_s: float) -> tuple[str, st
     if isinstance(e, UpstreamTimeout):
         return IDLE_TIMEOUT, f"no complete event from {backend} for {idle_s:g}s"
     return STREAM_CUT, f"{backend} broke off the stream: {describe(e)}"
-
-
-def _content_type(upstream: UpstreamResponseLike) -> bytes:
-    for k, v in upstream.headers:
-        if k == b"content-type":
-            return v
-    return b""
-
-
-def _media_type(content_type: bytes) -> bytes:
-    return content_type.split(b";", 1)[0].strip().lower()
-
-
-def _is_json(content_type: bytes) -> bool:
-    media = _media_type(content_type)
-    return media == b"application/json" or media.endswith(b"+json")
-
-
-def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
-    """An event stream, or a response that does not say (the meter judges its body then)."""
-    for k, v in headers:
-        if k == b"content-type":
-            return _media_type(v) == b"text/event-stream"
-    return True
-
-
-def _not_an_object(payload: bytes, facts: StreamFacts | None) -> bool:
-    """Not what an OpenAI client parses as an answer: a JSON object (in valid UTF-8).
-
-    `facts`: meter_json's, which parsed it (its error is "invalid_response" when it is not
-    an object, or when a backend's error object names that type: parsed again only then).
-    None for embeddings, which are not parsed (megabytes of floats): their shape is checked.
-    """
-    if facts is None:
-        head, tail = payload[:64].lstrip(), payload[-64:].rstrip()
-        if head[:1] != b"{" or tail[-1:] != b"}":
-            return True
-        return not payload.isascii() and _utf8_events(payload) < len(payload)
-    if facts.error != "invalid_response":
-        return False
-    try:
-        return not isinstance(orjson.loads(payload), dict)
-    except orjson.JSONDecodeError:
-        return True
-
-
-def _error_instead(payload: bytes) -> str | None:
-    """What a 200 JSON object that is an error and not an answer (no `choices`, no `data`)
-    says, briefly; None when it is an answer. The openai client would return it as a
-    completion with nothing in it. Parsed again only for a 200 meter_json found an error in."""
-    try:
-        obj = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or "choices" in obj or "data" in obj:
-        return None
-    err = obj.get("error", obj)
-    if not isinstance(err, dict):
-        return f"error {str(err)[:200]!r}"
-    kind, message = err.get("type") or err.get("code"), err.get("message")
-    return f"type {str(kind)[:64]!r}: {str(message)[:200]!r}"
-
-
-def _utf8_events(data: bytes) -> int:
-    """The length of `data` if it is valid UTF-8, else of its complete events before the
-    first byte that is not (0: none)."""
-    try:
-        data.decode()
-    except UnicodeDecodeError as e:
-        return event_boundary(data[: e.start])
-    return len(data)
 
 
 def _not_utf8(backend: Backend, ex: Exchange, data: bytes, cut: int) -> str:
