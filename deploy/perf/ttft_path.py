@@ -2,6 +2,7 @@
 """Where the proxy's part of a request's time to first byte goes, step by step, at c=1.
 
     deploy/perf/ttft_path.py [--requests 1500] [--system-chars 200] [--chunks 16]
+    deploy/perf/ttft_path.py --interval-ms 5      # the mock paced as an engine: see below
 
 Starts the zero-latency bench mock (two instances) and `warmroute serve` in front of it, the
 latter with a timestamp taken at each step of a request's path: its first bytes read by the
@@ -18,7 +19,12 @@ the backend's own time (the mock's, upstream write to upstream head) in the midd
 timestamp's wrapper adds ~0.3 µs. The steps are the proxy's functions by name: a refactor that
 renames one drops its line (a warning says which). Compare builds in one session
 (`--tree DIR` runs another checkout's proxy); deploy/perf/hot_path.sh measures the added TTFT
-itself.
+itself, deploy/perf/added_ttft.py beside other proxies'.
+
+With `--interval-ms` the mock paces its content chunks as an engine does: the proxy then sleeps
+between chunks and between requests while the mock and the client run, and each step of the
+next request's path runs two to three times slower than at 0 (its code and data are no longer
+in the core's caches): the case an idle proxy in front of real engines is in.
 """
 
 from __future__ import annotations
@@ -197,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--system-chars", type=int, default=200)
     p.add_argument("--chunks", type=int, default=16)
+    p.add_argument(
+        "--interval-ms", type=float, default=0.0,
+        help="the mock's gap between content chunks (0: a whole answer at once; 5-20: an "
+        "engine's pace, the proxy sleeping between chunks and between requests)",
+    )  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="also write the samples here")
     p.add_argument(
         "--tree", metavar="DIR", default=str(ROOT),
@@ -213,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "proxy.bench.mock", "--port", str(mock_port),
-                 "--instances", "2", "--chunks", str(a.chunks)],
+                 "--instances", "2", "--chunks", str(a.chunks),
+                 "--chunk-interval-ms", f"{a.interval_ms:g}"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
             ))  # fmt: skip
             serve = [f"--backend={b}" for b in backends]
@@ -238,9 +250,10 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(10)
     if a.json:
         Path(a.json).write_text(json.dumps(samples))
+    paced = f", {a.interval_ms:g} ms apart" if a.interval_ms else ""
     print(
         f"{len(samples)} requests at c=1, {a.system_chars}-char system prompts, {a.chunks}-chunk "
-        "streams; median µs since the request's first bytes were read (the step's own)"
+        f"streams{paced}; median µs since the request's first bytes were read (the step's own)"
     )
     for label, at, own in table(samples):
         print(f"  {label:<22} {at:8.1f}  (+{own:.1f})")
