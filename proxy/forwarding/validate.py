@@ -26,16 +26,27 @@ MAX_DEPTH = 254
 _TOKEN_MIN, _TOKEN_MAX = -(2**63), 2**63 - 1
 
 
+# The other fields the proxy reads, and the JSON types each must have when present (not null)
+_TYPED: dict[str, tuple[tuple[type, ...], str]] = {
+    "stream": ((bool,), "a boolean"),
+    "stream_options": ((dict,), "an object"),
+    "max_tokens": ((int,), "an integer"),
+    "max_completion_tokens": ((int,), "an integer"),
+    "max_output_tokens": ((int,), "an integer"),
+    "n": ((int,), "an integer"),
+    "temperature": ((int, float), "a number"),
+    "top_p": ((int, float), "a number"),
+    "user": ((str,), "a string"),
+}
+
+
 def _bad(param: str, message: str) -> RequestError:
     return RequestError(400, message, param=param, code="invalid_value")
 
 
-def _expect(body: dict[str, Any], key: str, types: tuple[type, ...], what: str) -> None:
-    value = body.get(key)
-    if value is None:
-        return
+def _expect(key: str, value: Any, types: tuple[type, ...], what: str) -> None:
     # bool is an int in Python; a JSON true is never a valid number here.
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+    if not isinstance(value, types) or (type(value) is bool and bool not in types):
         raise _bad(key, f"'{key}' must be {what}, got {type(value).__name__}: {value!r:.60}")
 
 
@@ -83,16 +94,14 @@ def validate(api: str, body: Any) -> None:
                     _check_depth(part, 4, f"messages[{i}].{key}")
     elif api in ("completions", "embeddings") and type(value) is list:
         _check_token_ids(field, value)
+    # One pass over the fields the client sent (a few), not a lookup for each one read.
+    typed = _TYPED
     for key, part in body.items():
-        if (type(part) is list or type(part) is dict) and (key != field or api != "chat"):
+        kind = type(part)
+        if (kind is list or kind is dict) and (key != field or api != "chat"):
             _check_depth(part, 2, key)
-    _expect(body, "stream", (bool,), "a boolean")
-    _expect(body, "stream_options", (dict,), "an object")
-    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):
-        _expect(body, key, (int,), "an integer")
-    for key in ("temperature", "top_p"):
-        _expect(body, key, (int, float), "a number")
-    _expect(body, "user", (str,), "a string")
+        if key in typed and part is not None:
+            _expect(key, part, *typed[key])
 
 
 def _check_depth(value: Any, depth: int, param: str) -> None:
