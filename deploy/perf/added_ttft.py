@@ -49,14 +49,16 @@ WARMUP = 300  # requests through each proxy before the first round (env WARMUP)
 
 
 def _bench(
-    port: int, direct: list[str], n: int, chars: int, out: Path | None
+    port: int, direct: list[str], n: int, chars: int, out: Path | None, seed: int
 ) -> dict[str, Any] | None:
     """`n` requests at c=1 through the proxy on `port`, each followed by one to `direct` when
-    it is given; the bench's JSON document (None without `out`)."""
+    it is given; the bench's JSON document (None without `out`). Each run has a seed of its
+    own: prompts sent again would be heads seen again, which warmroute places."""
     cmd = [
         sys.executable, "-m", "proxy", "bench", "--base-url", f"http://127.0.0.1:{port}",
         "--workload", "hot-prompt", "--system-chars", str(chars), "--user-chars", "50",
         "--model", "mock", "--requests", str(n), "--concurrency", "1", "--no-progress",
+        "--seed", str(seed),
     ]  # fmt: skip
     if direct:
         cmd += [a for d in direct for a in ("--direct", d)] + ["--interleave"]
@@ -105,12 +107,13 @@ def one_pace(itl: float, kinds: list[str], env: dict[str, str], out: Path) -> li
                     )
                 )  # fmt: skip
                 wait_ready(ready, 120)
-                _bench(port, [], int(env.get("WARMUP", WARMUP)), chars, None)
+                _bench(port, [], int(env.get("WARMUP", WARMUP)), chars, None, 1000)
             for r in range(rounds):
                 order = list(zip(kinds, ports, strict=True))
                 for kind, port in order if r % 2 == 0 else order[::-1]:
                     name = kind.replace("/", "_")
-                    doc = _bench(port, backends, pairs, chars, out / f"itl{itl:g}-r{r}-{name}.json")
+                    json_out = out / f"itl{itl:g}-r{r}-{name}.json"
+                    doc = _bench(port, backends, pairs, chars, json_out, r)
                     assert doc is not None
                     row = {"itl_ms": itl, "round": r, "proxy": kind, "pairs": pairs, **added(doc)}
                     rows.append(row)

@@ -63,9 +63,10 @@ one() {  # build-name tree system-chars round
   wait_http "http://127.0.0.1:$PROXY_PORT/ready"
   "${LOAD_CPU[@]}" $PY -m proxy bench --base-url "http://127.0.0.1:$PROXY_PORT" --workload hot-prompt \
     --system-chars "$chars" --user-chars 50 --model mock --requests 300 --concurrency 16 \
-    --no-progress >/dev/null
+    --no-progress --seed 1 >/dev/null
   bench "$label-c64" "$chars" "$REQUESTS" 64 --server-pid "$pid"
-  bench "$label-c1" "$chars" "$PAIRS" 1 --interleave
+  # (each run its own seed: prompts sent again would be heads seen again, and placed)
+  bench "$label-c1" "$chars" "$PAIRS" 1 --interleave --seed 2
   kill "$pid"
   wait "$pid" 2>/dev/null || true
   $PY - "$OUT/$label-c64.json" "$OUT/$label-c1.json" "$label" <<'EOF'
