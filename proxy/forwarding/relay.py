@@ -261,7 +261,7 @@ class Relay:
             raise first_read_failure(e, ex.client_gone) from None
         if not data:
             raise first_read_failure(None, ex.client_gone)
-        # (the first byte, not the head, says the engine works: _forward notes it, _first_byte)
+        # The first byte, not the head, says the engine works: _forward notes it (_first_byte).
         upstream.idle_budget(self.idle_s)
         await send(
             {
@@ -294,7 +294,7 @@ class Relay:
         send: Send,
         data: bytes,
         received: float,
-    ) -> tuple[Callable[[bytes], bool] | None, Callable[[bytes], bool] | None]:
+    ) -> tuple[Callable[[bytes], bool], Callable[[bytes], bool] | None]:
         """The first read `data` (read at `received`), sent before it is metered where metering
         cannot change it (the usual case: the meter's parse of the first event stays off the
         client's TTFT; later reads are metered first, the check costs more); returns
