@@ -108,6 +108,6 @@ def response_type(p: bytes) -> bytes | None:
             j = i + len(key)
             k = p.find(b'"', j)
             return b"response." + p[j:k]
-    if b'"type":"error"' in p or b'"type": "error"' in p:
+    if p.find(b'"type":"error"') >= 0 or p.find(b'"type": "error"') >= 0:  # (`in` costs more)
         return b"error"
     return None

@@ -352,7 +352,7 @@ class Connection(asyncio.Protocol):
                     self._length = int(v)
                 except ValueError:  # llhttp has checked its digits
                     pass
-            elif k == b"transfer-encoding" and b"chunked" in v.lower():
+            elif k == b"transfer-encoding" and v.lower().find(b"chunked") >= 0:
                 chunked = True
         self._until_eof = not (length or chunked) and status not in (204, 304)
         self._wake()
