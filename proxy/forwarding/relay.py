@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from proxy import asgi
-from proxy.asgi import Message, Send
+from proxy.asgi import Message, Send, stream_head
 from proxy.errors import error_body, sse_error_event
 from proxy.forwarding.answer_shape import (
     SSE_TYPES,
@@ -263,13 +263,12 @@ class Relay:
             raise first_read_failure(None, ex.client_gone)
         # The first byte, not the head, says the engine works: _forward notes it (_first_byte).
         upstream.idle_budget(self.idle_s)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": upstream.status,
-                "headers": response_headers(ex, backend, upstream, self.debug_headers),
-            }
+        status, headers = (
+            upstream.status,
+            response_headers(ex, backend, upstream, self.debug_headers),
         )
+        if not stream_head(send, status, headers):  # (the head at once, where the server allows)
+            await send({"type": "http.response.start", "status": status, "headers": headers})
         ex.started_response = True
         try:
             error, reason, carry = await self._forward(ex, backend, upstream, meter, send, data)
