@@ -43,6 +43,10 @@ def _serve_counting(out: str, serve_args: list[str]) -> None:
         code = frame.f_code
         path = code.co_filename.split("site-packages/")[-1].replace(str(ROOT) + "/", "")
         key = f"{path}:{code.co_firstlineno}:{code.co_name}"
+        if path == "<string>":  # a generated method (a dataclass's __init__): named by its class
+            cls = type(frame.f_locals.get("self"))
+            key = f"<string>:{code.co_firstlineno}:{cls.__module__}.{cls.__qualname__}"
+            key += f".{code.co_name}"
 
         def local(frame: Any, event: str, arg: Any) -> Any:
             if event == "opcode":
