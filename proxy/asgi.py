@@ -34,6 +34,7 @@ __all__ = [
     "Scope",
     "Send",
     "Watch",
+    "body_part",
     "body_writer",
     "disconnect_watch",
     "end_stream",
@@ -265,6 +266,43 @@ def stream_head(send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> 
     cycle.waiting_for_100_continue = False
     cycle.chunked_encoding = True
     cycle.transport.write(head)
+    return True
+
+
+def body_part(send: Send, body: bytes, more: bool) -> bool:
+    """Write a streamed (chunked) body's part, and with `more` False its end, as `send` of
+    http.response.body would, for a response whose head has gone out; False where it cannot,
+    having written and changed nothing: the caller sends the part through `send` then.
+
+    Per part, `send` is a coroutine that checks the response's state and frames the part in
+    the interpreter; a stream's first part and its end go through here (the parts between
+    through body_writer). The end is `send`'s: the chunked body's last chunk, the response
+    complete, its event set, the connection closed where it does not stay open, the protocol
+    told. Writing paused (the client reads slowly) and the client gone are `send`'s too: it
+    waits for the one and drops the part for the other.
+    """
+    cycle: Any = getattr(send, "__self__", None)
+    if (
+        type(cycle).__module__ != _UVICORN_HTTPTOOLS
+        or not cycle.response_started
+        or cycle.response_complete
+        or cycle.chunked_encoding is not True
+        or cycle.disconnected
+        or cycle.flow.write_paused
+        or cycle.scope.get("method") == "HEAD"
+    ):
+        return False
+    n = len(body)
+    size = (_CHUNK_SIZE[n] if n < 2048 else b"%x\r\n" % n) if n else b""
+    if more:
+        cycle.transport.write(b"".join((size, body, b"\r\n")) if n else b"")
+        return True
+    cycle.transport.write(b"".join((size, body, b"\r\n0\r\n\r\n")) if n else b"0\r\n\r\n")
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if not cycle.keep_alive:
+        cycle.transport.close()
+    cycle.on_response()
     return True
 
 

@@ -38,7 +38,7 @@ HOT_PATH_TESTS = (
     "tests/test_upstream_push.py",
     "tests/test_relay_parts.py",
     "tests/test_body_writer.py",
-    "tests/test_stream_head.py",
+    "tests/test_stream_writes.py",
     "tests/test_asgi.py",
     "tests/test_proxy_upstream.py",
     "tests/test_upstream_hygiene.py",

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from proxy import asgi
-from proxy.asgi import Message, Send, stream_head
+from proxy.asgi import Message, Send, body_part, stream_head
 from proxy.errors import error_body, sse_error_event
 from proxy.forwarding.answer_shape import (
     SSE_TYPES,
@@ -299,7 +299,8 @@ class Relay:
         client's TTFT; later reads are metered first, the check costs more); returns
         _forward's writer and push."""
         try:
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+            if not body_part(send, data, True):
+                await send({"type": "http.response.body", "body": data, "more_body": True})
             sent = time.perf_counter()
         finally:  # (a half-open breaker must hear of its probe whatever the send did)
             self._first_byte(ex, backend)
@@ -463,7 +464,8 @@ class Relay:
                 kind = FailureKind.TIMEOUT if error == IDLE_TIMEOUT else FailureKind.PROTOCOL
                 self.fleet.mark_failure(backend, reason, kind=kind)
                 tail = tail[: event_boundary(tail)] + sse_error_event(reason, "server_error", error)
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            if not body_part(send, tail, False):
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
         elif cancelled:
             log.info(
                 "request %s: client disconnected mid-stream; closed the upstream on %s",

@@ -1,10 +1,10 @@
-"""proxy.asgi.stream_head: a streamed response's head written at once, as uvicorn's `send`
-would write it, or not at all.
+"""proxy.asgi.stream_head and body_part: a streamed response's head, first part and end
+written as uvicorn's `send` would write them, or not at all.
 
-The relay starts every stream with it (proxy/forwarding/relay.py): the client must read the
-same bytes as when the start message goes through `send`, the connection must be left in the
-state `send` leaves it in (the body that follows is framed and ended by uvicorn), and where
-`send` would do anything else (wait, drop, refuse, frame otherwise, log) it must write nothing.
+The relay starts and ends every stream with them (proxy/forwarding/relay.py): the client must
+read the same bytes as when the messages go through `send`, the connection must be left in the
+state `send` leaves it in (the next request on it served, or the connection closed), and where
+`send` would do anything else (wait, drop, refuse, frame otherwise, log) they write nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from proxy.asgi import stream_head
+from proxy.asgi import body_part, stream_head
 from proxy.server.serve import NoDelayHttpToolsProtocol
 from tests.support import serving
 
@@ -32,11 +32,16 @@ def _app(started: list[bool]) -> Any:
         if scope["type"] != "http":
             return
         status = int(scope["path"].rsplit("/", 1)[1])
-        if scope["path"].startswith("/fast/"):
+        fast = scope["path"].startswith("/fast/")
+        if fast:
             started.append(stream_head(send, status, list(HEADERS)))
-        if not started or not started[-1] or scope["path"].startswith("/send/"):
-            await send({"type": "http.response.start", "status": status, "headers": HEADERS})
+            assert started[-1] and body_part(send, PARTS[0], True)
+            assert body_part(send, b"", True)  # (send writes nothing of an empty part either)
+            assert body_part(send, PARTS[1], False)
+            return
+        await send({"type": "http.response.start", "status": status, "headers": HEADERS})
         await send({"type": "http.response.body", "body": PARTS[0], "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": True})
         await send({"type": "http.response.body", "body": PARTS[1], "more_body": False})
 
     return app
@@ -46,6 +51,7 @@ def _exchange(port: int, paths: list[str], close_last: bool) -> list[bytes]:
     """The raw responses to GETs of `paths`, one after another on one connection."""
     out = []
     with socket.create_connection(("127.0.0.1", port)) as s:
+        s.settimeout(30)  # a connection the server stopped serving fails, not hangs, the test
         for i, path in enumerate(paths):
             last = i == len(paths) - 1
             conn = b"connection: close\r\n" if close_last and last else b""
@@ -66,26 +72,34 @@ def _dateless(raw: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("close_last", [False, True])
-def test_the_head_is_the_one_send_writes_and_the_body_follows_framed_by_send(
+def test_the_head_and_parts_are_those_send_writes_and_the_connection_goes_on_as_after_send(
     close_last: bool,
 ) -> None:
     started: list[bool] = []
     with serving(
         _app(started), http=NoDelayHttpToolsProtocol, loop="uvloop", access_log=False
     ) as server:
-        fast = _exchange(server.port, ["/fast/200", "/fast/201"], close_last)
-        slow = _exchange(server.port, ["/send/200", "/send/201"], close_last)
-    assert started == [True, True]
+        fast = _exchange(server.port, ["/fast/200", "/fast/201", "/fast/200"], close_last)
+        slow = _exchange(server.port, ["/send/200", "/send/201", "/send/200"], close_last)
+    assert started == [True, True, True]
     assert [_dateless(r) for r in fast] == [_dateless(r) for r in slow]
-    head, _, body = fast[-1].partition(b"\r\n\r\n")
+    head, _, body = fast[1].partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 201 Created\r\n")
     assert b"\r\nx-request-id: req-1\r\n" in head
-    assert (b"\r\nconnection: close" in head) is close_last
+    assert (b"\r\nconnection: close" in fast[-1]) is close_last
     assert body == b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in PARTS) + b"0\r\n\r\n"
 
 
 class _Flow:
     write_paused = False
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.is_set = False
+
+    def set(self) -> None:
+        self.is_set = True
 
 
 class _Cycle:
@@ -103,6 +117,16 @@ class _Cycle:
         self.flow = _Flow()
         self.writes: list[bytes] = []
         self.transport = self
+        self.response_complete = False
+        self.message_event = _Event()
+        self.closed = False
+        self.told = 0  # the protocol's on_response_complete
+
+    def close(self) -> None:
+        self.closed = True
+
+    def on_response(self) -> None:
+        self.told += 1
 
     def write(self, data: bytes) -> None:
         self.writes.append(data)
@@ -174,3 +198,44 @@ def test_no_head_for_another_servers_send() -> None:
         pass
 
     assert stream_head(other_server_send, 200, []) is False
+
+
+def _started() -> _Cycle:
+    cycle = _Cycle()
+    assert stream_head(cycle.send, 200, [])
+    cycle.writes.clear()
+    return cycle
+
+
+def test_a_part_and_the_end_as_send_writes_them_and_the_response_complete() -> None:
+    cycle = _started()
+    assert body_part(cycle.send, b"abc", True) and body_part(cycle.send, b"x" * 3000, True)
+    assert cycle.writes == [b"3\r\nabc\r\n", b"bb8\r\n" + b"x" * 3000 + b"\r\n"]
+    assert (cycle.response_complete, cycle.message_event.is_set, cycle.told) == (False, False, 0)
+    assert body_part(cycle.send, b"end", False)
+    assert cycle.writes[-1] == b"3\r\nend\r\n0\r\n\r\n"
+    assert (cycle.response_complete, cycle.message_event.is_set, cycle.told) == (True, True, 1)
+    assert not cycle.closed  # kept alive
+    assert body_part(cycle.send, b"more", True) is False  # complete: send raises
+    closing = _started()
+    closing.keep_alive = False
+    assert body_part(closing.send, b"", False)
+    assert closing.writes == [b"0\r\n\r\n"] and closing.closed and closing.told == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda c: setattr(c, "response_started", False),  # no head yet: send raises
+        lambda c: setattr(c, "chunked_encoding", False),  # a Content-Length body
+        lambda c: setattr(c, "disconnected", True),  # send drops it
+        lambda c: setattr(c.flow, "write_paused", True),  # send waits first
+        lambda c: c.scope.update(method="HEAD"),  # send writes no body
+    ],
+)
+@pytest.mark.parametrize("more", [True, False])
+def test_a_part_send_would_treat_otherwise_is_left_to_it(change: Any, more: bool) -> None:
+    cycle = _started()
+    change(cycle)
+    assert body_part(cycle.send, b"abc", more) is False
+    assert cycle.writes == [] and not cycle.response_complete and cycle.told == 0
