@@ -156,8 +156,11 @@ class _Recorder:
     def close(self) -> None:
         self.closed = True
 
-    def get_extra_info(self, name: str) -> str:
+    def get_extra_info(self, name: str, default: object = None) -> str:
         return f"info:{name}"
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.writes)
 
 
 def test_response_head_goes_out_with_the_first_body_bytes_in_one_write():
@@ -184,7 +187,8 @@ def test_response_head_goes_out_with_the_first_body_bytes_in_one_write():
         t.write(b"HTTP/1.1 200 OK\r\n\r\n")
         t.close()  # nothing is lost when the connection closes
         assert raw.writes[-1] == b"HTTP/1.1 200 OK\r\n\r\n" and raw.closed
-        assert t.get_extra_info("peername") == "info:peername"  # the rest is the transport's
+        assert t.is_closing() is True and t.get_extra_info("peername") == "info:peername"
+        assert t.get_write_buffer_size() == len(raw.writes)  # the rest is the transport's
 
     asyncio.run(main())
 
