@@ -220,14 +220,15 @@ def stream_head(send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> 
     http.response.start through `send` then.
 
     uvicorn's `send` of the start message is a coroutine that checks each header with two
-    regular expressions and builds the head in the interpreter (~20,000 instructions a
-    request); this writes the same bytes (its date and server headers, the fields, its
-    transfer-encoding and, where the connection closes after this response, connection:
-    close) and leaves the connection's state as `send` would. It checks the whole head once:
-    a line end or control byte where uvicorn's checks would refuse one leaves the start to
-    `send` (which raises, as it always did). Heads with framing fields of their own, HEAD
-    requests, statuses without a body, an access log to write, writing paused or the client
-    gone are all `send`'s. Only uvicorn's httptools protocol is known (as body_writer).
+    regular expressions and builds the head in the interpreter (several thousand
+    instructions a request: docs/hot-path.md, round 12). This writes the same bytes (its date
+    and server headers, the fields, its transfer-encoding and, where the connection closes
+    after this response, connection: close) and leaves the connection's state as `send`
+    would. It checks the whole head once: a line end or control byte where uvicorn's checks
+    would refuse one leaves the start to `send` (which raises, as it always did). Heads with
+    framing fields of their own, HEAD requests, statuses without a body, an access log to
+    write, writing paused or the client gone are all `send`'s. Only uvicorn's httptools
+    protocol is known (as body_writer).
     """
     cycle: Any = getattr(send, "__self__", None)
     if (
