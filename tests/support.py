@@ -230,3 +230,53 @@ def process(args: list[str], *, ready: str | list[str], timeout_s: float = 20.0)
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+class _StandInFlow:
+    write_paused = False
+
+
+class _StandInEvent:
+    def __init__(self) -> None:
+        self.is_set = False
+
+    def set(self) -> None:
+        self.is_set = True
+
+
+class StandInCycle:
+    """What proxy.asgi's stream writers (stream_head, body_part, body_writer) read and set of
+    uvicorn's httptools request-response cycle: a request not answered yet, on a connection
+    kept alive; what they write collects in `writes`."""
+
+    def __init__(self) -> None:
+        self.response_started = False
+        self.response_complete = False
+        self.waiting_for_100_continue = True
+        self.chunked_encoding: bool | None = None
+        self.disconnected = False
+        self.access_log = False
+        self.keep_alive = True
+        self.default_headers = [(b"date", b"Sun, 06 Dec 2026 07:00:00 GMT"), (b"server", b"u")]
+        self.scope = {"method": "POST"}
+        self.flow = _StandInFlow()
+        self.message_event = _StandInEvent()
+        self.writes: list[bytes] = []
+        self.transport = self
+        self.closed = False
+        self.told = 0  # the protocol's on_response_complete
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def on_response(self) -> None:
+        self.told += 1
+
+    async def send(self, message: Any) -> None:  # pragma: no cover - never awaited here
+        raise AssertionError
+
+
+StandInCycle.__module__ = "uvicorn.protocols.http.httptools_impl"  # the writers check it

@@ -12,7 +12,7 @@ from typing import Any
 
 from proxy.asgi import body_writer
 from proxy.server.serve import NoDelayHttpToolsProtocol
-from tests.support import serving
+from tests.support import StandInCycle, serving
 
 PARTS = [b"data: one\n\n", b"data: " + b"x" * 3000 + b"\n\n", b"data: [DONE]\n\n"]
 
@@ -53,35 +53,15 @@ def test_parts_written_directly_read_as_the_chunked_body_send_would_write() -> N
     assert seen and seen[0] is not None
 
 
-class _Flow:
-    write_paused = False
-
-
-class _Cycle:
-    """What body_writer reads of uvicorn's httptools request-response cycle."""
-
-    def __init__(self) -> None:
-        self.response_started = True
-        self.response_complete = False
-        self.chunked_encoding: bool | None = True
-        self.disconnected = False
-        self.scope = {"method": "POST"}
-        self.flow = _Flow()
-        self.writes: list[bytes] = []
-        self.transport = self
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(data)
-
-    async def send(self, message: Any) -> None:  # pragma: no cover - never awaited here
-        raise AssertionError
-
-
-_Cycle.__module__ = "uvicorn.protocols.http.httptools_impl"
+def _started() -> StandInCycle:
+    """A cycle whose chunked response has its head out."""
+    cycle = StandInCycle()
+    cycle.response_started, cycle.chunked_encoding = True, True
+    return cycle
 
 
 def test_the_writer_writes_nothing_while_send_would_wait_or_drop_the_part() -> None:
-    cycle = _Cycle()
+    cycle = _started()
     write = body_writer(cycle.send)
     assert write is not None
     assert write(b"abc") is True and cycle.writes == [b"3\r\nabc\r\n"]
@@ -94,7 +74,7 @@ def test_the_writer_writes_nothing_while_send_would_wait_or_drop_the_part() -> N
 
 
 def test_no_writer_where_send_frames_the_body_otherwise() -> None:
-    cycle = _Cycle()
+    cycle = _started()
     cycle.chunked_encoding = False  # a Content-Length body
     assert body_writer(cycle.send) is None
     cycle.chunked_encoding, cycle.response_started = True, False  # no head out yet

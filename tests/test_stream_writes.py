@@ -17,7 +17,7 @@ import pytest
 
 from proxy.asgi import body_part, stream_head
 from proxy.server.serve import NoDelayHttpToolsProtocol
-from tests.support import serving
+from tests.support import StandInCycle, serving
 
 HEADERS = [
     (b"content-type", b"text/event-stream"),
@@ -90,61 +90,14 @@ def test_the_head_and_parts_are_those_send_writes_and_the_connection_goes_on_as_
     assert body == b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in PARTS) + b"0\r\n\r\n"
 
 
-class _Flow:
-    write_paused = False
-
-
-class _Event:
-    def __init__(self) -> None:
-        self.is_set = False
-
-    def set(self) -> None:
-        self.is_set = True
-
-
-class _Cycle:
-    """What stream_head reads and sets of uvicorn's httptools request-response cycle."""
-
-    def __init__(self) -> None:
-        self.response_started = False
-        self.waiting_for_100_continue = True
-        self.chunked_encoding: bool | None = None
-        self.disconnected = False
-        self.access_log = False
-        self.keep_alive = True
-        self.default_headers = [(b"date", b"Sun, 06 Dec 2026 07:00:00 GMT"), (b"server", b"u")]
-        self.scope = {"method": "POST"}
-        self.flow = _Flow()
-        self.writes: list[bytes] = []
-        self.transport = self
-        self.response_complete = False
-        self.message_event = _Event()
-        self.closed = False
-        self.told = 0  # the protocol's on_response_complete
-
-    def close(self) -> None:
-        self.closed = True
-
-    def on_response(self) -> None:
-        self.told += 1
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(data)
-
-    async def send(self, message: Any) -> None:  # pragma: no cover - never awaited here
-        raise AssertionError
-
-    def state(self) -> tuple[Any, ...]:
-        return (self.response_started, self.waiting_for_100_continue, self.chunked_encoding)
-
-
-_Cycle.__module__ = "uvicorn.protocols.http.httptools_impl"
+def _state(cycle: StandInCycle) -> tuple[Any, ...]:
+    return (cycle.response_started, cycle.waiting_for_100_continue, cycle.chunked_encoding)
 
 
 def test_the_head_sets_the_state_send_would_set() -> None:
-    cycle = _Cycle()
+    cycle = StandInCycle()
     assert stream_head(cycle.send, 200, [(b"a", b"b")]) is True
-    assert cycle.state() == (True, False, True)
+    assert _state(cycle) == (True, False, True)
     assert cycle.writes == [
         b"HTTP/1.1 200 OK\r\ndate: Sun, 06 Dec 2026 07:00:00 GMT\r\nserver: u\r\na: b\r\n"
         b"transfer-encoding: chunked\r\n\r\n"
@@ -152,11 +105,11 @@ def test_the_head_sets_the_state_send_would_set() -> None:
 
 
 def _refuses(change: Any, status: int = 200, headers: Any = ((b"a", b"b"),)) -> None:
-    cycle = _Cycle()
+    cycle = StandInCycle()
     change(cycle)
-    before = cycle.state()
+    before = _state(cycle)
     assert stream_head(cycle.send, status, list(headers)) is False
-    assert cycle.writes == [] and cycle.state() == before
+    assert cycle.writes == [] and _state(cycle) == before
 
 
 @pytest.mark.parametrize(
@@ -200,8 +153,8 @@ def test_no_head_for_another_servers_send() -> None:
     assert stream_head(other_server_send, 200, []) is False
 
 
-def _started() -> _Cycle:
-    cycle = _Cycle()
+def _started() -> StandInCycle:
+    cycle = StandInCycle()
     assert stream_head(cycle.send, 200, [])
     cycle.writes.clear()
     return cycle
