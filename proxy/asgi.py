@@ -270,6 +270,22 @@ def stream_head(send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> 
     return True
 
 
+def _chunked_body(send: Send) -> Any:
+    """The uvicorn httptools cycle behind `send` while its response's chunked body is open
+    (the head out, the end not); None otherwise, for a HEAD request (no body) and for any
+    other server's `send`."""
+    cycle: Any = getattr(send, "__self__", None)
+    if (
+        type(cycle).__module__ != _UVICORN_HTTPTOOLS
+        or not cycle.response_started
+        or cycle.response_complete
+        or cycle.chunked_encoding is not True
+        or cycle.scope.get("method") == "HEAD"
+    ):
+        return None
+    return cycle
+
+
 def body_part(send: Send, body: bytes, more: bool) -> bool:
     """Write a streamed (chunked) body's part, and with `more` False its end, as `send` of
     http.response.body would, for a response whose head has gone out; False where it cannot,
@@ -282,16 +298,8 @@ def body_part(send: Send, body: bytes, more: bool) -> bool:
     told. Writing paused (the client reads slowly) and the client gone are `send`'s too: it
     waits for the one and drops the part for the other.
     """
-    cycle: Any = getattr(send, "__self__", None)
-    if (
-        type(cycle).__module__ != _UVICORN_HTTPTOOLS
-        or not cycle.response_started
-        or cycle.response_complete
-        or cycle.chunked_encoding is not True
-        or cycle.disconnected
-        or cycle.flow.write_paused
-        or cycle.scope.get("method") == "HEAD"
-    ):
+    cycle = _chunked_body(send)
+    if cycle is None or cycle.disconnected or cycle.flow.write_paused:
         return False
     n = len(body)
     size = (_CHUNK_SIZE[n] if n < 2048 else b"%x\r\n" % n) if n else b""
@@ -316,18 +324,12 @@ def body_writer(send: Send) -> Callable[[bytes], bool] | None:
     between two parts of a chunked body, so the writer keeps only the checks that can: writing
     paused (the client reads slowly) and the client gone. It returns False then, having written
     nothing, and the caller sends the part through `send`, which waits or drops it as it
-    always does. The last part still goes through `send` (uvicorn ends the chunked body and
-    the response there). Only uvicorn's httptools protocol is known here: any other server's
-    `send` gets None, and every part goes through it.
+    always does. A stream's first part and its end are body_part's (or `send`'s). Only
+    uvicorn's httptools protocol is known here: any other server's `send` gets None, and every
+    part goes through it.
     """
-    cycle: Any = getattr(send, "__self__", None)
-    if (
-        type(cycle).__module__ != _UVICORN_HTTPTOOLS
-        or not getattr(cycle, "response_started", False)
-        or getattr(cycle, "response_complete", True)
-        or getattr(cycle, "chunked_encoding", None) is not True
-        or cycle.scope.get("method") == "HEAD"
-    ):
+    cycle = _chunked_body(send)
+    if cycle is None:
         return None
     transport = cycle.transport
     # A wrapper that holds the head until its first body bytes (proxy/server/serve.py) says
