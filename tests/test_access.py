@@ -501,6 +501,14 @@ def test_a_real_serve_process_never_prints_the_credentials_in_its_urls(tmp_path:
         assert backend.enough.wait(30), "the health checks did not run"
         chat = httpx.post(base + API[0], json=BODIES[API[0]], timeout=10)
         assert chat.status_code == 200
+        streamed = httpx.post(
+            base + "/v1/chat/completions",
+            json={"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]},
+            timeout=10,
+        )
+        assert streamed.status_code == 200 and "data: [DONE]" in streamed.text
+        for answer in (chat, streamed):  # no server header names what serves the port
+            assert "server" not in answer.headers and "date" in answer.headers
         routing = httpx.get(admin + "/admin/routing", timeout=10)
         assert routing.json()["index"]["mode"] == "redis"  # the password did get it in
         for path in ("/admin/backends", "/admin/routing", "/ready", "/metrics"):

@@ -329,6 +329,7 @@ def uvicorn_config(config: Config, app: Any, **overrides: Any) -> uvicorn.Config
         "log_level": config.server.log_level,
         "access_log": False,
         "proxy_headers": False,  # X-Forwarded-* rewriting costs CPU per request; unused here
+        "server_header": False,  # no `server: uvicorn`: what runs behind the port is not news
         "timeout_graceful_shutdown": config.server.shutdown_grace_s,
         "timeout_keep_alive": config.server.keepalive_timeout_s,
         "log_config": None,  # uvicorn's records go through setup_logging's formatter
