@@ -114,6 +114,9 @@ def test_a_long_model_name_is_quoted_in_the_429_of_a_backend_at_its_bound(
         )
         until(lambda: len(app.rec.requests) == 1, "the first request on the backend")
         r = httpx.post(proxy.url + CHAT, json=_chat(model), timeout=10)
+    # Its client gone, the held request's engine hears of it (its ~200 KB body's last read
+    # paused the connection's reading: tests/test_disconnect_watch.py)
+    assert app.rec.disconnected.wait(10), "the first request's engine was left working"
     assert r.status_code == 429 and r.json()["error"]["code"] == "backends_at_capacity"
     assert f"`{'m' * QUOTE_CHARS}… ({LARGE} bytes)`" in r.json()["error"]["message"]
     assert len(r.content) < QUOTE_CHARS + 500, len(r.content)

@@ -142,6 +142,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # The running request's callback for its client leaving (proxy.asgi.disconnect_watch),
         # offered to the app in each request's scope: one dict per connection.
         self._left: Callable[[], object] | None = None
+        self._lost = False  # the connection is gone (a watch set after that is told at once)
         self._extensions: dict[str, dict[object, object]] = {
             DISCONNECT_HOOK: {"watch": self._watch_left}
         }
@@ -173,6 +174,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._stalled is not None:
             self._stalled.cancel()
             self._stalled = None
+        self._lost = True
         left, self._left = self._left, None
         cycle = self.cycle
         answered = cycle is None or cycle.response_complete
@@ -186,8 +188,27 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # -- the app's disconnect watch (proxy.asgi.DISCONNECT_HOOK) ---------------------------
     def _watch_left(self, callback: Callable[[], object]) -> Callable[[], object]:
         """Call `callback()` if the connection is lost before the running response ends
-        (what http.disconnect would say, without a task awaiting it); returns the stop."""
+        (what http.disconnect would say, without a task awaiting it); returns the stop.
+
+        A loss is seen only while the connection is read: uvicorn pauses reading when a
+        read takes a request's buffered body past its high-water mark (64 KiB), and resumes
+        it only in `receive()`, which nothing calls once the body is whole. A client that
+        sent a long prompt and left while it prefilled went unseen until the stream's next
+        write, the engine working on for no one. So a watch set once the body is whole
+        resumes reading (the next head read is a pipelined request's, which pauses it again
+        as uvicorn does); and a connection lost before the watch was set tells it at once."""
+        if self._lost:
+            return self.loop.call_soon(callback).cancel
         self._left = callback
+        cycle = self.cycle
+        if (
+            self.flow.read_paused
+            and cycle is not None
+            and not cycle.more_body
+            and not self.pipeline
+            and self._deferred is None  # (a refusal waiting its turn: nothing more is read)
+        ):
+            self.flow.resume_reading()
         return functools.partial(self._unwatch_left, callback)
 
     def _unwatch_left(self, callback: Callable[[], object]) -> None:
