@@ -24,7 +24,7 @@ def test_functions_are_summed_by_their_file() -> None:
 def test_a_tiny_run_counts_the_request_path_of_the_proxy(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "deploy/perf/opcodes.py", "--requests", "5", "--warmup", "5",
-         "--json", str(tmp_path / "counts.json")],
+         "--concurrency", "2", "--itl-ms", "1", "--json", str(tmp_path / "counts.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -37,4 +37,4 @@ def test_a_tiny_run_counts_the_request_path_of_the_proxy(tmp_path: Path) -> None
         "proxy/forwarding/relay.py",
     ):
         assert files.get(path, 0) > 10, sorted(files)
-    assert "bytecodes per request" in done.stdout
+    assert "bytecodes per request (5 requests at c=2, ITL 1 ms)" in done.stdout

@@ -42,6 +42,8 @@ def test_a_tiny_run_measures_each_stream_length_and_the_slope(tmp_path: Path) ->
     assert pace["itl_ms"] == 1.0 and [r["chunks"] for r in pace["rows"]] == [2, 6]
     for row in pace["rows"]:
         assert row["requests"] == 6 and row["proxy_cpu_s"] >= 0
+        split = row["proxy_user_ms_per_request"] + row["proxy_sys_ms_per_request"]
+        assert abs(split - row["proxy_cpu_ms_per_request"]) < 0.002  # (each rounded)
     assert "cpu per paced chunk" in done.stdout
 
 
@@ -94,6 +96,9 @@ def test_a_sessions_cpu_counts_its_live_children(tmp_path: Path) -> None:
         fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         assert paced.session_cpu_s(proc.pid) >= 0.1 > own
+        user, system = paced.session_cpu_split_s(proc.pid)
+        assert user >= 0.1  # a loop in the interpreter: user time
+        assert abs(user + system - paced.session_cpu_s(proc.pid)) <= 0.02  # (idle by now)
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(10)

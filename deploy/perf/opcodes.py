@@ -2,13 +2,16 @@
 """Where a request's interpreted work goes: bytecodes run per request, by function and file.
 
     deploy/perf/opcodes.py [--requests 200] [--warmup 300] [--top 40] [--system-chars 200]
+                           [--concurrency 1] [--itl-ms 0]
 
 Starts the zero-latency bench mock (two instances, 16-chunk streams) and `warmroute serve` in
 front of it with a tracer that counts each bytecode the interpreter runs (sys.settrace with
 opcode events), switched on after WARMUP requests at c=1 and off after REQUESTS more, and
-prints the bytecodes per request of the TOP functions and files. What is compiled (the hot
-path's mypyc modules, uvloop, httptools, orjson) runs no bytecode and is not counted; the
-count does not depend on the machine's load, and a function's count is what a change to it
+prints the bytecodes per request of the TOP functions and files. `--concurrency` and
+`--itl-ms` (the mock's pace between content chunks) count a request among others at an
+engine's pace, where work that grows with the requests in flight would show. What is compiled
+(the hot path's mypyc modules, uvloop, httptools, orjson) runs no bytecode and is not counted;
+the count does not depend on the machine's load, and a function's count is what a change to it
 moves. The tracer slows the proxy ~20-fold: the timings of a traced run mean nothing.
 """
 
@@ -79,15 +82,15 @@ def per_file(counts: dict[str, int]) -> dict[str, int]:
     return dict(files)
 
 
-def _bench(port: int, chars: int, n: int, seed: int) -> None:
-    """`n` requests at c=1. Each seed is a workload of its own: the same seed twice would
+def _bench(port: int, chars: int, n: int, seed: int, concurrency: int = 1) -> None:
+    """`n` requests at `concurrency`. Each seed is a workload of its own: the same seed twice would
     send the same prompts again, and a prompt head seen again is placed (a cost the counted
     requests would then all pay)."""
     subprocess.run(
         [sys.executable, "-m", "proxy", "bench", "--base-url", f"http://127.0.0.1:{port}",
          "--workload", "hot-prompt", "--system-chars", str(chars), "--user-chars", "50",
-         "--model", "mock", "--requests", str(n), "--concurrency", "1", "--no-progress",
-         "--seed", str(seed)],
+         "--model", "mock", "--requests", str(n), "--concurrency", str(concurrency),
+         "--no-progress", "--seed", str(seed)],
         cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -101,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--system-chars", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=1, help="of the counted requests")
+    p.add_argument("--itl-ms", type=float, default=0.0, help="the mock's pace between chunks")
     p.add_argument("--json", metavar="FILE", help="also write the counts per request here")
     a = p.parse_args(argv)
     from idle_cpu import stop, wait_ready
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "proxy.bench.mock", "--port", str(mock_port),
-                 "--instances", "2", "--chunks", "16"],
+                 "--instances", "2", "--chunks", "16", "--chunk-interval-ms", str(a.itl_ms)],
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             ))  # fmt: skip
             serve = [f"--backend=http://127.0.0.1:{mock_port + i}" for i in (0, 1)]
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             # first health.metrics_scrape_s (2 s) after start: once, not per request.
             time.sleep(max(0.0, ready_at + FIRST_SCRAPE_S - time.monotonic()))
             procs[-1].send_signal(signal.SIGUSR1)
-            _bench(port, a.system_chars, a.requests, 2)
+            _bench(port, a.system_chars, a.requests, 2, a.concurrency)
             procs[-1].send_signal(signal.SIGUSR2)
             deadline = time.monotonic() + 30
             while not Path(out).exists():
@@ -144,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     per = {k: v / a.requests for k, v in counts.items()}
     if a.json:
         Path(a.json).write_text(json.dumps(per, indent=1))
-    print(f"{sum(per.values()):,.0f} bytecodes per request ({a.requests} requests at c=1)")
+    at = f"c={a.concurrency}" + (f", ITL {a.itl_ms:g} ms" if a.itl_ms else "")
+    print(f"{sum(per.values()):,.0f} bytecodes per request ({a.requests} requests at {at})")
     print("by function:")
     for key, n in sorted(per.items(), key=lambda kv: -kv[1])[: a.top]:
         print(f"  {n:8.1f}  {key}")

@@ -6,9 +6,9 @@ reads and its cost per chunk hides in its cost per request. An engine sends each
 of milliseconds after the last: every chunk is then its own read, meter step and write, and
 what sizes a proxy tier is the CPU per such chunk. Here the bench mock paces its content chunks
 (`--chunk-interval-ms`) and nothing else; for each pace and stream length the proxy's CPU
-(utime + stime from /proc, kernel time included) is read over REQUESTS streamed chat
-completions, and the CPU per chunk is the slope between the shortest and the longest streams
-(what a request costs apart from its chunks cancels out).
+(utime + stime from /proc, kernel time included; each also apart) is read over REQUESTS
+streamed chat completions, and the CPU per chunk is the slope between the shortest and the
+longest streams (what a request costs apart from its chunks cancels out).
 
   deploy/perf/paced_chunks.py                     # ITL 5 and 20 ms, 16/64/256 chunks, c=16
   ITLS="20" CHUNKS="16 64" REQUESTS=100 deploy/perf/paced_chunks.py
@@ -147,17 +147,24 @@ def _tree(kind: str) -> Path:
     return ROOT
 
 
-def session_cpu_s(sid: int) -> float:
-    """utime + stime of every live process of session `sid` (and the children they reaped)."""
-    total = 0
+def session_cpu_split_s(sid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of every live process of session `sid` (and the children
+    they reaped): the proxy's own code against the kernel's work for it (its system calls)."""
+    user = system = 0
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # gone meanwhile
         if int(fields[3]) == sid:  # the session id (after state, ppid, pgrp)
-            total += sum(int(fields[i]) for i in (11, 12, 13, 14))
-    return total / TICK
+            user += int(fields[11]) + int(fields[13])  # utime, cutime
+            system += int(fields[12]) + int(fields[14])  # stime, cstime
+    return user / TICK, system / TICK
+
+
+def session_cpu_s(sid: int) -> float:
+    """utime + stime of every live process of session `sid` (and the children they reaped)."""
+    return sum(session_cpu_split_s(sid))
 
 
 def run(
@@ -192,7 +199,8 @@ def run(
                 return {
                     "proxy": kind, "itl_ms": itl_ms, "chunks": chunks, "requests": requests,
                     "concurrency": concurrency, "wall_s": round(wall, 2), "proxy_cpu_s": 0.0,
-                    "proxy_cpu_ms_per_request": 0.0,
+                    "proxy_cpu_ms_per_request": 0.0, "proxy_user_ms_per_request": 0.0,
+                    "proxy_sys_ms_per_request": 0.0,
                 }  # fmt: skip
             cmd, ready = _command(kind, proxy_port, backends, Path(tmp))
             proxy = subprocess.Popen(
@@ -205,9 +213,10 @@ def run(
                 print((Path(tmp) / "stderr").read_text()[-2000:], file=sys.stderr)
                 raise
             _bench(proxy_port, warmup, concurrency, load_cpu, seed=1)
-            before, t0 = session_cpu_s(proxy.pid), time.monotonic()
+            (user0, sys0), t0 = session_cpu_split_s(proxy.pid), time.monotonic()
             _bench(proxy_port, requests, concurrency, load_cpu)
-            used, wall = session_cpu_s(proxy.pid) - before, time.monotonic() - t0
+            (user1, sys1), wall = session_cpu_split_s(proxy.pid), time.monotonic() - t0
+            used = (user1 - user0) + (sys1 - sys0)
             return {
                 "proxy": kind,
                 "itl_ms": itl_ms,
@@ -217,6 +226,8 @@ def run(
                 "wall_s": round(wall, 2),
                 "proxy_cpu_s": round(used, 3),
                 "proxy_cpu_ms_per_request": round(1000 * used / requests, 3),
+                "proxy_user_ms_per_request": round(1000 * (user1 - user0) / requests, 3),
+                "proxy_sys_ms_per_request": round(1000 * (sys1 - sys0) / requests, 3),
             }
         finally:
             stop(proxy, mock)
@@ -247,6 +258,8 @@ def main() -> None:
                 print(
                     f"{kind:13s} itl {itl:g} ms  chunks {n:4d}"
                     f"  cpu/request {row['proxy_cpu_ms_per_request']:.3f} ms"
+                    f" (user {row['proxy_user_ms_per_request']:.3f}"
+                    f" + sys {row['proxy_sys_ms_per_request']:.3f})"
                     f"  {rate:.0f} req/s{versus}"
                     f"  ({requests} requests, c={concurrency}, {row['wall_s']:.1f} s)",
                     flush=True,
