@@ -30,9 +30,10 @@ HOT_PATH = (
     "proxy.upstream.conn",
 )
 # C helpers, built by the same step from proxy/<name>.c and chosen with the compiled group
-# (`native`): the meter's event scan (proxy/eventscan.py) and the prefix index's tables
-# (proxy/routing/blockmap.py). setup.py reads this tuple too.
-HOT_PATH_C = ("proxy._eventscan", "proxy._blockmap")
+# (`native`): the meter's event scan (proxy/eventscan.py), the prefix index's tables
+# (proxy/routing/blockmap.py) and a prompt's chain of block hashes (proxy/routing/prefix.py).
+# setup.py reads this tuple too.
+HOT_PATH_C = ("proxy._eventscan", "proxy._blockmap", "proxy._prefixhash")
 PURE_ENV = "WARMROUTE_PURE_PYTHON"
 _RECORD = "_compiled.sha256"  # written by the build beside what it compiled
 _SITE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -34,6 +34,7 @@ HOT_PATH_TESTS = (
     "tests/test_meter.py",
     "tests/test_eventscan.py",
     "tests/test_blockmap.py",
+    "tests/test_prefixhash.py",
     "tests/test_index.py",
     "tests/test_upstream_push.py",
     "tests/test_relay_parts.py",

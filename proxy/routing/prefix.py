@@ -25,11 +25,16 @@ import orjson
 import xxhash
 from pydantic import Field
 
+import proxy
 from proxy.routing.template import ChatTemplate
 from proxy.routing.types import PluginSettings
 from proxy.types import TENANT
 
 _h64 = xxhash.xxh3_64_intdigest
+# The chain in one C call where the compiled hot path runs (proxy/_prefixhash.c: the same
+# hashes, ~30 times faster than a Python step a block); None where the sources do.
+_native = proxy.native("proxy._prefixhash")
+_chain_c = None if _native is None else _native.chain
 # Separators that cannot be confused with ordinary text: one between messages, one between the
 # fields of a message. Without them "ab"+"c" and "a"+"bc" would render identically.
 _MSG = "\x1e"
@@ -148,6 +153,16 @@ def seed(model: str, salt: str | None = None) -> int:
 
 def chain_bytes(h0: int, data: bytes, block_bytes: int, max_blocks: int) -> list[int]:
     """Chain-hash whole blocks of `data`; a partial last block is not hashed (not cacheable)."""
+    if _chain_c is not None:
+        done = _chain_c(h0, data, block_bytes, max_blocks)
+        if done is not None:  # (None: a block longer than the C hash takes, 240 bytes)
+            return done
+    return chain_bytes_py(h0, data, block_bytes, max_blocks)
+
+
+def chain_bytes_py(h0: int, data: bytes, block_bytes: int, max_blocks: int) -> list[int]:
+    """chain_bytes in Python: the fallback, and the reference tests/test_prefixhash.py holds
+    proxy/_prefixhash.c to."""
     out: list[int] = []
     h = h0
     n = min(len(data) // block_bytes, max_blocks)
