@@ -16,7 +16,9 @@
 # 5-20 is an engine's pace, and each chunk is then its own read, meter step and write: keep
 # CONCURRENCY x the proxy's slowdown under callgrind (~50x) x its CPU per chunk below ITL_MS,
 # e.g. CONCURRENCY=1, or chunks coalesce again), PROFILE (a file to keep callgrind's output in,
-# for `callgrind_annotate PROFILE`: where the counted instructions went, by function).
+# for `callgrind_annotate PROFILE`: where the counted instructions went, by function),
+# VALGRIND_ARGS (more of callgrind's options: --cache-sim=yes counts the simulated cache misses
+# beside the instructions, in PROFILE).
 # The mock is started here, with these settings, unless one already answers on 9101.
 # An OTLP/HTTP receiver that reads and discards exports listens on 127.0.0.1:9250 while this
 # runs, for OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:9250.
@@ -62,7 +64,8 @@ $PY -c "$($PY -c 'from proxy.harness.telemetry_cost import SINK; print(SINK)')" 
   >/dev/null 2>&1 &
 pids+=($!)
 
-env "$@" valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$work/out" \
+# shellcheck disable=SC2086  # VALGRIND_ARGS: more of callgrind's options, e.g. --cache-sim=yes
+env "$@" valgrind --tool=callgrind --instr-atstart=no $VALGRIND_ARGS --callgrind-out-file="$work/out" \
   --log-file="$work/log" $PY -m proxy serve --backend http://127.0.0.1:9101 \
   --backend http://127.0.0.1:9102 --port "$PORT" --log-level warning >/dev/null 2>&1 &
 proxy=$!

@@ -28,7 +28,8 @@ install vllm-router`, round robin), found on PATH or at $NGINX, $SGLANG_ROUTER,
 $VLLM_ROUTER. A proxy's CPU is that of every process of its session (nginx's workers too).
 
 Environment: ITLS ("5 20", ms), CHUNKS ("16 64 256"), REQUESTS (200), CONCURRENCY (16), WARMUP
-(50 requests before each measurement), PIN, PROXIES ("warmroute"), RUST_POLICY (the Rust
+(50 requests before each measurement), SYSTEM_CHARS (the shared system prompt, 200 characters;
+~8000 is a 2k-token prompt), PIN, PROXIES ("warmroute"), RUST_POLICY (the Rust
 routers' --policy: round_robin, or cache_aware for routing against routing), OUT
 (/tmp/warmroute-paced). Prints one line per run and a per-chunk line per pace and proxy, and
 writes OUT/paced_chunks.json. Instructions instead of CPU (a figure a noisy machine does not
@@ -54,6 +55,10 @@ from idle_cpu import TICK, stop, wait_ready  # noqa: E402
 
 from proxy.demo.stack import free_ports  # noqa: E402
 
+# The shared system prompt's length in characters (SYSTEM_CHARS; ~8000 is a 2k-token prompt,
+# whose 125 blocks routing hashes and looks up on every request).
+SYSTEM_CHARS = int(os.environ.get("SYSTEM_CHARS", "200"))
+
 
 def _bench(port: int, requests: int, concurrency: int, pin: list[str], seed: int = 0) -> None:
     """The load. The warm-up sends another seed's prompts than the measured run: the same
@@ -62,7 +67,7 @@ def _bench(port: int, requests: int, concurrency: int, pin: list[str], seed: int
     subprocess.run(
         [
             *pin, sys.executable, "-m", "proxy", "bench", "--base-url", f"http://127.0.0.1:{port}",
-            "--workload", "hot-prompt", "--system-chars", "200", "--user-chars", "50",
+            "--workload", "hot-prompt", "--system-chars", str(SYSTEM_CHARS), "--user-chars", "50",
             "--model", "mock", "--requests", str(requests), "--concurrency", str(concurrency),
             "--no-progress", "--seed", str(seed),
         ],
