@@ -65,7 +65,7 @@ $PY -c "$($PY -c 'from proxy.harness.telemetry_cost import SINK; print(SINK)')" 
 pids+=($!)
 
 # shellcheck disable=SC2086  # VALGRIND_ARGS: more of callgrind's options, e.g. --cache-sim=yes
-env "$@" valgrind --tool=callgrind --instr-atstart=no $VALGRIND_ARGS --callgrind-out-file="$work/out" \
+env "$@" valgrind --tool=callgrind --instr-atstart=no ${VALGRIND_ARGS:-} --callgrind-out-file="$work/out" \
   --log-file="$work/log" $PY -m proxy serve --backend http://127.0.0.1:9101 \
   --backend http://127.0.0.1:9102 --port "$PORT" --log-level warning >/dev/null 2>&1 &
 proxy=$!
