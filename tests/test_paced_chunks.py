@@ -77,6 +77,23 @@ def test_each_proxy_compared_has_a_command_and_nginx_streams_unbuffered(tmp_path
         paced._command("haproxy", 9000, backends, tmp_path)
 
 
+def test_a_checkout_with_its_own_venv_runs_on_that_python(tmp_path: Path) -> None:
+    """`warmroute@DIR` compares interpreters too: DIR/.venv's Python when there is one."""
+    paced: Any = _paced()
+    backends = ["http://127.0.0.1:9001"]
+    tree = tmp_path / "other"
+    (tree / "proxy").mkdir(parents=True)
+    (tree / "proxy" / "__main__.py").write_text("")
+    cmd, _ = paced._command(f"warmroute@{tree}", 9000, backends, tmp_path)
+    assert cmd[0] == sys.executable  # no environment of its own: this one's
+    python = tree / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    cmd, _ = paced._command(f"warmroute@{tree}", 9000, backends, tmp_path)
+    assert cmd[:3] == [str(python), "-m", "proxy"]
+    assert paced._command("warmroute", 9000, backends, tmp_path)[0][0] == sys.executable
+
+
 def test_a_sessions_cpu_counts_its_live_children(tmp_path: Path) -> None:
     """nginx serves from a worker process that lives as long as it does: the CPU measured is
     that of every process of the proxy's session, not only the one started."""

@@ -15,6 +15,7 @@ longest streams (what a request costs apart from its chunks cancels out).
   PIN=1 deploy/perf/paced_chunks.py               # proxy on core 1; mock and load on core 0
   PROXIES="warmroute nginx sglang-router vllm-router" deploy/perf/paced_chunks.py
   PROXIES="warmroute@/tmp/before warmroute sglang-router" deploy/perf/paced_chunks.py  # 2 builds
+  PROXIES="warmroute@/tmp/other warmroute" deploy/perf/paced_chunks.py  # its .venv's Python
   ITLS=0 CHUNKS=64 CONCURRENCY=64 REQUESTS=3000 \
     PROXIES="direct warmroute sglang-router" deploy/perf/paced_chunks.py   # vs direct, zero cost
 
@@ -118,7 +119,7 @@ def _command(kind: str, port: int, backends: list[str], work: Path) -> tuple[lis
     that answers once it is ready."""
     ready = f"http://127.0.0.1:{port}/health"
     if kind == "warmroute" or kind.startswith("warmroute@"):
-        cmd = [sys.executable, "-m", "proxy", "serve", "--port", str(port)]
+        cmd = [_python(kind), "-m", "proxy", "serve", "--port", str(port)]
         cmd += ["--log-level", "warning"]
         for b in backends:
             cmd += ["--backend", b]
@@ -150,6 +151,15 @@ def _tree(kind: str) -> Path:
             raise SystemExit(f"paced_chunks: {kind!r}: no warmroute checkout at {tree}")
         return tree
     return ROOT
+
+
+def _python(kind: str) -> str:
+    """The interpreter proxy `kind` runs on: a `warmroute@DIR` checkout with a virtual
+    environment of its own (DIR/.venv) runs on that environment's Python, so that two
+    interpreters (a distribution's optimised build against a plain source build, say) are
+    measured in one run; every other, this script's."""
+    own = _tree(kind) / ".venv" / "bin" / "python"
+    return str(own) if kind.startswith("warmroute@") and own.is_file() else sys.executable
 
 
 def session_cpu_split_s(sid: int) -> tuple[float, float]:
