@@ -18,7 +18,9 @@
 # e.g. CONCURRENCY=1, or chunks coalesce again), PROFILE (a file to keep callgrind's output in,
 # for `callgrind_annotate PROFILE`: where the counted instructions went, by function),
 # VALGRIND_ARGS (more of callgrind's options: --cache-sim=yes counts the simulated cache misses
-# beside the instructions, in PROFILE).
+# beside the instructions, in PROFILE), PROXY (warmroute; sglang-router or vllm-router counts
+# that Rust router instead, found on PATH, with RUST_POLICY as its --policy, default
+# round_robin: the same requests, counted the same way, every thread of its process).
 # The mock is started here, with these settings, unless one already answers on 9101.
 # An OTLP/HTTP receiver that reads and discards exports listens on 127.0.0.1:9250 while this
 # runs, for OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:9250.
@@ -64,10 +66,22 @@ $PY -c "$($PY -c 'from proxy.harness.telemetry_cost import SINK; print(SINK)')" 
   >/dev/null 2>&1 &
 pids+=($!)
 
+upstreams=(http://127.0.0.1:9101 http://127.0.0.1:9102)
+case "${PROXY:-warmroute}" in
+  warmroute)
+    serve=($PY -m proxy serve --backend "${upstreams[0]}" --backend "${upstreams[1]}"
+      --port "$PORT" --log-level warning) ;;
+  sglang-router)  # its pip wheel: a Python launcher, the router in Rust in the same process
+    serve=("$(command -v sglang-router)" launch --host 127.0.0.1 --port "$PORT"
+      --policy "${RUST_POLICY:-round_robin}" --log-level warn --worker-urls "${upstreams[@]}") ;;
+  vllm-router)
+    serve=("$(command -v vllm-router)" --host 127.0.0.1 --port "$PORT"
+      --policy "${RUST_POLICY:-round_robin}" --log-level warning --worker-urls "${upstreams[@]}") ;;
+  *) echo "count-instructions: PROXY=$PROXY: warmroute, sglang-router or vllm-router" >&2; exit 2 ;;
+esac
 # shellcheck disable=SC2086  # VALGRIND_ARGS: more of callgrind's options, e.g. --cache-sim=yes
 env "$@" valgrind --tool=callgrind --instr-atstart=no ${VALGRIND_ARGS:-} --callgrind-out-file="$work/out" \
-  --log-file="$work/log" $PY -m proxy serve --backend http://127.0.0.1:9101 \
-  --backend http://127.0.0.1:9102 --port "$PORT" --log-level warning >/dev/null 2>&1 &
+  --log-file="$work/log" "${serve[@]}" >/dev/null 2>&1 &
 proxy=$!
 pids+=("$proxy")
 for _ in $(seq 120); do
