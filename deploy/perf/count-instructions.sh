@@ -66,19 +66,21 @@ $PY -c "$($PY -c 'from proxy.harness.telemetry_cost import SINK; print(SINK)')" 
   >/dev/null 2>&1 &
 pids+=($!)
 
-upstreams=(http://127.0.0.1:9101 http://127.0.0.1:9102)
 case "${PROXY:-warmroute}" in
-  warmroute)
-    serve=($PY -m proxy serve --backend "${upstreams[0]}" --backend "${upstreams[1]}"
-      --port "$PORT" --log-level warning) ;;
-  sglang-router)  # its pip wheel: a Python launcher, the router in Rust in the same process
-    serve=("$(command -v sglang-router)" launch --host 127.0.0.1 --port "$PORT"
-      --policy "${RUST_POLICY:-round_robin}" --log-level warn --worker-urls "${upstreams[@]}") ;;
-  vllm-router)
-    serve=("$(command -v vllm-router)" --host 127.0.0.1 --port "$PORT"
-      --policy "${RUST_POLICY:-round_robin}" --log-level warning --worker-urls "${upstreams[@]}") ;;
+  warmroute | sglang-router | vllm-router) ;;
   *) echo "count-instructions: PROXY=$PROXY: warmroute, sglang-router or vllm-router" >&2; exit 2 ;;
 esac
+# The command line paced_chunks.py runs each proxy with (one place says how each is started).
+mapfile -t serve < <(cd deploy/perf && $PY -c '
+import sys
+from pathlib import Path
+from paced_chunks import _command
+print("\n".join(_command(sys.argv[1], int(sys.argv[2]), sys.argv[3:], Path("."))[0]))
+' "${PROXY:-warmroute}" "$PORT" http://127.0.0.1:9101 http://127.0.0.1:9102)
+if ! command -v "${serve[0]:-}" >/dev/null; then
+  echo "count-instructions: ${PROXY:-warmroute}: not found (${serve[0]:-no command}); pip install ${PROXY:-warmroute}" >&2
+  exit 2
+fi
 # shellcheck disable=SC2086  # VALGRIND_ARGS: more of callgrind's options, e.g. --cache-sim=yes
 env "$@" valgrind --tool=callgrind --instr-atstart=no ${VALGRIND_ARGS:-} --callgrind-out-file="$work/out" \
   --log-file="$work/log" "${serve[@]}" >/dev/null 2>&1 &
