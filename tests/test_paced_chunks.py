@@ -57,7 +57,7 @@ def _paced() -> object:
 def test_each_proxy_compared_has_a_command_and_nginx_streams_unbuffered(tmp_path: Path) -> None:
     paced: Any = _paced()
     backends = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
-    for kind in ("warmroute", "nginx", "sglang-router", "vllm-router"):
+    for kind in ("warmroute", "floor-bare", "floor-asgi", "nginx", "sglang-router", "vllm-router"):
         cmd, ready = paced._command(kind, 9000, backends, tmp_path)
         assert ready.startswith("http://127.0.0.1:9000/")
         if kind != "nginx":

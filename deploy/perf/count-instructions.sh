@@ -20,7 +20,8 @@
 # VALGRIND_ARGS (more of callgrind's options: --cache-sim=yes counts the simulated cache misses
 # beside the instructions, in PROFILE), PROXY (warmroute; sglang-router or vllm-router counts
 # that Rust router instead, found on PATH, with RUST_POLICY as its --policy, default
-# round_robin: the same requests, counted the same way, every thread of its process).
+# round_robin: the same requests, counted the same way, every thread of its process;
+# floor-bare or floor-asgi, the cheapest Python proxy on the same stack: floor_proxy.py).
 # The mock is started here, with these settings, unless one already answers on 9101.
 # An OTLP/HTTP receiver that reads and discards exports listens on 127.0.0.1:9250 while this
 # runs, for OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:9250.
@@ -67,8 +68,11 @@ $PY -c "$($PY -c 'from proxy.harness.telemetry_cost import SINK; print(SINK)')" 
 pids+=($!)
 
 case "${PROXY:-warmroute}" in
-  warmroute | sglang-router | vllm-router) ;;
-  *) echo "count-instructions: PROXY=$PROXY: warmroute, sglang-router or vllm-router" >&2; exit 2 ;;
+  warmroute | sglang-router | vllm-router | floor-bare | floor-asgi) ;;
+  *)
+    echo "count-instructions: PROXY=$PROXY: warmroute, sglang-router, vllm-router, floor-bare or floor-asgi" >&2
+    exit 2
+    ;;
 esac
 # The command line paced_chunks.py runs each proxy with (one place says how each is started).
 mapfile -t serve < <(cd deploy/perf && $PY -c '

@@ -14,6 +14,7 @@ longest streams (what a request costs apart from its chunks cancels out).
   ITLS="20" CHUNKS="16 64" REQUESTS=100 deploy/perf/paced_chunks.py
   PIN=1 deploy/perf/paced_chunks.py               # proxy on core 1; mock and load on core 0
   PROXIES="warmroute nginx sglang-router vllm-router" deploy/perf/paced_chunks.py
+  PROXIES="floor-bare floor-asgi warmroute sglang-router" deploy/perf/paced_chunks.py  # floors
   PROXIES="warmroute@/tmp/before warmroute sglang-router" deploy/perf/paced_chunks.py  # 2 builds
   PROXIES="warmroute@/tmp/other warmroute" deploy/perf/paced_chunks.py  # its .venv's Python
   ITLS=0 CHUNKS=64 CONCURRENCY=64 REQUESTS=3000 \
@@ -26,7 +27,10 @@ reverse proxy: streaming, no buffering, kept-alive upstream connections; `apt-ge
 nginx`), and the Rust routers of
 SGLang (`pip install sglang-router`: `sglang-router launch`, round robin) and vLLM (`pip
 install vllm-router`, round robin), found on PATH or at $NGINX, $SGLANG_ROUTER,
-$VLLM_ROUTER. A proxy's CPU is that of every process of its session (nginx's workers too).
+$VLLM_ROUTER; `floor-bare` and `floor-asgi`, the cheapest streaming proxy Python runs on
+warmroute's stack (floor_proxy.py: no framework, or an ASGI app under uvicorn): what no Python
+proxy can spend less than. A proxy's CPU is that of every process of its session (nginx's
+workers too).
 
 Environment: ITLS ("5 20", ms), CHUNKS ("16 64 256"), REQUESTS (200), CONCURRENCY (16), WARMUP
 (50 requests before each measurement), SYSTEM_CHARS (the shared system prompt, 200 characters;
@@ -124,6 +128,12 @@ def _command(kind: str, port: int, backends: list[str], work: Path) -> tuple[lis
         for b in backends:
             cmd += ["--backend", b]
         return cmd, f"http://127.0.0.1:{port}/ready"
+    if kind in ("floor-bare", "floor-asgi"):  # the cheapest Python proxy (floor_proxy.py)
+        cmd = [sys.executable, str(ROOT / "deploy" / "perf" / "floor_proxy.py")]
+        cmd += ["--server", kind.removeprefix("floor-"), "--port", str(port)]
+        for b in backends:
+            cmd += ["--backend", b]
+        return cmd, ready
     if kind == "nginx":
         servers = " ".join(f"server {b.removeprefix('http://')};" for b in backends)
         (work / "nginx.conf").write_text(NGINX_CONF.format(dir=work, servers=servers, port=port))
@@ -137,7 +147,8 @@ def _command(kind: str, port: int, backends: list[str], work: Path) -> tuple[lis
         exe = os.environ.get("VLLM_ROUTER") or shutil.which("vllm-router") or "vllm-router"
         cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", RUST_POLICY]
         return [*cmd, "--log-level", "warning", "--worker-urls", *backends], ready
-    known = "direct, warmroute, warmroute@DIR, nginx, sglang-router, vllm-router"
+    known = "direct, warmroute, warmroute@DIR, floor-bare, floor-asgi, nginx, sglang-router"
+    known += ", vllm-router"
     raise SystemExit(f"paced_chunks: unknown proxy {kind!r} ({known})")
 
 
