@@ -30,7 +30,7 @@ import collections
 import itertools
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httptools
@@ -42,20 +42,16 @@ _END = b"0\r\n\r\n"
 _REQUEST = b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
 
 
-class Sink:
+class Sink(Protocol):
     """Where an upstream answer goes: a client connection (bare) or a request's queue (ASGI)."""
 
-    def start(self, status: int, content_type: bytes) -> None:
-        raise NotImplementedError
+    def start(self, status: int, content_type: bytes) -> None: ...
 
-    def part(self, data: bytes) -> None:
-        raise NotImplementedError
+    def part(self, data: bytes) -> None: ...
 
-    def end(self) -> None:
-        raise NotImplementedError
+    def end(self) -> None: ...
 
-    def lost(self) -> None:
-        raise NotImplementedError
+    def lost(self) -> None: ...
 
 
 class Upstream(asyncio.Protocol):
@@ -143,7 +139,7 @@ class Pool:
         conn.send(head, body, sink)
 
 
-class BareClient(asyncio.Protocol, Sink):
+class BareClient(asyncio.Protocol):
     """A client connection served straight from httptools' callbacks."""
 
     def __init__(self, pool: Pool) -> None:
@@ -206,7 +202,7 @@ class BareClient(asyncio.Protocol, Sink):
             self.transport.close()
 
 
-class Exchange(Sink):
+class Exchange:
     """One ASGI request's answer: upstream events queued for the app's coroutine."""
 
     __slots__ = ("events", "waiter")
